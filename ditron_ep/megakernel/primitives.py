@@ -1,0 +1,149 @@
+"""Tile primitives shared by every ditron_ep kernel: peer pointers, tile copies, signals.
+
+Portable Triton only (`tl.atomic_*` with `sem`/`scope`, plain and volatile loads): the same source
+compiles for sm_90 and gfx942 and runs under the interpreter on emulated ranks.
+
+Signals are int32 words compared with wrap-around arithmetic (`value - target >= 0` in int32), and
+kernels stamp them with the call's epoch, so they are reused across calls with no reset pass and
+stay correct when the epoch wraps. Every wait is bounded: when its poll budget runs out it
+records rank, stage, signal and values in the rank's error slot and returns False; the kernel
+then skips the dependent work and the host raises `DitronTimeoutError`.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_device_function
+from ..runtime import control as C
+
+EPOCH = tl.constexpr(C.EPOCH)
+ARRIVALS = tl.constexpr(C.ARRIVALS)
+TASKS = tl.constexpr(C.TASKS)
+ERR_FLAG = tl.constexpr(C.ERR_FLAG)
+ERR_RANK = tl.constexpr(C.ERR_RANK)
+ERR_STAGE = tl.constexpr(C.ERR_STAGE)
+ERR_SIGNAL = tl.constexpr(C.ERR_SIGNAL)
+ERR_OBSERVED = tl.constexpr(C.ERR_OBSERVED)
+ERR_EXPECTED = tl.constexpr(C.ERR_EXPECTED)
+ERR_EPOCH = tl.constexpr(C.ERR_EPOCH)
+BARRIER = tl.constexpr(C.BARRIER)
+STAGE_CALL_BARRIER = tl.constexpr(0)
+
+
+@register_device_function
+@triton.jit
+def heap_ptr(table_ptr, peer, offset_bytes, DTYPE: tl.constexpr):
+    """Pointer to `offset_bytes` inside rank `peer`'s arena, typed as DTYPE."""
+    base = tl.load(table_ptr + peer)  # int64 address of peer's arena in this process
+    return (base + offset_bytes).to(tl.pointer_type(DTYPE))
+
+
+@register_device_function
+@triton.jit
+def ctrl_ptr(table_ptr, peer):
+    """int32 pointer to rank `peer`'s control block."""
+    return tl.load(table_ptr + peer).to(tl.pointer_type(tl.int32))
+
+
+@register_device_function
+@triton.jit
+def notify(sig_ptr, value):
+    """Publish `value` (an epoch stamp): every write this program made before is visible first."""
+    tl.atomic_xchg(sig_ptr, value, sem="release", scope="sys")
+
+
+@register_device_function
+@triton.jit
+def notify_add(sig_ptr, value):
+    """Add `value` to a counting signal with release semantics."""
+    tl.atomic_add(sig_ptr, value, sem="release", scope="sys")
+
+
+@register_device_function
+@triton.jit
+def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
+    """Spin (acquire) until `*sig_ptr - target >= 0` in int32, at most `budget` polls.
+
+    Returns True when reached. On timeout the first failing wait of the rank records
+    (rank, stage, signal_id, observed, target) in the error slot of `my_ctrl`; once a rank has
+    failed, its other waits give up at once so the launch drains quickly.
+    """
+    target = target.to(tl.int32)
+    v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+    failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+    n = 0
+    while ((v - target) < 0) & (n < budget) & (failed == 0):
+        v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
+        failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+        n += 1
+    ok = (v - target) >= 0
+    if not ok:
+        first = tl.atomic_cas(my_ctrl + ERR_FLAG, 0, -1, sem="acq_rel", scope="gpu")
+        if first == 0:
+            tl.store(my_ctrl + ERR_RANK, rank)
+            tl.store(my_ctrl + ERR_STAGE, stage)
+            tl.store(my_ctrl + ERR_SIGNAL, signal_id)
+            tl.store(my_ctrl + ERR_OBSERVED, v)
+            tl.store(my_ctrl + ERR_EXPECTED, target)
+            tl.store(my_ctrl + ERR_EPOCH, tl.load(my_ctrl + EPOCH, volatile=True))
+            tl.atomic_xchg(my_ctrl + ERR_FLAG, 1, sem="release", scope="gpu")
+    return ok
+
+
+@register_device_function
+@triton.jit
+def call_begin(table_ptr, rank, world, budget):
+    """Enter a collective launch: returns (epoch, ok).
+
+    The epoch is one more than the rank's call counter. Program 0 stamps it into every peer's
+    barrier slot for this rank; every program waits until all peers have entered the same call,
+    so no rank writes into a peer's buffers while the peer still reads the previous call's data.
+    """
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    epoch = tl.load(my_ctrl + EPOCH, volatile=True) + 1
+    if tl.program_id(0) == 0:
+        for p in range(world):
+            notify(ctrl_ptr(table_ptr, p) + BARRIER + rank, epoch)
+    n_bad = 0
+    for p in range(world):
+        ok_p = wait(my_ctrl + BARRIER + p, epoch, my_ctrl, rank, STAGE_CALL_BARRIER, p, budget)
+        n_bad += (ok_p == 0).to(tl.int32)
+    return epoch, n_bad == 0
+
+
+@register_device_function
+@triton.jit
+def next_task(my_ctrl):
+    """Ticket from the launch's ordered task queue (0, 1, 2, ... across all programs)."""
+    return tl.atomic_add(my_ctrl + TASKS, 1, sem="relaxed", scope="gpu")
+
+
+@register_device_function
+@triton.jit
+def call_end(table_ptr, rank):
+    """Leave the launch; the last program out resets the queue and advances the epoch."""
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    arrived = tl.atomic_add(my_ctrl + ARRIVALS, 1, sem="acq_rel", scope="gpu")
+    if arrived == n_programs - 1:
+        tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(my_ctrl + EPOCH, 1, sem="release", scope="gpu")
+
+
+@register_device_function
+@triton.jit
+def copy_rows(src_ptr, src_stride, dst_ptr, dst_stride, n_rows, n_cols,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Copy an [n_rows, n_cols] tile (n_rows <= BLOCK_R) from src to dst, either side remote.
+
+    A put when dst is a peer's heap pointer, a get when src is. Bits are copied unchanged.
+    """
+    o_r = tl.arange(0, BLOCK_R)
+    m_r = o_r < n_rows
+    for c0 in range(0, n_cols, BLOCK_C):
+        o_c = c0 + tl.arange(0, BLOCK_C)
+        m = m_r[:, None] & (o_c < n_cols)[None, :]
+        b_x = tl.load(src_ptr + o_r[:, None] * src_stride + o_c[None, :], mask=m)  # [BLOCK_R, BLOCK_C]
+        tl.store(dst_ptr + o_r[:, None] * dst_stride + o_c[None, :], b_x, mask=m)

@@ -1,0 +1,34 @@
+"""Byte layout of the control block at the start of every rank's arena (int32 words).
+
+Kernels (megakernel/primitives.py) and the host (runtime/heap.py) both read these numbers; they
+live here once. All words are int32 and compared with wrap-around arithmetic.
+"""
+from __future__ import annotations
+
+CTRL_WORDS = 1024            # 4 KiB control block
+CTRL_BYTES = CTRL_WORDS * 4
+
+EPOCH = 0                    # call counter, advanced by the last program of every launch
+ARRIVALS = 1                 # programs of the current launch that have finished
+TASKS = 2                    # next ticket of the launch's ordered task queue
+ERR_FLAG = 16                # 0 = fine, 1 = a bounded wait timed out
+ERR_RANK = 17
+ERR_STAGE = 18
+ERR_SIGNAL = 19
+ERR_OBSERVED = 20
+ERR_EXPECTED = 21
+ERR_EPOCH = 22
+BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
+MAX_WORLD = CTRL_WORDS - BARRIER
+
+ALIGN = 256                  # every allocation starts on a 256-byte boundary
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def to_int32(v: int) -> int:
+    """Wrap a Python int into the signed int32 range (epochs wrap around)."""
+    v &= 0xFFFFFFFF
+    return v - (1 << 32) if v >= (1 << 31) else v

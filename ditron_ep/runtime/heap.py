@@ -1,0 +1,279 @@
+"""The symmetric heap: one arena per rank, same layout everywhere, visible to every peer.
+
+Arena layout (bytes): [control block | signals (int32) | named allocations...]. Kernels get the
+arena base of every rank (`ptr_table`, int64 [W]) and of every rank's signals (`signal_table`),
+and reach a named buffer on rank p as `ptr_table[p] + offset`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import control as C
+from .errors import DitronConfigError, DitronTimeoutError
+from .mode import resolve_backend
+
+DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30}
+# Poll budgets of a bounded wait. Emulated: one poll costs ~0.25 ms under the interpreter on an
+# idle core (more when 4 ranks share 2 cores), so 200k polls is a minute or more, far above any
+# honest CPU-test wait. GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s.
+DEFAULT_WAIT_BUDGET = {"emulated": 200_000, "torch": 1 << 25}
+WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
+
+# Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
+STAGE_NAMES: dict[int, str] = {0: "call barrier"}
+
+
+def register_stage(code: int, name: str) -> int:
+    if STAGE_NAMES.get(code, name) != name:
+        raise ValueError(f"stage code {code} already names {STAGE_NAMES[code]!r}")
+    STAGE_NAMES[code] = name
+    return code
+
+
+@dataclass(frozen=True)
+class SymmetricBuffer:
+    """A named allocation: the same offset, shape and dtype on every rank."""
+
+    name: str
+    offset: int          # bytes from the arena base
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SymmetricHeap:
+    """Symmetric memory over a process group, for ditron_ep kernels.
+
+    Args:
+        group: process group (default: the default group). Any group works: torchrun + NCCL,
+            or `init_process_group("gloo")` for CPU ranks.
+        backend: "auto" (torch on CUDA, emulated on CPU), "emulated" or "torch".
+        size_bytes: arena size per rank (same on every rank).
+        num_signals: int32 signal words per rank.
+        wait_budget: polls a bounded wait may spend before it records a timeout
+            (default per backend; env DITRON_WAIT_BUDGET overrides).
+        expected_world_size: if given, the group must have exactly this many ranks.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, backend: str = "auto",
+                 size_bytes: int | None = None, num_signals: int = 1024,
+                 wait_budget: int | None = None, expected_world_size: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        if not dist.is_initialized():
+            raise DitronConfigError(
+                "SymmetricHeap needs torch.distributed initialised: call "
+                "dist.init_process_group(...) first (or use ditron_ep.runtime.EmulatedCluster)")
+        self.backend = resolve_backend(backend)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if expected_world_size is not None and expected_world_size != self.world_size:
+            raise DitronConfigError(
+                f"world-size mismatch: expected {expected_world_size} ranks but the process group "
+                f"has {self.world_size}; launch {expected_world_size} ranks or pass the right group")
+        if self.world_size > C.MAX_WORLD:
+            raise DitronConfigError(f"world size {self.world_size} exceeds the supported {C.MAX_WORLD}")
+        size_bytes = DEFAULT_SIZE_BYTES[self.backend] if size_bytes is None else int(size_bytes)
+        if num_signals <= 0:
+            raise DitronConfigError(f"num_signals must be positive, got {num_signals}")
+        self.num_signals = int(num_signals)
+        self.signal_offset = C.CTRL_BYTES
+        self.data_offset = C.align_up(self.signal_offset + 4 * self.num_signals)
+        if size_bytes < self.data_offset:
+            raise DitronConfigError(
+                f"size_bytes={size_bytes} cannot hold the control block and {num_signals} signals "
+                f"({self.data_offset} bytes); pass a larger size_bytes")
+        self.size_bytes = size_bytes
+        budget = wait_budget if wait_budget is not None else os.environ.get(WAIT_BUDGET_ENV)
+        self.wait_budget = int(budget) if budget is not None else DEFAULT_WAIT_BUDGET[self.backend]
+        if not 0 < self.wait_budget < 2**31:
+            raise DitronConfigError(f"wait_budget must be in [1, 2^31), got {self.wait_budget}")
+
+        if self.backend == "torch":
+            self.device = torch.device(device) if device is not None else torch.device(
+                "cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+            if device is not None and torch.device(device).type != "cpu":
+                raise DitronConfigError(f"the emulated backend lives on the CPU; got device={device}")
+        self._check_same_everywhere("heap configuration",
+                                    (self.backend, self.size_bytes, self.num_signals))
+
+        if self.backend == "torch":
+            from .backends.torch_symm import create_arena
+
+            self._arena = create_arena(size_bytes, self.group, self.rank, self.world_size, self.device)
+        else:
+            from .backends.emulated import create_arena
+
+            self._arena = create_arena(size_bytes, self.group, self.rank, self.world_size)
+        self.ptr_table = torch.tensor(self._arena.peer_bases, dtype=torch.int64, device=self.device)
+        self.signal_table = self.ptr_table + self.signal_offset
+        self._ctrl = self._arena.local[:C.CTRL_BYTES].view(torch.int32)
+        self.signals = self._arena.local[self.signal_offset:self.signal_offset + 4 * self.num_signals].view(torch.int32)
+        self._next = self.data_offset
+        self._buffers: dict[str, SymmetricBuffer] = {}
+        self._signal_ranges: dict[str, tuple[int, int]] = {}
+        self._next_signal = 0
+        self._freed = False
+
+    # ------------------------------------------------------------------ allocation
+    def alloc(self, name: str, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype) -> torch.Tensor:
+        """Allocate a named symmetric tensor (collective: every rank, same order, same args).
+
+        Returns this rank's view; kernels reach rank p's copy at `ptr_table[p] + offset_of(name)`.
+        """
+        self._check_alive()
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if name in self._buffers:
+            raise DitronConfigError(f"symmetric buffer {name!r} already exists; free the heap or pick another name")
+        if any(s < 0 for s in shape):
+            raise DitronConfigError(f"negative dimension in shape {shape} for buffer {name!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise DitronConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self._check_same_everywhere(f"allocation of {name!r}", (name, shape, str(dtype), self._next))
+        buf = SymmetricBuffer(name, self._next, shape, dtype)
+        end = buf.offset + buf.nbytes
+        if end > self.size_bytes:
+            raise DitronConfigError(
+                f"symmetric heap full: {name!r} needs {buf.nbytes} bytes at offset {buf.offset}, "
+                f"arena has {self.size_bytes}; create the heap with a larger size_bytes")
+        self._buffers[name] = buf
+        self._next = C.align_up(end)
+        return self.local_view(name)
+
+    def alloc_signals(self, name: str, count: int) -> int:
+        """Reserve `count` signal words under `name` (collective); returns the first index."""
+        self._check_alive()
+        if name in self._signal_ranges:
+            first, n = self._signal_ranges[name]
+            if n != count:
+                raise DitronConfigError(f"signal range {name!r} exists with {n} words, asked for {count}")
+            return first
+        if count <= 0:
+            raise DitronConfigError(f"signal count must be positive, got {count}")
+        if self._next_signal + count > self.num_signals:
+            raise DitronConfigError(
+                f"out of signals: {name!r} needs {count}, {self.num_signals - self._next_signal} of "
+                f"{self.num_signals} left; create the heap with a larger num_signals")
+        self._check_same_everywhere(f"signal range {name!r}", (name, count, self._next_signal))
+        first = self._next_signal
+        self._signal_ranges[name] = (first, count)
+        self._next_signal += count
+        return first
+
+    def has_buffer(self, name: str) -> bool:
+        return name in self._buffers
+
+    def buffer(self, name: str) -> SymmetricBuffer:
+        try:
+            return self._buffers[name]
+        except KeyError:
+            raise KeyError(f"no symmetric buffer named {name!r}; allocated: {sorted(self._buffers)}") from None
+
+    def offset_of(self, name: str) -> int:
+        return self.buffer(name).offset
+
+    def local_view(self, name: str) -> torch.Tensor:
+        buf = self.buffer(name)
+        raw = self._arena.local[buf.offset:buf.offset + buf.nbytes]
+        return raw.view(buf.dtype).view(buf.shape)
+
+    def peer_view(self, name: str, peer: int) -> torch.Tensor:
+        """Host view of `name` on rank `peer` (emulated backend only: for tests and debugging)."""
+        if self.backend != "emulated":
+            raise DitronConfigError("peer_view is available on the emulated backend only")
+        if not 0 <= peer < self.world_size:
+            raise DitronConfigError(f"peer {peer} out of range for world size {self.world_size}")
+        buf = self.buffer(name)
+        raw = self._arena.peer_views[peer][buf.offset:buf.offset + buf.nbytes]
+        return raw.view(buf.dtype).view(buf.shape)
+
+    # ------------------------------------------------------------------ control
+    @property
+    def ctrl_ptr(self) -> int:
+        """Address of this rank's control block (kernels write their error slot there)."""
+        return self._arena.peer_bases[self.rank]
+
+    @property
+    def epoch(self) -> int:
+        return int(self._ctrl[C.EPOCH].item())
+
+    def barrier(self) -> None:
+        """Host barrier: all device work of this rank done, then a group barrier."""
+        self._check_alive()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
+    def read_error(self) -> DitronTimeoutError | None:
+        """The error a kernel recorded in this rank's slot, or None."""
+        slot = self._ctrl[:C.ERR_EPOCH + 1].cpu()
+        if int(slot[C.ERR_FLAG]) == 0:
+            return None
+        stage = STAGE_NAMES.get(int(slot[C.ERR_STAGE]), f"stage {int(slot[C.ERR_STAGE])}")
+        rank, signal = int(slot[C.ERR_RANK]), int(slot[C.ERR_SIGNAL])
+        observed, expected = int(slot[C.ERR_OBSERVED]), int(slot[C.ERR_EXPECTED])
+        msg = (f"rank {rank}: bounded wait timed out in stage '{stage}' on signal {signal} "
+               f"(saw {observed}, waited for >= {expected}, epoch {int(slot[C.ERR_EPOCH])}) after "
+               f"{self.wait_budget} polls. A peer never notified: it failed, was not launched, or "
+               f"is far slower. Call heap.reset() on every rank before reusing the heap.")
+        return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal,
+                                  observed=observed, expected=expected)
+
+    def check_error(self) -> None:
+        """Raise the recorded DitronTimeoutError, if any (synchronises with the device)."""
+        err = self.read_error()
+        if err is not None:
+            raise err
+
+    def reset(self, epoch: int = 0) -> None:
+        """Collective: clear signals, error slot and call barrier, and set the epoch."""
+        self.barrier()
+        e = C.to_int32(epoch)
+        self.signals.zero_()
+        self._ctrl.zero_()
+        self._ctrl[C.EPOCH] = e
+        self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = e
+        self.barrier()
+
+    def free(self) -> None:
+        """Collective: release the arena. Views handed out before become invalid."""
+        if self._freed:
+            return
+        self.barrier()
+        self._freed = True
+        self._buffers.clear()
+        self._signal_ranges.clear()
+        self._ctrl = self.signals = None  # type: ignore[assignment]
+        self._arena.release()
+
+    def __enter__(self) -> "SymmetricHeap":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_alive(self) -> None:
+        if self._freed:
+            raise DitronConfigError("this SymmetricHeap was freed; create a new one")
+
+    def _check_same_everywhere(self, what: str, value: object) -> None:
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        if any(v != values[0] for v in values):
+            detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise DitronConfigError(
+                f"{what} differs across ranks ({detail}); every rank must make the same heap "
+                f"calls with the same arguments in the same order")
