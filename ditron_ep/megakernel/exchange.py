@@ -15,7 +15,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap, register_stage
 from .primitives import call_begin, call_end, copy_rows, ctrl_ptr, heap_ptr, next_task, notify, wait
 
-STAGE_EXCHANGE_RECV = register_stage(1, "tile exchange: receive")
+STAGE_EXCHANGE_RECV = tl.constexpr(register_stage(1, "tile exchange: receive"))
 
 
 @triton.jit

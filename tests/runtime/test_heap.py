@@ -1,0 +1,82 @@
+"""Symmetric heap and emulated launcher: allocation, peer visibility, failures, clean-up."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import rank_fns_runtime as fns
+from ditron_ep.runtime import EmulatedCluster, RankError
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda w: f"W{w}")
+def test_alloc_and_peer_visibility(emulated_cluster, world_size):
+    specs = [((5,), torch.float32), ((3, 7), torch.bfloat16), ((2, 2, 3), torch.int32), ((1,), torch.uint8)]
+    results = emulated_cluster(world_size).run(fns.heap_visibility, specs)
+    offsets0 = results[0][0]
+    for rank, (offsets, seen, table) in enumerate(results):
+        assert offsets == offsets0, "allocations must land at the same offset on every rank"
+        assert all(o % 256 == 0 for o in offsets)
+        assert len(table) == world_size and len(set(table)) == world_size
+        bad = [k for k, ok in seen.items() if not ok]
+        assert not bad, f"rank {rank} saw wrong values in (peer, buffer) {bad}"
+
+
+def test_asymmetric_allocation_is_refused(emulated_cluster):
+    for msg in emulated_cluster(2).run(fns.asymmetric_alloc):
+        assert "differs across ranks" in msg and "same order" in msg
+
+
+def test_bad_inputs_raise_clear_errors(emulated_cluster):
+    msgs = emulated_cluster(2).run(fns.bad_inputs)[0]
+    assert "world-size mismatch" in msgs["world_size"] and "3" in msgs["world_size"]
+    assert "unknown backend" in msgs["backend"]
+    assert "TRITON_INTERPRET" in msgs["torch_on_cpu"]
+    assert "contiguous" in msgs["non_contiguous"]
+    assert "float64" in msgs["dtype"]
+    assert "meta" in msgs["device"]
+    assert "2-D" in msgs["ndim"]
+    assert "larger size_bytes" in msgs["heap_full"]
+    assert "freed" in msgs["after_free"]
+
+
+def test_rank_exception_becomes_one_error_and_pool_survives(emulated_cluster):
+    cluster = emulated_cluster(2)
+    with pytest.raises(RankError, match="rank 0 raised DitronConfigError"):
+        cluster.run(fns.SymmetricHeap, expected_world_size=5)
+    assert cluster.run(os.getpid) == cluster.pids()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_killed_rank_leaves_no_process_or_segment():
+    cluster = EmulatedCluster(3, timeout_s=120)
+    cluster.start()
+    pids = cluster.pids()
+    with pytest.raises(RankError, match=r"rank 1 exit code -9"):
+        cluster.run(fns.kill_during_collective)
+    assert not any(_alive(p) for p in pids), "every rank process must be gone"
+    assert cluster.leftover_segments() == []
+    # the pool restarts on demand
+    assert len(cluster.run(os.getpid)) == 3
+    cluster.shutdown()
+    assert cluster.leftover_segments() == []
+
+
+def test_host_timeout_kills_the_pool():
+    cluster = EmulatedCluster(2, timeout_s=120)
+    pids = cluster.pids() if cluster.started else []
+    with pytest.raises(RankError, match="did not finish within 2 s"):
+        cluster.run(__import__("time").sleep, 30, timeout_s=2)
+    pids = pids or []
+    assert cluster.leftover_segments() == []
+    assert not cluster.started
