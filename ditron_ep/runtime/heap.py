@@ -206,6 +206,11 @@ class SymmetricHeap:
         return self._arena.peer_bases[self.rank]
 
     @property
+    def error_word(self) -> torch.Tensor:
+        """int32 [1] view of this rank's error flag (non-zero after a timed-out wait)."""
+        return self._ctrl[C.ERR_FLAG:C.ERR_FLAG + 1]
+
+    @property
     def epoch(self) -> int:
         return int(self._ctrl[C.EPOCH].item())
 

@@ -1,0 +1,114 @@
+"""EP combine kernel: expert outputs go back to the token's rank and are summed in k order.
+
+One persistent launch, ordered task queue:
+  1. send-back tasks (source s, chunk c), sources in the order rank, rank-1, ...: every expanded
+     row of the chunk's tokens is written to s's landing buffer at [token, k] (its exact place,
+     so no ordering question arises), then the chunk's signal is stamped with the epoch;
+  2. reduce tasks (block of this rank's tokens): wait for exactly the chunks holding the block's
+     tokens, then out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k), in fp32, cast once.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_kernel
+from ..runtime.heap import register_stage
+from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+
+STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
+
+
+@triton.jit
+def ep_combine_kernel(
+    y_ptr,            # (rows_cap, H) expert outputs in dispatch's row order
+    recv_rows_ptr,    # int32 (W, MAXT, K) row of (source, slot, k), -1 if none
+    recv_tok_ptr,     # int32 (W, MAXT) source token index of each staged token
+    tokens_from_ptr,  # int32 (W,)
+    slot_ptr,         # int32 (T, W) staging slot of token t on rank d, -1 if t does not go there
+    topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
+    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
+    out_ptr,          # out (T, H)
+    table_ptr,        # int64 (W,)
+    sig_table_ptr,    # int64 (W,)
+    land_offset,      # bytes: symmetric (MAXT, K, H) landing buffer, y dtype
+    sig_first,        # W * n_chunks signals: (expert rank, chunk)
+    T, H, rank, world, MAXT, n_chunks, budget,
+    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    n_send = world * n_chunks
+    n_tasks = n_send + tl.cdiv(T, BLOCK_T)
+    o_s = tl.arange(0, BLOCK_S)
+    t = next_task(my_ctrl)
+    while t < n_tasks:
+        if ok:
+            if t < n_send:
+                # ---- send back: rows of chunk c of source s's tokens
+                i_s = (rank - t // n_chunks + world) % world
+                i_c = t % n_chunks
+                n = tl.load(tokens_from_ptr + i_s)
+                if i_c * BLOCK_S < n:
+                    o_j = i_c * BLOCK_S + o_s
+                    m_j = o_j < n
+                    r_src = (i_s * MAXT + o_j).to(tl.int64)
+                    i_tok = tl.load(recv_tok_ptr + r_src, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+                    p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
+                    for k in tl.static_range(K):
+                        row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                        m_r = m_j & (row >= 0)
+                        for h0 in range(0, H, BLOCK_H):
+                            o_h = h0 + tl.arange(0, BLOCK_H)
+                            m = m_r[:, None] & (o_h < H)[None, :]
+                            b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                            tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
+                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_first + rank * n_chunks + i_c, epoch)
+            else:
+                # ---- reduce a block of this rank's tokens
+                o_t = (t - n_send) * BLOCK_T + tl.arange(0, BLOCK_T)
+                m_t = o_t < T
+                n_bad = 0
+                for d in range(world):
+                    b_slot = tl.load(slot_ptr + o_t * world + d, mask=m_t, other=-1)  # [BLOCK_T]
+                    top = tl.max(b_slot, axis=0)
+                    lo = tl.min(tl.where(b_slot >= 0, b_slot, MAXT), axis=0) // BLOCK_S
+                    # No token of the block goes to d: an empty range (no signed division of -1).
+                    hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
+                    for c in range(lo, hi + 1):
+                        i_sig = sig_first + d * n_chunks + c
+                        ok_c = wait(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig, epoch, my_ctrl,
+                                    rank, STAGE_COMBINE_REDUCE, i_sig, budget)
+                        n_bad += (ok_c == 0).to(tl.int32)
+                if n_bad == 0:
+                    p_land = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
+                    o_t64 = o_t.to(tl.int64)
+                    for h0 in range(0, H, BLOCK_H):
+                        o_h = h0 + tl.arange(0, BLOCK_H)
+                        m = m_t[:, None] & (o_h < H)[None, :]
+                        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+                        for k in tl.static_range(K):
+                            valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
+                            m_k = m & valid[:, None]
+                            b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :], mask=m_k,
+                                          other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+                            if HAS_WEIGHTS:
+                                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & valid, other=0.0)
+                                acc += b_w[:, None] * b_y
+                            else:
+                                acc += b_y
+                        tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+        t = next_task(my_ctrl)
+    call_end(table_ptr, rank)
+
+
+_SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",
+        "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
+        "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
+        "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32"}
+register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
+                                          "BLOCK_H": 512}, label="bf16-K8")
+register_kernel(ep_combine_kernel, {**_SIG, "y_ptr": "*fp32", "out_ptr": "*fp32"},
+                {"K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 128},
+                label="fp32-K3-unweighted")

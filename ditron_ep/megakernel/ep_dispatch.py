@@ -1,0 +1,141 @@
+"""EP dispatch kernel: each token crosses the wire once per destination rank, the receiver
+expands it into expert-major rows.
+
+One persistent launch with an ordered task queue:
+  1. send tasks (destination d, chunk c): copy the c-th chunk of the tokens going to d into d's
+     staging area (slot = prefix count, never an atomic), with per-token metadata (source token,
+     local expert and position of every k), then stamp the chunk's signal with the epoch;
+     destinations in the order rank, rank-1, rank-2, ... so that rank r+i hears from r i-th;
+  2. receive tasks (source s, chunk c), sources in the order rank, rank+1, ...: wait for the
+     chunk, then write every staged token to its rows expert_off[e] + src_off[s, e] + pos.
+Rows of local expert e are thereby ordered by (source rank, source token): a pure function of
+the routing. The same kernel replays a dispatch for combine's backward (SCALE_ROWS: each row
+times its routing weight, in fp32, cast once).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_kernel
+from ..runtime.heap import register_stage
+from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+
+STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
+
+
+@triton.jit
+def ep_dispatch_kernel(
+    x_ptr,            # (T, H) tokens of this rank
+    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
+    topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
+    pos_ptr,          # int32 (T, K) position of the pair among this rank's pairs of its expert
+    send_idx_ptr,     # int32 (W, MAXT) token index of the j-th token sent to rank d
+    tokens_to_ptr,    # int32 (W,)
+    expert_off_ptr,   # int32 (E_local + 1,)
+    src_off_ptr,      # int32 (W, E_local)
+    tokens_from_ptr,  # int32 (W,)
+    recv_x_ptr,       # out (rows_cap, H) expert-major rows
+    recv_w_ptr,       # out fp32 (rows_cap,) weight of each row (written when HAS_WEIGHTS)
+    recv_rows_ptr,    # out int32 (W, MAXT, K) row of (source, slot, k), -1 if none
+    recv_tok_ptr,     # out int32 (W, MAXT) source token index of each staged token
+    table_ptr,        # int64 (W,) arena bases
+    sig_table_ptr,    # int64 (W,) signal bases
+    stage_offset,     # bytes: symmetric (W, MAXT, H) staged tokens, x dtype
+    meta_offset,      # bytes: symmetric int32 (W, MAXT, 1 + 2K): [token, e_local[K], pos[K]]
+    wstage_offset,    # bytes: symmetric fp32 (W, MAXT, K) staged weights
+    sig_first,        # W * n_chunks signals: (source, chunk)
+    H, rank, world, E_local, MAXT, n_chunks, rows_cap, budget,
+    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    META: tl.constexpr = 1 + 2 * K
+    n_send = world * n_chunks
+    o_s = tl.arange(0, BLOCK_S)
+    t = next_task(my_ctrl)
+    while t < 2 * n_send:
+        if ok:
+            if t < n_send:
+                # ---- send: chunk c of the tokens going to rank d
+                i_d = (rank - t // n_chunks + world) % world
+                i_c = t % n_chunks
+                n = tl.load(tokens_to_ptr + i_d)
+                o_j = i_c * BLOCK_S + o_s
+                m_j = o_j < n
+                if i_c * BLOCK_S < n:
+                    i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+                    r_dst = (rank * MAXT + o_j).to(tl.int64)
+                    p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
+                    for h0 in range(0, H, BLOCK_H):
+                        o_h = h0 + tl.arange(0, BLOCK_H)
+                        m = m_j[:, None] & (o_h < H)[None, :]
+                        b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                        tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
+                    p_meta = heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * META
+                    tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
+                    p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
+                    for k in tl.static_range(K):
+                        e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
+                        mine = (e >= 0) & (e // E_local == i_d)
+                        tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
+                        tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+                        if HAS_WEIGHTS:
+                            tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_first + rank * n_chunks + i_c, epoch)
+            else:
+                # ---- receive: chunk c from source s, expanded into expert-major rows
+                i_s = (rank + (t - n_send) // n_chunks) % world
+                i_c = (t - n_send) % n_chunks
+                n = tl.load(tokens_from_ptr + i_s)
+                if i_c * BLOCK_S < n:
+                    i_sig = sig_first + i_s * n_chunks + i_c
+                    if wait(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig, epoch, my_ctrl, rank,
+                            STAGE_DISPATCH_RECV, i_sig, budget):
+                        o_j = i_c * BLOCK_S + o_s
+                        m_j = o_j < n
+                        r_src = (i_s * MAXT + o_j).to(tl.int64)
+                        p_meta = heap_ptr(table_ptr, rank, meta_offset, tl.int32) + r_src * META
+                        tl.store(recv_tok_ptr + r_src, tl.load(p_meta, mask=m_j, other=0), mask=m_j)
+                        for k in tl.static_range(K):
+                            el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
+                            pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
+                            valid = m_j & (el >= 0)
+                            base = tl.load(expert_off_ptr + el, mask=valid, other=0) + \
+                                tl.load(src_off_ptr + i_s * E_local + el, mask=valid, other=0)
+                            row = tl.where(valid & (base + pos < rows_cap), base + pos, -1)
+                            tl.store(recv_rows_ptr + r_src * K + k, row, mask=m_j)
+                            if HAS_WEIGHTS:
+                                b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
+                                              mask=row >= 0, other=0.0)
+                                tl.store(recv_w_ptr + row, b_w, mask=row >= 0)
+                        p_stage = heap_ptr(table_ptr, rank, stage_offset, x_ptr.dtype.element_ty)
+                        for h0 in range(0, H, BLOCK_H):
+                            o_h = h0 + tl.arange(0, BLOCK_H)
+                            m = m_j[:, None] & (o_h < H)[None, :]
+                            b_x = tl.load(p_stage + r_src[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                            for k in tl.static_range(K):
+                                row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                                m_k = m & (row >= 0)[:, None]
+                                if SCALE_ROWS:
+                                    b_w = tl.load(recv_w_ptr + row, mask=row >= 0, other=0.0)
+                                    b_y = (b_x.to(tl.float32) * b_w[:, None]).to(recv_x_ptr.dtype.element_ty)
+                                    tl.store(recv_x_ptr + row[:, None] * H + o_h[None, :], b_y, mask=m_k)
+                                else:
+                                    tl.store(recv_x_ptr + row[:, None] * H + o_h[None, :], b_x, mask=m_k)
+        t = next_task(my_ctrl)
+    call_end(table_ptr, rank)
+
+
+_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",
+        "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
+        "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
+        "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
+        "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
+        "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32"}
+register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
+                                           "BLOCK_S": 16, "BLOCK_H": 512}, label="bf16-K8")
+register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
+                {"K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16, "BLOCK_H": 128},
+                label="fp32-K2-scaled")

@@ -1,0 +1,391 @@
+"""`EPBuffer`: owns the symmetric-heap resources of EP dispatch/combine; one method per primitive.
+
+Layering: Triton kernels (megakernel/ep_*.py) -> launchers here (`_launch_*`) -> autograd
+Functions -> `EPBuffer.dispatch` / `EPBuffer.combine` -> functional wrappers (ops/functional.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ..megakernel.ep_combine import ep_combine_kernel
+from ..megakernel.ep_dispatch import ep_dispatch_kernel
+from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
+                                    SendLayout, build_send_layout, exchange_layout)
+from ..runtime import control as C
+from ..runtime.errors import DitronConfigError, DitronError
+from ..runtime.heap import SymmetricHeap
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class CapacityError(DitronError, ValueError):
+    """Some rank has more tokens than `max_tokens_per_rank`; raised on every rank alike."""
+
+    def __init__(self, message: str, *, needed: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+class RoutingError(DitronError, ValueError):
+    """Some rank passed expert ids outside [-1, num_experts); raised on every rank alike."""
+
+
+@dataclass
+class DispatchHandle:
+    """What `combine` (and the backward passes) need from a `dispatch`. Device tensors.
+
+    num_recv_per_expert: int32 [E_local]      rows received per local expert
+    expert_offsets:      int32 [E_local + 1]  first row of each local expert; [-1] = total rows
+    num_rows:            host int (default mode) or None (graph mode: see expert_offsets[-1])
+    recv_weights:        fp32 [rows] routing weight of every row, if weights were dispatched
+    """
+
+    buffer_id: int
+    send: SendLayout
+    recv: RecvLayout
+    recv_rows: torch.Tensor    # int32 [W, MAXT, K] row of (source, slot, k), -1 if none
+    recv_tok: torch.Tensor     # int32 [W, MAXT] source token of each staged token
+    recv_weights: torch.Tensor | None
+    num_tokens: int
+    rows_cap: int
+    num_rows: int | None
+    sync: bool
+
+    @property
+    def num_recv_per_expert(self) -> torch.Tensor:
+        return self.recv.num_recv
+
+    @property
+    def expert_offsets(self) -> torch.Tensor:
+        return self.recv.expert_off
+
+    @property
+    def grouped_mm_offs(self) -> torch.Tensor:
+        """int32 [E_local] cumulative row ends: the `offs` argument of `torch._grouped_mm`."""
+        return self.recv.expert_off[1:]
+
+
+class EPBuffer:
+    """Expert-parallel dispatch and combine over a symmetric heap.
+
+    Args:
+        group: process group of the EP ranks (None = default group).
+        num_experts: E, a multiple of the world size; rank r owns experts [r*E/W, (r+1)*E/W).
+        hidden: H, the token width.
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch.
+        topk: K, experts per token.
+        dtype: token dtype (bf16, fp16 or fp32).
+        num_programs: programs (SMs) dispatch/combine occupy; default: every SM on GPU, 2 on CPU.
+        check_errors: in the default (synchronising) mode, read the device error slot after each
+            launch and raise DitronTimeoutError there (one extra device-to-host read).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int,
+                 max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
+                 backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
+                 block_hidden: int | None = None, wait_budget: int | None = None,
+                 check_errors: bool = True) -> None:
+        if not dist.is_initialized():
+            raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
+        world = dist.get_world_size(group)
+        for name, v in (("num_experts", num_experts), ("hidden", hidden),
+                        ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
+            if not isinstance(v, int) or v <= 0:
+                raise DitronConfigError(f"{name} must be a positive int, got {v!r}")
+        if num_experts % world:
+            raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}; "
+                                    f"choose E = k * {world}")
+        if topk > num_experts:
+            raise DitronConfigError(f"topk={topk} exceeds num_experts={num_experts}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
+        if block_rows <= 0 or block_rows & (block_rows - 1):
+            raise DitronConfigError(f"block_rows must be a power of two, got {block_rows}")
+        self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
+        self.max_tokens = max_tokens_per_rank
+        self.world_size = world
+        self.num_local_experts = num_experts // world
+        self.block_rows = block_rows
+        self.n_chunks = triton.cdiv(max_tokens_per_rank, block_rows)
+        self.check_errors = check_errors
+        elt = torch.empty((), dtype=dtype).element_size()
+        W, T, K, H = world, max_tokens_per_rank, topk, hidden
+        self._specs = [  # (name, shape, dtype)
+            ("ep/layout", (W, self.num_local_experts + LAYOUT_EXTRA), torch.int32),
+            ("ep/stage", (W, T, H), dtype),
+            ("ep/meta", (W, T, 1 + 2 * K), torch.int32),
+            ("ep/wstage", (W, T, K), torch.float32),
+            ("ep/land", (T, K, H), dtype),
+        ]
+        num_signals = W + 2 * W * self.n_chunks
+        data = sum(C.align_up(_numel(s) * torch.empty((), dtype=d).element_size()) for _, s, d in self._specs)
+        size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
+        self.heap = SymmetricHeap(group, backend=backend, size_bytes=size, num_signals=num_signals,
+                                  wait_budget=wait_budget)
+        for name, shape, dt in self._specs:
+            self.heap.alloc(name, shape, dt)
+        self._sig_layout = self.heap.alloc_signals("ep/layout", W)
+        self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", W * self.n_chunks)
+        self._sig_combine = self.heap.alloc_signals("ep/combine", W * self.n_chunks)
+        self.device = self.heap.device
+        if num_programs is None:
+            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if self.device.type == "cuda" else 2)
+        if num_programs <= 0:
+            raise DitronConfigError(f"num_programs must be positive, got {num_programs}")
+        self.num_programs = num_programs
+        self.block_hidden = block_hidden or min(512 if elt == 2 else 256, triton.next_power_of_2(H))
+        # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
+        self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._elt = elt
+
+    # ------------------------------------------------------------------ public API
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                 *, sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
+        """Send every token to the ranks of its experts; return expert-major rows and a handle.
+
+        Args:
+            x: [T, H] tokens of this rank (T <= max_tokens_per_rank; T may be 0), buffer dtype.
+            topk_idx: [T, K] int32/int64 global expert ids, -1 = dropped slot.
+            topk_weights: optional [T, K] float routing weights, carried to the receiver
+                (`handle.recv_weights`); gradients w.r.t. weights flow through `combine`.
+            sync: True (default): one device-to-host read; recv_x has exactly the received rows
+                and bad input raises before any token moves. False (graph mode): no host sync;
+                recv_x has capacity W * max_tokens * K rows, the valid extent is
+                `handle.expert_offsets[-1]`, and bad input is recorded for the next sync call.
+        Returns:
+            recv_x: [rows, H] rows of local expert e at expert_offsets[e]:expert_offsets[e+1],
+                ordered by (source rank, source token); one row per (token, k) routed here.
+            handle: DispatchHandle for `combine`.
+        """
+        self._check_tokens(x, "x")
+        w = self._check_routing(x, topk_idx, topk_weights)
+        return _Dispatch.apply(x, self, topk_idx, w, sync)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Return expert outputs to their tokens: out[t] = sum_k w[t, k] * y(t, k).
+
+        Args:
+            y: [rows, H] expert outputs in `recv_x`'s row order (same rows as dispatch returned).
+            handle: from `dispatch` on this buffer.
+            topk_weights: [T, K] float weights; None = unweighted sum (weights already applied).
+        Returns:
+            out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
+        """
+        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+            raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
+        self._check_tokens(y, "y", rows=handle.rows_cap)
+        w = None
+        if topk_weights is not None:
+            w = self._check_weights(topk_weights, handle.num_tokens)
+        return _Combine.apply(y, w, self, handle)
+
+    def check(self) -> None:
+        """Raise any input problem recorded by graph-mode dispatches (one host read)."""
+        self._raise_flags(int(self._pending_flags.item()), None)
+        self._pending_flags.zero_()
+
+    def free(self) -> None:
+        self.heap.free()
+
+    # ------------------------------------------------------------------ validation
+    def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise DitronConfigError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise DitronConfigError(f"{name} must be [rows, hidden={self.hidden}], got {tuple(x.shape)}")
+        if rows is not None and x.shape[0] != rows:
+            raise DitronConfigError(f"{name} has {x.shape[0]} rows but dispatch produced {rows}; "
+                                    f"pass expert outputs in recv_x's row order")
+        if x.dtype != self.dtype:
+            raise DitronConfigError(f"{name} dtype {x.dtype} does not match the buffer's {self.dtype}; "
+                                    f"cast it or build the EPBuffer with dtype={x.dtype}")
+        if x.device != self.device:
+            raise DitronConfigError(f"{name} is on {x.device}, the buffer on {self.device}; move it there")
+        if not x.is_contiguous():
+            raise DitronConfigError(f"{name} must be contiguous; call .contiguous() first")
+
+    def _check_routing(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor | None) -> torch.Tensor | None:
+        T = x.shape[0]
+        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
+            raise DitronConfigError("topk_idx must be an int32 or int64 tensor")
+        if tuple(topk_idx.shape) != (T, self.topk):
+            raise DitronConfigError(f"topk_idx must be [T={T}, topk={self.topk}], got {tuple(topk_idx.shape)}")
+        if topk_idx.device != self.device:
+            raise DitronConfigError(f"topk_idx is on {topk_idx.device}, the buffer on {self.device}")
+        return None if topk_weights is None else self._check_weights(topk_weights, T)
+
+    def _check_weights(self, w: torch.Tensor, T: int) -> torch.Tensor:
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            raise DitronConfigError("topk_weights must be a floating-point tensor")
+        if tuple(w.shape) != (T, self.topk):
+            raise DitronConfigError(f"topk_weights must be [T={T}, topk={self.topk}], got {tuple(w.shape)}")
+        if w.device != self.device:
+            raise DitronConfigError(f"topk_weights is on {w.device}, the buffer on {self.device}")
+        return w
+
+    def _raise_flags(self, flags: int, info: list[list[int]] | None) -> None:
+        if not flags:
+            return
+        who = ""
+        if info is not None:
+            who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+        if flags & FLAG_TOO_MANY_TOKENS:
+            needed = max(t for _, t in info) if info is not None else self.max_tokens + 1
+            raise CapacityError(
+                f"a rank passed more tokens than max_tokens_per_rank={self.max_tokens}{who}: needed "
+                f"{needed}; build the EPBuffer with a larger max_tokens_per_rank (no token was moved)",
+                needed=needed)
+        if flags & FLAG_BAD_EXPERT:
+            raise RoutingError(f"topk_idx holds expert ids outside [-1, {self.num_experts}){who}; "
+                               f"fix the router output (no token was moved)")
+
+    # ------------------------------------------------------------------ launchers
+    def _launch_layout(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+        send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
+        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout)
+        return send, recv
+
+    def _sync_after_layout(self, recv: RecvLayout) -> int:
+        """The one device-to-host read of default mode: total rows, every rank's flags, errors."""
+        words = torch.cat([recv.expert_off[-1:], self._pending_flags, self.heap.error_word,
+                           recv.src_info.reshape(-1)]).tolist()
+        total, pending, err = words[0], words[1], words[2]
+        if err:
+            self.heap.check_error()
+        info = [words[3 + 2 * r: 5 + 2 * r] for r in range(self.world_size)]
+        if pending:
+            self._pending_flags.zero_()
+            self._raise_flags(pending, None)
+        self._raise_flags(max(f for f, _ in info) if info else 0, info)
+        return total
+
+    def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
+                         rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
+                         recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor) -> None:
+        h = self.heap
+        dummy_f = recv_x.new_empty(1, dtype=torch.float32)
+        ep_dispatch_kernel[(self.num_programs,)](
+            x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
+            recv.expert_off, recv.src_off, recv.tokens_from, recv_x,
+            recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
+            h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
+            h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
+            self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
+            K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows,
+            BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden)
+
+    def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
+        h = self.heap
+        T = handle.num_tokens
+        out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
+        ep_combine_kernel[(self.num_programs,)](
+            y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.send.slot,
+            handle.send.topk_idx, w if w is not None else y.new_empty(1, dtype=torch.float32), out,
+            h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
+            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget,
+            K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
+            BLOCK_H=self.block_hidden)
+        return out
+
+    def _finish(self, sync: bool) -> None:
+        if sync and self.check_errors:
+            self.heap.check_error()
+
+    # ------------------------------------------------------------------ raw passes (no autograd)
+    def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
+                      sync: bool) -> tuple[torch.Tensor, DispatchHandle]:
+        send, recv = self._launch_layout(topk_idx)
+        W, T, K = self.world_size, self.max_tokens, self.topk
+        if sync:
+            rows_cap = num_rows = self._sync_after_layout(recv)
+        else:
+            torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
+            rows_cap, num_rows = W * T * K, None
+        recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
+        recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
+        recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
+        recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok)
+        self._finish(sync)
+        handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
+                                num_rows, sync)
+        return recv_x, handle
+
+    def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        out = self._launch_combine(y.contiguous(), w32, handle)
+        self._finish(handle.sync)
+        return out
+
+    def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
+        """Dispatch `g` [T, H] along an existing handle (rows scaled by w): combine's backward."""
+        grad = torch.zeros((handle.rows_cap, self.hidden), dtype=g.dtype, device=g.device)
+        recv_w = torch.empty(handle.rows_cap, dtype=torch.float32, device=g.device) if w is not None else None
+        recv_rows = torch.empty_like(handle.recv_rows)
+        recv_tok = torch.empty_like(handle.recv_tok)
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
+                              grad, recv_w, recv_rows, recv_tok)
+        self._finish(handle.sync)
+        return grad
+
+    def _landed(self, num_tokens: int) -> torch.Tensor:
+        """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
+        return self.heap.local_view("ep/land")[:num_tokens].clone()
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Dispatch(torch.autograd.Function):
+    """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine)."""
+
+    @staticmethod
+    def forward(ctx, x, buffer, topk_idx, w, sync):
+        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync)
+        ctx.buffer, ctx.handle = buffer, handle
+        return recv_x, handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _grad_handle):
+        if grad_recv_x is None:
+            return None, None, None, None, None
+        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None)
+        return grad_x, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Forward: combine. Backward: grad_y = w * grad_out dispatched along the handle;
+    grad_w[t, k] = <grad_out[t], y(t, k)> in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, w, buffer, handle):
+        out = buffer._combine_raw(y, handle, w)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.save_for_backward(w)
+        ctx.landed = buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (w,) = ctx.saved_tensors
+        buffer, handle = ctx.buffer, ctx.handle
+        grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.landed is not None and ctx.needs_input_grad[1]:
+            valid = handle.send.topk_idx >= 0
+            dots = torch.einsum("th,tkh->tk", grad_out.to(torch.float32), ctx.landed.to(torch.float32))
+            grad_w = torch.where(valid, dots, torch.zeros_like(dots)).to(w.dtype)
+        return grad_y, grad_w, None, None

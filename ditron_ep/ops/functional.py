@@ -1,0 +1,74 @@
+"""Functional dispatch/combine over a cached `EPBuffer` per (group, E, H, K, dtype).
+
+The buffer is created at first use, sized by one collective (the largest T over the ranks), and
+regrown when a later call exceeds it: every rank learns that from the layout exchange of the same
+call (no extra collective), so all ranks regrow together and the call is retried.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .ep_buffer import CapacityError, DispatchHandle, EPBuffer
+
+_CACHE: dict[tuple, EPBuffer] = {}
+
+
+def _key(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int, dtype: torch.dtype) -> tuple:
+    g = group if group is not None else dist.group.WORLD
+    return (g.group_name if hasattr(g, "group_name") else id(g), num_experts, hidden, topk, dtype)
+
+
+def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int,
+               dtype: torch.dtype, num_tokens: int, **kwargs) -> EPBuffer:
+    """The cached EPBuffer for these parameters, created collectively on first use."""
+    key = _key(group, num_experts, hidden, topk, dtype)
+    buf = _CACHE.get(key)
+    if buf is None:
+        need = torch.tensor([max(num_tokens, 1)], dtype=torch.int64)
+        if dist.get_backend(group) == "nccl":
+            need = need.cuda()
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)  # the one sizing collective
+        buf = _CACHE[key] = EPBuffer(group, num_experts, hidden, int(need.item()), topk, dtype, **kwargs)
+    return buf
+
+
+def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:
+    new_max = max(needed, 2 * buf.max_tokens)  # geometric growth: few regrows
+    group = buf.heap.group
+    buf.free()
+    _CACHE[key] = EPBuffer(group, buf.num_experts, buf.hidden, new_max, buf.topk, buf.dtype,
+                           num_programs=buf.num_programs)
+    return _CACHE[key]
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
+             num_experts: int, group: dist.ProcessGroup | None = None,
+             sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
+    """`EPBuffer.dispatch` on the cached buffer (see there for shapes). Graph mode (sync=False)
+    needs the buffer to exist already at a sufficient size (call once with sync=True first)."""
+    buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
+    try:
+        return buf.dispatch(x, topk_idx, topk_weights, sync=sync)
+    except CapacityError as err:
+        if not sync:
+            raise
+        buf = _regrow(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype), buf, err.needed)
+        return buf.dispatch(x, topk_idx, topk_weights, sync=sync)
+
+
+def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
+            num_experts: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`EPBuffer.combine` on the buffer that produced `handle`."""
+    buf = _CACHE.get(_key(group, num_experts, y.shape[-1], handle.send.topk_idx.shape[-1], y.dtype))
+    if buf is None or id(buf) != handle.buffer_id:
+        raise ValueError("handle does not come from the cached buffer for these parameters; "
+                         "pass the same num_experts, group and dtype as to dispatch")
+    return buf.combine(y, handle, topk_weights)
+
+
+def clear_cache() -> None:
+    """Free every cached buffer (collective: call on every rank)."""
+    for buf in _CACHE.values():
+        buf.free()
+    _CACHE.clear()
