@@ -116,14 +116,14 @@ def ep_dispatch_kernel(
                             m = m_j[:, None] & (o_h < H)[None, :]
                             b_x = tl.load(p_stage + r_src[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                             for k in tl.static_range(K):
-                                row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
-                                m_k = m & (row >= 0)[:, None]
+                                r_dst = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                                m_k = m & (r_dst >= 0)[:, None]
                                 if SCALE_ROWS:
-                                    b_w = tl.load(recv_w_ptr + row, mask=row >= 0, other=0.0)
-                                    b_y = (b_x.to(tl.float32) * b_w[:, None]).to(recv_x_ptr.dtype.element_ty)
-                                    tl.store(recv_x_ptr + row[:, None] * H + o_h[None, :], b_y, mask=m_k)
+                                    b_s = tl.load(recv_w_ptr + r_dst, mask=r_dst >= 0, other=0.0)
+                                    b_y = (b_x.to(tl.float32) * b_s[:, None]).to(recv_x_ptr.dtype.element_ty)
+                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_y, mask=m_k)
                                 else:
-                                    tl.store(recv_x_ptr + row[:, None] * H + o_h[None, :], b_x, mask=m_k)
+                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank)
 

@@ -41,8 +41,9 @@ def exchange_tiles_kernel(
             if t < n_push:
                 i_dst = (rank + 1 + t // n_blocks) % world
                 i_b = t % n_blocks
-                p_dst = heap_ptr(table_ptr, i_dst, recv_offset, x_ptr.dtype.element_ty) + (rank * R + i_b * BLOCK_R) * C
-                copy_rows(x_ptr + i_b * BLOCK_R * C, C, p_dst, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
+                row0 = rank.to(tl.int64) * R + i_b * BLOCK_R  # int64: W * R * C may pass 2^31
+                p_dst = heap_ptr(table_ptr, i_dst, recv_offset, x_ptr.dtype.element_ty) + row0 * C
+                copy_rows(x_ptr + (i_b * BLOCK_R).to(tl.int64) * C, C, p_dst, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
                           BLOCK_R, BLOCK_C)
                 p_sig = heap_ptr(sig_table_ptr, i_dst, 0, tl.int32) + sig_first + rank * n_blocks + i_b
                 notify(p_sig, epoch)
@@ -52,7 +53,7 @@ def exchange_tiles_kernel(
                 i_sig = sig_first + i_src * n_blocks + i_b
                 p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig
                 if wait(p_sig, epoch, my_ctrl, rank, STAGE_EXCHANGE_RECV, i_sig, budget):
-                    row0 = i_src * R + i_b * BLOCK_R
+                    row0 = i_src.to(tl.int64) * R + i_b * BLOCK_R
                     p_src = heap_ptr(table_ptr, rank, recv_offset, x_ptr.dtype.element_ty) + row0 * C
                     copy_rows(p_src, C, out_ptr + row0 * C, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
                               BLOCK_R, BLOCK_C)

@@ -50,13 +50,17 @@ def ctrl_ptr(table_ptr, peer):
 @triton.jit
 def notify(sig_ptr, value):
     """Publish `value` (an epoch stamp): every write this program made before is visible first."""
+    # The scalar atomic is issued by one thread; the CTA barrier first makes the other threads'
+    # stores happen-before it, so the (cumulative) release publishes the whole tile.
+    tl.debug_barrier()
     tl.atomic_xchg(sig_ptr, value, sem="release", scope="sys")
 
 
 @register_device_function
 @triton.jit
 def notify_add(sig_ptr, value):
-    """Add `value` to a counting signal with release semantics."""
+    """Add `value` to a counting signal with release semantics (after a CTA barrier, as notify)."""
+    tl.debug_barrier()
     tl.atomic_add(sig_ptr, value, sem="release", scope="sys")
 
 
@@ -78,6 +82,8 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
         failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
         n += 1
     ok = (v - target) >= 0
+    # Every thread of the program reads the awaited data only after the acquiring thread saw it.
+    tl.debug_barrier()
     if not ok:
         first = tl.atomic_cas(my_ctrl + ERR_FLAG, 0, -1, sem="acq_rel", scope="gpu")
         if first == 0:

@@ -187,8 +187,9 @@ class EPBuffer:
 
     def check(self) -> None:
         """Raise any input problem recorded by graph-mode dispatches (one host read)."""
-        self._raise_flags(int(self._pending_flags.item()), None)
+        flags = int(self._pending_flags.item())
         self._pending_flags.zero_()
+        self._raise_flags(flags, None)
 
     def free(self) -> None:
         self.heap.free()

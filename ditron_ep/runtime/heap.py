@@ -18,9 +18,10 @@ from .mode import resolve_backend
 
 DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30}
 # Poll budgets of a bounded wait. Emulated: one poll costs ~0.25 ms under the interpreter on an
-# idle core (more when 4 ranks share 2 cores), so 200k polls is a minute or more, far above any
-# honest CPU-test wait. GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s.
-DEFAULT_WAIT_BUDGET = {"emulated": 200_000, "torch": 1 << 25}
+# idle core and ~0.5-1 ms when 4 ranks share 2 cores, so 60k polls is 15-60 s, far above any
+# honest CPU-test wait (a peer's interpreted launch takes seconds) yet short of test timeouts.
+# GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s.
+DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25}
 WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
@@ -102,6 +103,8 @@ class SymmetricHeap:
         if self.backend == "torch":
             self.device = torch.device(device) if device is not None else torch.device(
                 "cuda", torch.cuda.current_device())
+            if self.device.type != "cuda":
+                raise DitronConfigError(f"the torch backend lives on a CUDA/ROCm device; got device={device}")
         else:
             self.device = torch.device("cpu")
             if device is not None and torch.device(device).type != "cpu":

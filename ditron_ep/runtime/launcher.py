@@ -24,6 +24,8 @@ from .backends.emulated import SHM_PREFIX_ENV, leftover_segments, sweep_segments
 from .errors import DitronConfigError, RankError
 
 _LIVE_CLUSTERS: "weakref.WeakSet[EmulatedCluster]" = weakref.WeakSet()
+# After one rank has failed, how long the others may still take before the pool is killed.
+ERROR_GRACE_S = 30.0
 
 
 class EmulatedCluster:
@@ -150,8 +152,17 @@ class EmulatedCluster:
     def _collect(self, what: str, deadline: float, limit: float | None = None) -> list[Any]:
         results: dict[int, tuple] = {}
         pending = dict(enumerate(self._conns))
+        first_error_at: float | None = None
         while pending:
             remaining = deadline - time.monotonic()
+            if first_error_at is not None and time.monotonic() - first_error_at > ERROR_GRACE_S:
+                # One rank failed and the others are stuck (typically in a collective it never
+                # joined): report the failure instead of waiting for the host timeout.
+                for r in pending:
+                    results[r] = ("stuck",)
+                pending = {}
+                self.shutdown()
+                break
             if remaining <= 0:
                 self.shutdown()
                 late = sorted(pending)
@@ -165,6 +176,8 @@ class EmulatedCluster:
                 except (EOFError, OSError):
                     results[rank] = ("died",)
                 del pending[rank]
+                if first_error_at is None and results[rank][0] != "ok":
+                    first_error_at = time.monotonic()
             dead = [r for r in pending if self._procs[r].poll() is not None]
             for r in dead:
                 results[r] = ("died",)
@@ -194,6 +207,10 @@ class EmulatedCluster:
         if failed:
             _, etype, emsg, tb = results[failed[0]]
             others = f" (ranks {failed} failed)" if len(failed) > 1 else ""
+            stuck = sorted(r for r, res in results.items() if res[0] == "stuck")
+            if stuck:
+                others += (f"; ranks {stuck} were still blocked {ERROR_GRACE_S:.0f} s later, so the pool "
+                           f"was killed")
             raise RankError(f"{what}: rank {failed[0]} raised {etype}: {emsg}{others}\n--- remote traceback ---\n{tb}",
                             rank=failed[0], remote_type=etype, remote_traceback=tb)
         return [results[r][1] for r in range(self.world_size)]

@@ -19,6 +19,11 @@ def create_arena(size_bytes: int, group: dist.ProcessGroup, rank: int, world_siz
     bases = [int(p) for p in handle.buffer_ptrs]
     if len(bases) != world_size:
         raise RuntimeError(f"symmetric memory rendezvous returned {len(bases)} peers, expected {world_size}")
+    # buffer_ptrs are the bases of whole allocations; with torch's memory pool our tensor may start
+    # inside one, at an offset that can differ per rank. Exchange the offsets and apply them.
+    offsets: list[int] = [0] * world_size
+    dist.all_gather_object(offsets, local.data_ptr() - bases[rank], group=group)
+    bases = [b + o for b, o in zip(bases, offsets)]
     local.zero_()
     torch.cuda.synchronize(device)
     dist.barrier(group=group)

@@ -1,0 +1,393 @@
+"""Command line: `python -m ditron_ep {info,check}` (also installed as `ditron-ep`).
+
+* `info`  — versions, execution mode, backends available here, devices and GPU topology.
+* `check` — self-check on emulated CPU ranks (default: 4), or, under torchrun, on the launched
+  ranks (`torchrun --nproc-per-node 4 -m ditron_ep check --backend torch`): heap, signals and
+  the bounded-wait timeout, and the sequential reference against the float64 oracle. Prints a
+  table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
+
+Exit status: 0 success, 1 a check failed, 2 bad arguments or a backend that cannot run here.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+import ditron_ep
+from ditron_ep.runtime import DitronConfigError, RankError, kernels_interpreted
+from ditron_ep.runtime.mode import BACKENDS
+
+if TYPE_CHECKING:
+    from ditron_ep.determinism.selfcheck import CheckReport
+
+DEFAULT_WORLD_SIZE = 4
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+# ============================================================================ arguments
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m ditron_ep",
+        description="ditron_ep: expert-parallel MoE megakernels in stock Triton.")
+    parser.add_argument("--version", action="version", version=f"ditron_ep {ditron_ep.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check}")
+    sub.add_parser("info", help="versions, execution mode, backends, devices and GPU topology",
+                   description="Print versions, execution mode, backends, devices and GPU topology.")
+    check = sub.add_parser(
+        "check", help="self-check: heap, signals, reference vs oracle",
+        description="Self-check on emulated CPU ranks, or under torchrun on the launched ranks: "
+                    "symmetric heap, signals and bounded waits, reference vs float64 oracle. "
+                    "Exits 1 if any case fails.",
+        epilog="GPU: torchrun --nproc-per-node 4 -m ditron_ep check --backend torch")
+    check.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+                       help=f"ranks (default {DEFAULT_WORLD_SIZE} emulated ranks; under torchrun "
+                            f"the launched WORLD_SIZE, which N must then equal)")
+    check.add_argument("--backend", choices=BACKENDS, default="emulated",
+                       help="emulated (CPU ranks, default), torch (GPU ranks under torchrun), or "
+                            "auto (torch under torchrun on GPUs, else emulated)")
+    check.add_argument("--seed", type=int, default=0, help="seed of every input (default 0)")
+    check.add_argument("--quick", action="store_true", help="fewer cases")
+    check.add_argument("--json", type=Path, default=None, metavar="PATH",
+                       help="also write the report as JSON to PATH")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m ditron_ep` and `ditron-ep`; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: usage error (2), --help / --version (0)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        if args.command == "info":
+            return cmd_info(Console())
+        return cmd_check(args)
+    except DitronConfigError as exc:
+        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        return EXIT_USAGE
+
+
+# ============================================================================ info
+def _version_of(module: str, *distributions: str) -> str:
+    """Installed version of `module` (by its distribution metadata, else `__version__`), without
+    importing heavy packages; "not installed" when it cannot be found."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return "not installed"
+    except (ImportError, ValueError):
+        return "not installed"
+    for dist in distributions or (module,):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "installed"))
+    except Exception:  # noqa: BLE001 - a broken optional package is still "not importable"
+        return "installed, not importable"
+
+
+def _versions() -> dict[str, str]:
+    import numpy
+    import torch
+    import triton
+
+    if torch.version.cuda:
+        torch_build = f"CUDA {torch.version.cuda}"
+    elif getattr(torch.version, "hip", None):
+        torch_build = f"ROCm {torch.version.hip}"
+    else:
+        torch_build = "CPU build"
+    return {
+        "ditron_ep": ditron_ep.__version__,
+        "python": platform.python_version(),
+        "torch": f"{torch.__version__} ({torch_build})",
+        "triton": triton.__version__,
+        "numpy": numpy.__version__,
+        "rich": importlib.metadata.version("rich"),
+        "nvshmem4py": _version_of("nvshmem", "nvshmem4py-cu13", "nvshmem4py-cu12", "nvshmem4py"),
+        "deepspeed": _version_of("deepspeed"),
+    }
+
+
+def interpreter_numpy_problem() -> str | None:
+    """Why this NumPy breaks the Triton 3.6 interpreter (emulated ranks), or None."""
+    import numpy
+
+    major, minor = (int(p) for p in numpy.__version__.split(".")[:2])
+    if (major, minor) < (2, 4):
+        return None
+    return (f"numpy {numpy.__version__} breaks the Triton interpreter that emulated ranks run "
+            f"kernels in (it calls int() on size-1 arrays); pip install 'numpy<2.4'")
+
+
+def _backends() -> dict[str, tuple[bool, str]]:
+    """backend -> (available here, why)."""
+    import torch
+
+    shm = os.path.isdir("/dev/shm")
+    emulated = (shm, "CPU ranks over /dev/shm, Triton interpreter" if shm else "/dev/shm is missing")
+    if shm and interpreter_numpy_problem():
+        emulated = (False, interpreter_numpy_problem())
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
+        symm = True
+    except ImportError:
+        symm = False
+    if not torch.cuda.is_available():
+        torch_backend = (False, "no CUDA/ROCm device visible")
+    elif not symm:
+        torch_backend = (False, "torch.distributed._symmetric_memory not importable")
+    else:
+        torch_backend = (True, "torch symmetric memory on GPU (run under torchrun)")
+    return {"emulated": emulated, "torch": torch_backend}
+
+
+def _devices() -> list[tuple[str, str, str]]:
+    """(index, name, memory) of every visible GPU; empty on a CPU-only machine."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    rows = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        rows.append((str(i), props.name, f"{props.total_memory / 2**30:.1f} GiB"))
+    return rows
+
+
+def _topology() -> str | list[list[bool]] | None:
+    """`nvidia-smi topo -m` output, else the peer-access matrix; None without GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            done = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=20)
+            if done.returncode == 0 and done.stdout.strip():
+                return done.stdout.rstrip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    n = torch.cuda.device_count()
+    return [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
+
+
+def cmd_info(console: Console) -> int:
+    versions = Table(title="Versions", title_justify="left")
+    versions.add_column("package")
+    versions.add_column("version")
+    for name, version in _versions().items():
+        versions.add_row(name, version, style="dim" if version == "not installed" else None)
+    console.print(versions)
+
+    runtime = Table(title="Runtime", title_justify="left")
+    runtime.add_column("item")
+    runtime.add_column("value")
+    interpreted = kernels_interpreted()
+    runtime.add_row("kernels", "interpreted (TRITON_INTERPRET=1)" if interpreted else "compiled for the GPU")
+    for name, (available, why) in _backends().items():
+        runtime.add_row(f"backend {name}", f"[green]available[/] — {why}" if available
+                        else f"[yellow]unavailable[/] — {why}")
+    console.print(runtime)
+
+    devices = Table(title="Devices", title_justify="left")
+    for column in ("index", "name", "memory"):
+        devices.add_column(column)
+    rows = _devices()
+    for row in rows:
+        devices.add_row(*row)
+    if not rows:
+        devices.add_row("-", f"CPU only ({os.cpu_count()} cores)", "-")
+    console.print(devices)
+
+    topology = _topology()
+    if isinstance(topology, str):
+        console.print("[bold]GPU topology[/] (nvidia-smi topo -m)")
+        console.print(Text.from_ansi(topology), highlight=False)
+    elif topology is not None:
+        peers = Table(title="GPU peer access (torch.cuda.can_device_access_peer)", title_justify="left")
+        peers.add_column("")
+        for j in range(len(topology)):
+            peers.add_column(f"GPU{j}")
+        for i, row in enumerate(topology):
+            peers.add_row(f"GPU{i}", *("self" if i == j else "yes" if ok else "no" for j, ok in enumerate(row)))
+        console.print(peers)
+    return EXIT_OK
+
+
+# ============================================================================ check
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        return _check_launched_ranks(args)
+    if args.backend == "torch":
+        raise DitronConfigError(
+            "backend 'torch' runs on GPU ranks that are already launched; start them with "
+            "torchrun --nproc-per-node N -m ditron_ep check --backend torch")
+    if not os.path.isdir("/dev/shm"):
+        raise DitronConfigError("the emulated backend needs POSIX shared memory (/dev/shm), "
+                                "which this machine lacks")
+    world_size = args.world_size or DEFAULT_WORLD_SIZE
+    problem = interpreter_numpy_problem()
+    if problem:  # the run goes on (its failures show where), but say why first
+        Console(stderr=True).print(f"[bold yellow]warning:[/] {problem}", highlight=False)
+    report = run_emulated_check(world_size, seed=args.seed, quick=args.quick)
+    if report is None:
+        return EXIT_FAILED
+    return emit_report(report, Console(width=_table_width()), args.json)
+
+
+def run_emulated_check(world_size: int, *, seed: int, quick: bool) -> "CheckReport | None":
+    """Start one pool of emulated ranks, run every case on it, with a progress bar on stderr.
+
+    Returns None (after printing why) if the ranks could not start.
+    """
+    from ditron_ep.determinism.selfcheck import plan_cases, run_check
+    from ditron_ep.runtime import EmulatedCluster
+
+    cases = plan_cases(world_size, quick=quick)
+    cluster = EmulatedCluster(world_size, timeout_s=300)
+    try:
+        with _case_progress(len(cases), f"starting {world_size} emulated ranks") as hooks:
+            try:
+                cluster.start()
+            except RankError as exc:
+                Console(stderr=True).print(f"[bold red]error:[/] emulated ranks failed to start: {exc}",
+                                           highlight=False)
+                return None
+            return run_check(cluster.run, "emulated", world_size, cases, seed=seed, **hooks)
+    finally:
+        cluster.shutdown()
+
+
+def _check_launched_ranks(args: argparse.Namespace) -> int:
+    """Under torchrun: every process is one rank; all run the cases, rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from ditron_ep.determinism.selfcheck import exit_status, local_runner, plan_cases, run_check
+    from ditron_ep.runtime import resolve_backend
+
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if args.world_size is not None and args.world_size != world_size:
+        raise DitronConfigError(f"--world-size {args.world_size} but torchrun launched {world_size} "
+                                f"ranks; drop --world-size or launch {args.world_size} ranks")
+    backend = resolve_backend(args.backend)
+    created = not dist.is_initialized()
+    if created:
+        if backend == "torch":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    try:
+        cases = plan_cases(world_size, quick=args.quick)
+        if rank == 0:
+            with _case_progress(len(cases), "") as hooks:
+                report = run_check(local_runner, backend, world_size, cases, seed=args.seed, **hooks)
+            return emit_report(report, Console(width=_table_width()), args.json)
+        # Every rank evaluates the same gathered results, so every rank exits alike.
+        return exit_status(run_check(local_runner, backend, world_size, cases, seed=args.seed))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _case_progress(total: int, first: str) -> Iterator[dict[str, Callable[..., None]]]:
+    """A transient progress bar on stderr over `total` cases, showing `first` until the first
+    case starts; yields run_check's `on_case_start` / `on_case_done` hooks."""
+    bar = Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task(first, total=total)
+    with bar:
+        yield {"on_case_start": lambda case: bar.update(task, description=case.name),
+               "on_case_done": lambda result: bar.advance(task)}
+
+
+def _table_width() -> int | None:
+    # Piped output (CI logs, tests) would otherwise wrap at 80 columns.
+    return None if sys.stdout.isatty() else 150
+
+
+# ============================================================================ report (pure)
+def format_error(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value == 0:
+        return "0"
+    return f"{value:.2e}"
+
+
+def build_table(report: "CheckReport") -> Table:
+    """The report as a rich table: one row per case, then a verdict caption."""
+    table = Table(title=f"ditron_ep check — backend {report.backend}, {report.world_size} ranks, "
+                        f"seed {report.seed}", title_justify="left",
+                  caption=_verdict_line(report), caption_justify="left")
+    table.add_column("case", no_wrap=True)
+    table.add_column("max abs err", justify="right")
+    table.add_column("max rel err", justify="right")
+    table.add_column("bitwise", justify="center")
+    table.add_column("verdict", justify="center")
+    table.add_column("detail", overflow="fold")
+    for case in report.cases:
+        bitwise = "—" if case.bitwise is None else "yes" if case.bitwise else "[red]NO[/]"
+        verdict = "[green]PASS[/]" if case.ok else "[bold red]FAIL[/]"
+        table.add_row(case.case, format_error(case.max_abs), format_error(case.max_rel), bitwise,
+                      verdict, case.detail)
+    return table
+
+
+def _verdict_line(report: "CheckReport") -> str:
+    passed = sum(c.ok for c in report.cases)
+    status = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    return (f"{status}: {passed}/{len(report.cases)} cases passed in {report.wall_s:.1f} s. "
+            f"rel err = max |err| / max |expected|; bitwise = received == sent (signal), "
+            f"run == run (reference).")
+
+
+def emit_report(report: "CheckReport", console: Console, json_path: Path | None) -> int:
+    """Print the table, write the JSON report if asked, return the exit status."""
+    from ditron_ep.determinism.selfcheck import exit_status
+
+    console.print(build_table(report))
+    for case in report.failures:
+        console.print(f"[bold red]FAIL[/] {case.case}: {case.detail}", highlight=False)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return exit_status(report)

@@ -1,0 +1,462 @@
+"""Self-check of an installation: symmetric heap, signals, and the reference against the oracle.
+
+`python -m ditron_ep check` runs these cases on emulated CPU ranks or on GPU ranks launched by
+torchrun. Each case has a rank side and a driver side:
+
+* rank functions (`rank_*`, module level so the emulated launcher can send them by name) run on
+  every rank of the default process group and return plain data (numbers, CPU tensors);
+* `run_case` gives a rank function to a `RankRunner` — anything that runs `fn(*args)` on every
+  rank and returns the results in rank order (`EmulatedCluster.run`, or `local_runner` under
+  torchrun) — and turns the per-rank results into one `CaseResult`.
+
+The verdict is pure data: `CheckReport.ok` and `exit_status` decide from the `CaseResult`s alone,
+so they are tested with fabricated results and no ranks at all.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_kernel
+from ..megakernel.exchange import exchange_tiles
+from ..megakernel.primitives import heap_ptr
+from ..runtime import control as C
+from ..runtime.errors import DitronTimeoutError
+from ..runtime.heap import SymmetricHeap
+from .oracle import ep_moe_oracle
+from .reference import ep_moe_reference
+from .routing import make_routing
+from .tolerances import TOLERANCES, assert_close_to_oracle
+
+KINDS = ("heap", "signal", "reference")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HEAP_BYTES = 4 << 20  # every check fits in 4 MiB per rank, on either backend
+# Poll budget of the timeout probe: ~0.6 s of polls under the interpreter (~0.25 ms a poll),
+# ~20 ms on an H200 (measured). Far longer than a call barrier among live ranks takes.
+PROBE_BUDGET = {"emulated": 2000, "torch": 1 << 16}
+
+RankRunner = Callable[..., list]
+
+
+# ============================================================================ results and verdict
+@dataclass(frozen=True)
+class CaseResult:
+    """One row of the report.
+
+    max_abs / max_rel: largest absolute error, and that error over the largest |expected| value
+    (a norm-wise relative error, meaningful where outputs cross zero); None where the case does
+    not compare numbers. bitwise: whether the compared results were identical bit for bit
+    (received tiles vs sent tiles; run vs run for the reference); None where not applicable.
+    """
+
+    case: str
+    kind: str
+    max_abs: float | None
+    max_rel: float | None
+    bitwise: bool | None
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        row = asdict(self)
+        for key in ("max_abs", "max_rel"):
+            row[key] = _json_float(row[key])
+        return row
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    backend: str
+    world_size: int
+    seed: int
+    cases: tuple[CaseResult, ...]
+    wall_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when there is at least one case and every case passed."""
+        return bool(self.cases) and all(c.ok for c in self.cases)
+
+    @property
+    def failures(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.ok]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "backend": self.backend, "world_size": self.world_size,
+                "seed": self.seed, "wall_s": round(self.wall_s, 3),
+                "cases": [c.to_json() for c in self.cases]}
+
+
+def exit_status(report: CheckReport) -> int:
+    """Process exit status of `ditron_ep check`: 0 when every case passed, else 1."""
+    return 0 if report.ok else 1
+
+
+def _json_float(v: float | None) -> float | str | None:
+    # JSON has no inf/nan: keep them readable as strings instead of emitting invalid JSON.
+    if v is None or math.isfinite(v):
+        return v
+    return str(v)
+
+
+# ============================================================================ case plan
+@dataclass(frozen=True)
+class CheckCase:
+    """One row to run: `driver(case, runner, backend, world_size, seed, **params)` returns its
+    CaseResult; `kind` is the row's kind (one of KINDS)."""
+
+    name: str
+    kind: str
+    driver: Callable[..., CaseResult]
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+# name -> (routing kind, drop probability, last rank has no tokens, topk)
+REFERENCE_ROUTINGS: dict[str, tuple[str, float, bool, int]] = {
+    "uniform": ("uniform", 0.0, False, 2),
+    "zipf": ("zipf", 0.0, False, 4),
+    "one_expert": ("one_expert", 0.0, False, 2),
+    "drops": ("uniform", 0.3, False, 3),
+    "empty_rank": ("zipf", 0.1, True, 3),
+}
+QUICK_REFERENCE = (("uniform", "fp32"), ("zipf", "bf16"), ("drops", "fp32"), ("empty_rank", "bf16"))
+
+
+def plan_cases(world_size: int, *, quick: bool = False) -> list[CheckCase]:
+    """The cases of one check run, in running order."""
+    cases = [CheckCase("heap: alloc + peer visibility", "heap", _check_heap)]
+    exchanges = [("exchange fp32 16x64", 16, 64, "fp32", 2, None),
+                 ("exchange bf16 ragged 37x130", 37, 130, "bf16", 2, 3)]
+    if not quick:
+        exchanges.append(("exchange fp16 empty 0x8", 0, 8, "fp16", 2, None))
+    # One program runs the whole task queue: the cheapest launch under the interpreter.
+    calls = 10 if quick else 50
+    exchanges.append((f"exchange x{calls} back-to-back", 4, 32, "fp32", calls, 1))
+    for name, rows, cols, dtype, n_calls, programs in exchanges:
+        cases.append(CheckCase(name, "signal", _check_exchange,
+                               dict(rows=rows, cols=cols, dtype=dtype, n_calls=n_calls,
+                                    num_programs=programs)))
+    if world_size > 1:  # a lone rank has no peer to miss
+        cases.append(CheckCase("timeout probe (rank 0 alone)", "signal", _check_timeout))
+    pairs = QUICK_REFERENCE if quick else [(r, d) for r in REFERENCE_ROUTINGS for d in ("fp32", "bf16")]
+    for routing, dtype in pairs:
+        cases.append(CheckCase(f"reference {routing} {dtype}", "reference", _check_reference,
+                               dict(routing=routing, dtype=dtype)))
+    return cases
+
+
+# ============================================================================ drivers
+def run_check(runner: RankRunner, backend: str, world_size: int, cases: Sequence[CheckCase], *,
+              seed: int = 0, on_case_start: Callable[[CheckCase], None] | None = None,
+              on_case_done: Callable[[CaseResult], None] | None = None) -> CheckReport:
+    """Run `cases` through `runner` in order; an exception in a case fails that case only."""
+    start = time.perf_counter()
+    results = []
+    for case in cases:
+        if on_case_start is not None:
+            on_case_start(case)
+        result = run_case(case, runner, backend, world_size, seed=seed)
+        results.append(result)
+        if on_case_done is not None:
+            on_case_done(result)
+    return CheckReport(backend, world_size, seed, tuple(results), time.perf_counter() - start)
+
+
+def run_case(case: CheckCase, runner: RankRunner, backend: str, world_size: int, *,
+             seed: int = 0) -> CaseResult:
+    try:
+        return case.driver(case, runner, backend, world_size, seed, **case.params)
+    except Exception as exc:  # noqa: BLE001 - a crashed case is a failed row, not a crashed CLI
+        first_line = (str(exc).strip().splitlines() or [""])[0]
+        return CaseResult(case.name, case.kind, None, None, None, False,
+                          f"{type(exc).__name__}: {first_line}")
+
+
+def local_runner(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+    """`RankRunner` for ranks that are already running (torchrun): run `fn` here, all-gather.
+
+    Every rank calls it with the same `fn` and arguments. A rank whose `fn` raised re-raises
+    on every rank (after the gather, so no rank is left waiting in it).
+    """
+    try:
+        mine: tuple = ("ok", fn(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        mine = ("err", f"{type(exc).__name__}: {exc}")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    failed = [r for r, res in enumerate(gathered) if res[0] == "err"]
+    if failed:
+        raise RuntimeError(f"rank {failed[0]} raised {gathered[failed[0]][1]}")
+    return [res[1] for res in gathered]
+
+
+def _check_heap(case: CheckCase, runner: RankRunner, backend: str, world_size: int,
+                seed: int) -> CaseResult:
+    per_rank = runner(rank_heap_selftest, backend, seed)
+    problems = []
+    offsets = [r["offsets"] for r in per_rank]
+    if any(o != offsets[0] for o in offsets):
+        problems.append(f"offsets differ across ranks: {offsets}")
+    for rank, res in enumerate(per_rank):
+        problems += [f"rank {rank}: {p}" for p in res["problems"]]
+    names = ", ".join(per_rank[0]["dtypes"])
+    detail = (f"{len(offsets[0])} buffers ({names}); every rank read every peer through the "
+              f"pointer table") if not problems else "; ".join(problems[:3])
+    return CaseResult(case.name, "heap", None, None, not problems, not problems, detail)
+
+
+def _check_exchange(case: CheckCase, runner: RankRunner, backend: str, world_size: int, seed: int,
+                    *, rows: int, cols: int, dtype: str, n_calls: int,
+                    num_programs: int | None) -> CaseResult:
+    per_rank = runner(rank_exchange_selftest, backend, rows, cols, dtype, n_calls, num_programs, seed)
+    max_abs = max(r["max_abs"] for r in per_rank)
+    bitwise = all(r["bitwise"] for r in per_rank)
+    bad = [(rank, r["bad"]) for rank, r in enumerate(per_rank) if r["bad"]]
+    epochs = {r["epoch"] for r in per_rank}
+    ok = bitwise and not bad and epochs == {n_calls}
+    if ok:
+        detail = f"{n_calls} calls, every received tile element-exact"
+    elif bad:
+        rank, wrong = bad[0]
+        detail = f"rank {rank}: wrong tiles (call, source) {wrong[:4]}"
+    else:
+        detail = f"epochs after {n_calls} calls: {sorted(epochs)}"
+    return CaseResult(case.name, "signal", max_abs, _relative(max_abs, max(r["max_ref"] for r in per_rank)),
+                      bitwise, ok, detail)
+
+
+def _check_timeout(case: CheckCase, runner: RankRunner, backend: str, world_size: int,
+                   seed: int) -> CaseResult:
+    per_rank = runner(rank_timeout_probe, backend, PROBE_BUDGET[backend])
+    probe = per_rank[0]
+    message = probe["raised"] or ""
+    problems = []
+    if not message:
+        problems.append("rank 0's lone launch did not raise DitronTimeoutError")
+    elif not (probe["rank"] == 0 and probe["stage"] == "call barrier"
+              and "rank 0" in message and "call barrier" in message):
+        problems.append(f"timeout error does not name rank 0 / 'call barrier': {message}")
+    recovered = [r["after_reset_ok"] for r in per_rank]
+    if not all(recovered):
+        problems.append(f"exchange after heap.reset() wrong on ranks "
+                        f"{[r for r, ok in enumerate(recovered) if not ok]}")
+    detail = (f"DitronTimeoutError on rank 0 in 'call barrier' after {probe['seconds']:.2f} s; "
+              f"exchange exact after reset()") if not problems else "; ".join(problems)
+    return CaseResult(case.name, "signal", None, None, None, not problems, detail)
+
+
+def _check_reference(case: CheckCase, runner: RankRunner, backend: str, world_size: int, seed: int,
+                     *, routing: str, dtype: str) -> CaseResult:
+    inputs = make_moe_inputs(world_size, routing, DTYPES[dtype], seed=seed)
+    per_rank = runner(rank_reference, backend, inputs, 2)
+    expected = ep_moe_oracle(inputs.xs, inputs.topk_idxs, inputs.topk_weights, inputs.w1s, inputs.w2s)
+    bitwise = all(torch.equal(first, second) for first, second in per_rank)
+    max_abs, max_ref, problems = 0.0, 0.0, []
+    for rank, ((first, _), want) in enumerate(zip(per_rank, expected)):
+        if first.dtype != DTYPES[dtype] or first.shape != want.shape:
+            problems.append(f"rank {rank}: got {first.dtype} {tuple(first.shape)}, expected "
+                            f"{DTYPES[dtype]} {tuple(want.shape)}")
+            continue
+        max_abs = max(max_abs, _max_abs_err(first, want))
+        max_ref = max(max_ref, float(want.abs().max()) if want.numel() else 0.0)
+        try:
+            assert_close_to_oracle(first, want, DTYPES[dtype], f"rank {rank} output")
+        except AssertionError as exc:
+            problems.append(str(exc))
+    if not bitwise:
+        problems.append("two runs of the reference differ bitwise")
+    rtol, atol = TOLERANCES[DTYPES[dtype]]
+    tokens = ",".join(str(x.shape[0]) for x in inputs.xs)
+    detail = "; ".join(problems) if problems else (
+        f"T={tokens} H={inputs.xs[0].shape[1]} E={inputs.num_experts} "
+        f"K={inputs.topk_idxs[0].shape[1]}; rtol={rtol:g} atol={atol:g}")
+    return CaseResult(case.name, "reference", max_abs, _relative(max_abs, max_ref), bitwise,
+                      not problems, detail)
+
+
+def _max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| in float64; inf if either holds a non-finite value; 0 when empty."""
+    if got.numel() == 0:
+        return 0.0
+    err = (got.double() - want.double()).abs()
+    return float(err.max()) if bool(err.isfinite().all()) else math.inf
+
+
+def _relative(max_abs: float, max_ref: float) -> float:
+    """Norm-wise relative error: the largest error over the largest |expected| (0 when both are 0)."""
+    if max_abs == 0.0:
+        return 0.0
+    return max_abs / max_ref if max_ref > 0 else math.inf
+
+
+# ============================================================================ inputs
+@dataclass(frozen=True)
+class MoEInputs:
+    """Every rank's MoE inputs; index r of each list belongs to rank r (CPU tensors)."""
+
+    xs: list[torch.Tensor]
+    topk_idxs: list[torch.Tensor]
+    topk_weights: list[torch.Tensor]
+    w1s: list[torch.Tensor]
+    w2s: list[torch.Tensor]
+    num_experts: int
+
+
+def make_moe_inputs(world_size: int, routing: str, dtype: torch.dtype, *, seed: int = 0,
+                    num_tokens: int = 24, hidden: int = 64, inter: int = 32) -> MoEInputs:
+    """Seeded inputs of the reference cases, scaled so outputs are of order 1.
+
+    Rank r holds max(1, num_tokens - 3r) tokens (uneven on purpose); `routing` names an entry
+    of REFERENCE_ROUTINGS. E = 8 experts, or the next multiple of the world size.
+    """
+    kind, drop_prob, last_rank_empty, topk = REFERENCE_ROUTINGS[routing]
+    num_experts = world_size * math.ceil(8 / world_size)
+    num_local = num_experts // world_size
+    tokens = [max(1, num_tokens - 3 * r) for r in range(world_size)]
+    if last_rank_empty:
+        tokens[-1] = 0
+    gen = torch.Generator().manual_seed(seed * 7919 + sorted(REFERENCE_ROUTINGS).index(routing))
+    xs, idxs, weights, w1s, w2s = [], [], [], [], []
+    for n in tokens:
+        xs.append(torch.randn(n, hidden, generator=gen).to(dtype))
+        idx, w = make_routing(n, num_experts, topk, kind, generator=gen, drop_prob=drop_prob,
+                              num_ranks=world_size)
+        idxs.append(idx)
+        weights.append(w)
+        w1s.append((torch.randn(num_local, hidden, 2 * inter, generator=gen) / hidden ** 0.5).to(dtype))
+        w2s.append((torch.randn(num_local, inter, hidden, generator=gen) / inter ** 0.5).to(dtype))
+    return MoEInputs(xs, idxs, weights, w1s, w2s, num_experts)
+
+
+def _tile(seed: int, src: int, call: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    # Random values, different per source rank and per call: a stale or misplaced tile shows.
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + src * 10_007 + call)
+    return torch.randn(rows, cols, generator=gen).to(dtype)
+
+
+def _device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else torch.device("cpu")
+
+
+# ============================================================================ rank functions
+@triton.jit
+def peer_get_kernel(
+    table_ptr,   # int64 (W,) arena base of every rank
+    out_ptr,     # uint8 (W, n_bytes): out[p] = bytes [offset, offset + n_bytes) of rank p's arena
+    offset,      # bytes from the arena base
+    n_bytes,
+    BLOCK: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    o_b = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m_b = o_b < n_bytes
+    p_src = heap_ptr(table_ptr, i_p, offset, tl.uint8)
+    b_x = tl.load(p_src + o_b, mask=m_b)  # [BLOCK]
+    tl.store(out_ptr + i_p * n_bytes + o_b, b_x, mask=m_b)
+
+
+register_kernel(peer_get_kernel, {"table_ptr": "*i64", "out_ptr": "*u8", "offset": "i64",
+                                  "n_bytes": "i32"}, {"BLOCK": 1024})
+
+# (shape, dtype) of the heap self-test's buffers: odd sizes so allocations need realignment.
+_HEAP_BUFFERS = (((1000,), torch.float32), ((7, 33), torch.bfloat16), ((5, 3), torch.int32),
+                 ((3,), torch.uint8))
+
+
+def _heap_fill(seed: int, rank: int, i: int) -> torch.Tensor:
+    """Contents of buffer `i` on `rank`: random bits, so a read of the wrong rank shows."""
+    shape, dtype = _HEAP_BUFFERS[i]
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + i)
+    n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (n_bytes,), dtype=torch.uint8, generator=gen).view(dtype).view(shape)
+
+
+def rank_heap_selftest(backend: str, seed: int) -> dict[str, Any]:
+    """Allocate buffers, fill this rank's copies, read every peer's copy through the pointer
+    table with a kernel (what every ditron_ep kernel does) and compare bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(backend)
+    problems = []
+    with SymmetricHeap(backend=backend, size_bytes=HEAP_BYTES) as heap:
+        for i, (shape, dtype) in enumerate(_HEAP_BUFFERS):
+            view = heap.alloc(f"selfcheck/heap{i}", shape, dtype)
+            if tuple(view.shape) != shape or view.dtype != dtype or view.device.type != device.type:
+                problems.append(f"buffer {i}: view is {view.dtype} {tuple(view.shape)} on {view.device}")
+            view.copy_(_heap_fill(seed, rank, i))
+        offsets = [heap.offset_of(f"selfcheck/heap{i}") for i in range(len(_HEAP_BUFFERS))]
+        problems += [f"offset {o} not {C.ALIGN}-byte aligned" for o in offsets if o % C.ALIGN]
+        heap.barrier()
+        for i, (shape, dtype) in enumerate(_HEAP_BUFFERS):
+            n_bytes = heap.buffer(f"selfcheck/heap{i}").nbytes
+            got = torch.empty(world, n_bytes, dtype=torch.uint8, device=device)
+            peer_get_kernel[(world, triton.cdiv(n_bytes, 1024))](
+                heap.ptr_table, got, offsets[i], n_bytes, BLOCK=1024)
+            got = got.cpu()
+            for peer in range(world):
+                if not torch.equal(got[peer], _heap_fill(seed, peer, i).reshape(-1).view(torch.uint8)):
+                    problems.append(f"buffer {i} ({dtype}) of rank {peer} reads wrong")
+        heap.barrier()
+    return {"offsets": offsets, "problems": problems,
+            "dtypes": [str(dtype).removeprefix("torch.") for _, dtype in _HEAP_BUFFERS]}
+
+
+def rank_exchange_selftest(backend: str, rows: int, cols: int, dtype: str, n_calls: int,
+                           num_programs: int | None, seed: int) -> dict[str, Any]:
+    """`n_calls` back-to-back tile exchanges; every received tile compared element-exact."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device, torch_dtype = _device(backend), DTYPES[dtype]
+    bad, max_abs, max_ref, bitwise = [], 0.0, 0.0, True
+    with SymmetricHeap(backend=backend, size_bytes=HEAP_BYTES) as heap:
+        for call in range(n_calls):
+            out = exchange_tiles(heap, _tile(seed, rank, call, rows, cols, torch_dtype).to(device),
+                                 num_programs=num_programs).cpu()
+            for src in range(world):
+                want = _tile(seed, src, call, rows, cols, torch_dtype)
+                if not torch.equal(out[src].reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+                    bitwise = False
+                    bad.append((call, src))
+                max_abs = max(max_abs, _max_abs_err(out[src], want))
+                max_ref = max(max_ref, float(want.abs().max()) if want.numel() else 0.0)
+        epoch = heap.epoch
+    return {"bad": bad[:8], "max_abs": max_abs, "max_ref": max_ref, "bitwise": bitwise, "epoch": epoch}
+
+
+def rank_timeout_probe(backend: str, budget: int) -> dict[str, Any]:
+    """All ranks exchange once; then rank 0 alone launches with a `budget`-poll wait budget and
+    must get DitronTimeoutError; after `heap.reset()` an exchange must be exact again."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(backend)
+    result: dict[str, Any] = {"raised": None}
+    with SymmetricHeap(backend=backend, size_bytes=HEAP_BYTES) as heap:
+        exchange_tiles(heap, torch.ones(4, 8, device=device))  # allocates on every rank
+        if rank == 0:
+            default_budget, heap.wait_budget = heap.wait_budget, budget
+            start = time.perf_counter()
+            try:
+                exchange_tiles(heap, torch.ones(4, 8, device=device))
+            except DitronTimeoutError as err:
+                result.update(raised=str(err), rank=err.rank, stage=err.stage)
+            finally:
+                heap.wait_budget = default_budget
+            result["seconds"] = time.perf_counter() - start
+        heap.reset()
+        out = exchange_tiles(heap, torch.full((4, 8), float(rank), device=device)).cpu()
+        result["after_reset_ok"] = all(torch.equal(out[s], torch.full((4, 8), float(s)))
+                                       for s in range(world))
+    return result
+
+
+def rank_reference(backend: str, inputs: MoEInputs, repeats: int) -> list[torch.Tensor]:
+    """`repeats` runs of the sequential reference on this rank's inputs (CPU results)."""
+    rank = dist.get_rank()
+    device = _device(backend)
+    args = [t[rank].to(device) for t in (inputs.xs, inputs.topk_idxs, inputs.topk_weights,
+                                         inputs.w1s, inputs.w2s)]
+    return [ep_moe_reference(*args, num_experts=inputs.num_experts).cpu() for _ in range(repeats)]

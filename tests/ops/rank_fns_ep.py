@@ -1,0 +1,227 @@
+"""Rank-side EP dispatch/combine checks (imported by name in emulated rank processes).
+
+Every rank builds every rank's inputs from the same seeds, so the expected permutation and the
+float64 oracle are computed locally with plain loops that share no code with the kernels.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.determinism import TOLERANCES, make_routing
+from ditron_ep.ops import EPBuffer
+
+
+def make_inputs(W: int, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
+                seed: int, drop_prob: float = 0.0):
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        xs.append(torch.randn(tokens[r], H, generator=g).to(dtype))
+        idx, w = make_routing(tokens[r], E, K, kind, generator=g, drop_prob=drop_prob, num_ranks=W)
+        idxs.append(idx)
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def expected_rows(xs, idxs, rank: int, W: int, E: int):
+    """(source, token, k) of every row of `rank`, in expert-major, (source, token) order."""
+    e_local = E // W
+    order = []
+    for e in range(rank * e_local, (rank + 1) * e_local):
+        for s in range(W):
+            for t in range(idxs[s].shape[0]):
+                for k in range(idxs[s].shape[1]):
+                    if int(idxs[s][t, k]) == e:
+                        order.append((s, t, k))
+    return order
+
+
+def row_scale(e: int) -> float:
+    # Expert "FFN" of the test: y = x * (1 + e / 8): exact in every dtype for small e, and
+    # different per expert, so a row returned to the wrong (t, k) shows.
+    return 1.0 + e / 8.0
+
+
+def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
+                          seed: int = 0, drop_prob: float = 0.0, max_tokens: int | None = None,
+                          num_programs: int | None = None, block_rows: int = 16) -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    buf = EPBuffer(None, E, H, max_tokens or max(max(tokens), 1), K, dtype, num_programs=num_programs,
+                   block_rows=block_rows)
+    report: dict = {}
+
+    order = expected_rows(xs, idxs, rank, W, E)
+    ref = torch.stack([xs[s][t] for s, t, _ in order]) if order else torch.empty(0, H, dtype=dtype)
+    e_local = E // W
+    counts = [sum(1 for s, t, k in order if int(idxs[s][t, k]) == e)
+              for e in range(rank * e_local, (rank + 1) * e_local)]
+
+    def run(sync: bool):
+        recv_x, handle = buf.dispatch(x, idx, w, sync=sync)
+        n = int(handle.expert_offsets[-1])
+        scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - n))
+        y = (recv_x.to(torch.float32) * scale[:, None]).to(dtype)
+        out = buf.combine(y, handle, w)
+        return recv_x, handle, n, y, out
+
+    recv_x, handle, n, y, out = run(True)
+    report["rows"] = (recv_x.shape[0], len(order))
+    report["dispatch_exact"] = recv_x.shape[0] == len(order) and torch.equal(recv_x, ref)
+    report["counts_ok"] = handle.num_recv_per_expert.tolist() == counts
+    report["offsets_ok"] = handle.expert_offsets.tolist() == [sum(counts[:i]) for i in range(e_local + 1)]
+    report["recv_weights_ok"] = torch.equal(handle.recv_weights, torch.tensor(
+        [float(ws[s][t, k]) for s, t, k in order], dtype=torch.float32))
+
+    # float64 oracle of combine from the exact rows each expert rank produced
+    ys = [None] * W
+    dist.all_gather_object(ys, (order, y))
+    exp = torch.zeros(tokens[rank], H, dtype=torch.float64)
+    for s_rank, (order_d, y_d) in enumerate(ys):
+        for row, (s, t, k) in enumerate(order_d):
+            if s == rank:
+                exp[t] += float(w[t, k]) * y_d[row].to(torch.float64)
+    err = (out.to(torch.float64) - exp).abs()
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else TOLERANCES[dtype]
+    report["combine_max_abs"] = float(err.max()) if err.numel() else 0.0
+    report["combine_ok"] = bool((err <= atol + rtol * exp.abs()).all())
+
+    # run-to-run and graph mode: bitwise identical
+    recv_x2, _, _, _, out2 = run(True)
+    report["rerun_bitwise"] = torch.equal(recv_x2, recv_x) and torch.equal(out2, out)
+    recv_g, handle_g, n_g, _, out_g = run(False)
+    report["graph_rows_cap"] = recv_g.shape[0]
+    report["graph_bitwise"] = n_g == n and torch.equal(recv_g[:n], recv_x) and torch.equal(out_g, out)
+    buf.free()
+    return report
+
+
+def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int = 0,
+                  sync: bool = True) -> dict:
+    """d(sum(out * R)) / dx and / dw through dispatch -> per-expert scale -> combine, vs float64."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob=0.1)
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype)
+    x = xs[rank].clone().requires_grad_(True)
+    w = ws[rank].clone().requires_grad_(True)
+    idx = idxs[rank]
+    g = torch.Generator().manual_seed(seed + 77 + rank)
+    upstream = torch.randn(tokens[rank], H, generator=g).to(dtype)
+    order = expected_rows(xs, idxs, rank, W, E)
+    recv_x, handle = buf.dispatch(x, idx, sync=sync)
+    scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - len(order)))
+    y = recv_x * scale[:, None].to(dtype)
+    out = buf.combine(y, handle, w)
+    (out.to(torch.float32) * upstream.to(torch.float32)).sum().backward()
+
+    # float64 oracle: out[t] = sum_k w[t,k] * x[t] * scale(e_k)
+    x64 = xs[rank].to(torch.float64).requires_grad_(True)
+    w64 = ws[rank].to(torch.float64).requires_grad_(True)
+    valid = idx >= 0
+    sc = torch.where(valid, 1.0 + idx.clamp(min=0).to(torch.float64) / 8.0, torch.zeros((), dtype=torch.float64))
+    out64 = (w64 * sc).sum(dim=1, keepdim=True) * x64
+    (out64 * upstream.to(torch.float64)).sum().backward()
+    rtol, atol = TOLERANCES[dtype]
+    rtol, atol = rtol * 4, atol * 4 * H  # gradients sum H (for w) or K (for x) rounded terms
+    dx = (x.grad.to(torch.float64) - x64.grad).abs()
+    dw = (w.grad.to(torch.float64) - w64.grad).abs()
+    buf.free()
+    return {
+        "dx_max": float(dx.max()) if dx.numel() else 0.0, "dw_max": float(dw.max()) if dw.numel() else 0.0,
+        "dx_ok": bool((dx <= atol + rtol * x64.grad.abs()).all()),
+        "dw_ok": bool((dw <= atol + rtol * w64.grad.abs()).all()),
+        "dw_dropped_zero": bool((w.grad[~valid] == 0).all()),
+    }
+
+
+def error_cases() -> dict:
+    """Bad input: clear errors on every rank before any token moves; graph mode records them."""
+    from ditron_ep.ops import CapacityError, RoutingError
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 4 * W, 32, 2
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    x = torch.randn(6, H)
+    idx = torch.tensor([[0, 1]] * 6)
+    res = {}
+
+    def catch(key, fn, exc):
+        try:
+            fn()
+            res[key] = "no error"
+        except exc as err:
+            res[key] = f"{type(err).__name__}: {err}"
+
+    bad_idx = idx.clone()
+    if rank == 1:
+        bad_idx[2, 1] = E + 3
+    catch("bad_expert", lambda: buf.dispatch(x, bad_idx), RoutingError)
+    big = torch.randn(12 if rank == 0 else 4, H)
+    catch("too_many", lambda: buf.dispatch(big, torch.zeros(big.shape[0], K, dtype=torch.long)), CapacityError)
+    # graph mode: recorded, offending slot dropped, raised by the next host-visible call
+    recv_x, handle = buf.dispatch(x, bad_idx, sync=False)
+    res["graph_rows_dropped"] = int(handle.expert_offsets[-1])
+    catch("graph_then_check", buf.check, RoutingError)
+    catch("after_check_clean", buf.check, RoutingError)
+    catch("hidden", lambda: buf.dispatch(torch.randn(6, H + 1), idx), DitronConfigError)
+    catch("dtype", lambda: buf.dispatch(x.to(torch.float16), idx), DitronConfigError)
+    catch("topk_shape", lambda: buf.dispatch(x, idx[:, :1]), DitronConfigError)
+    catch("idx_dtype", lambda: buf.dispatch(x, idx.float()), DitronConfigError)
+    catch("non_contig", lambda: buf.dispatch(torch.randn(H, 6).t(), idx), DitronConfigError)
+    recv_x, handle = buf.dispatch(x, idx)
+    catch("y_rows", lambda: buf.combine(torch.zeros(recv_x.shape[0] + 1, H), handle), DitronConfigError)
+    catch("bad_handle", lambda: buf.combine(recv_x, object()), DitronConfigError)
+    catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, 8, K, torch.float32), DitronConfigError)
+    buf.free()
+    return res
+
+
+def no_collectives_case() -> dict:
+    """After set-up, dispatch and combine must not call any torch.distributed collective."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 48, 2
+    buf = EPBuffer(None, E, H, 10, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [10] * W, H, E, K, torch.float32, "uniform", seed=5)
+    names = ["all_to_all_single", "all_to_all", "all_gather", "all_gather_object", "all_reduce", "broadcast",
+             "broadcast_object_list", "send", "recv", "isend", "irecv", "reduce_scatter", "gather",
+             "scatter", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor"]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def forbidden(*a, **k):
+        raise AssertionError("a torch.distributed collective was called during dispatch/combine")
+
+    try:
+        for n in names:
+            setattr(dist, n, forbidden)
+        recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        out = buf.combine(recv_x, handle, ws[rank])
+        recv_g, handle_g = buf.dispatch(xs[rank], idxs[rank], sync=False)
+        out_g = buf.combine(recv_g, handle_g, ws[rank])
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    ok = torch.equal(out, out_g)
+    buf.free()
+    return {"ok": ok}
+
+
+def functional_regrow_case() -> dict:
+    """Functional wrappers: cached buffer sized at first use, regrown when a call exceeds it."""
+    from ditron_ep.ops import clear_cache, combine, dispatch, get_buffer
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res = {}
+    for call, T in enumerate([3, 5, 40]):  # the third exceeds the first size
+        tokens = [T if r == 0 else 2 for r in range(W)]
+        xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, "uniform", seed=call)
+        recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
+        out = combine(recv_x, handle, ws[rank], num_experts=E)
+        exp = (ws[rank].sum(dim=1, keepdim=True) * xs[rank])  # y = x for every expert
+        res[call] = (get_buffer(None, E, H, K, torch.float32, 0).max_tokens,
+                     bool(torch.allclose(out, exp, rtol=1e-6, atol=1e-6)))
+    clear_cache()
+    return res
