@@ -110,6 +110,8 @@ def ep_dispatch_kernel(
                                 b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
                                               mask=row >= 0, other=0.0)
                                 tl.store(recv_w_ptr + row, b_w, mask=row >= 0)
+                        # recv_rows / recv_w were just written lane by lane; other warps read them below.
+                        tl.debug_barrier()
                         p_stage = heap_ptr(table_ptr, rank, stage_offset, x_ptr.dtype.element_ty)
                         for h0 in range(0, H, BLOCK_H):
                             o_h = h0 + tl.arange(0, BLOCK_H)

@@ -66,6 +66,21 @@ def notify_add(sig_ptr, value):
 
 @register_device_function
 @triton.jit
+def record_timeout(my_ctrl, rank, stage, signal_id, observed, expected):
+    """First timeout of the rank wins the error slot; the flag is published last."""
+    first = tl.atomic_cas(my_ctrl + ERR_FLAG, 0, -1, sem="acq_rel", scope="gpu")
+    if first == 0:
+        tl.store(my_ctrl + ERR_RANK, rank)
+        tl.store(my_ctrl + ERR_STAGE, stage)
+        tl.store(my_ctrl + ERR_SIGNAL, signal_id)
+        tl.store(my_ctrl + ERR_OBSERVED, observed)
+        tl.store(my_ctrl + ERR_EXPECTED, expected)
+        tl.store(my_ctrl + ERR_EPOCH, tl.load(my_ctrl + EPOCH, volatile=True))
+        tl.atomic_xchg(my_ctrl + ERR_FLAG, 1, sem="release", scope="gpu")
+
+
+@register_device_function
+@triton.jit
 def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     """Spin (acquire) until `*sig_ptr - target >= 0` in int32, at most `budget` polls.
 
@@ -85,16 +100,33 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     # Every thread of the program reads the awaited data only after the acquiring thread saw it.
     tl.debug_barrier()
     if not ok:
-        first = tl.atomic_cas(my_ctrl + ERR_FLAG, 0, -1, sem="acq_rel", scope="gpu")
-        if first == 0:
-            tl.store(my_ctrl + ERR_RANK, rank)
-            tl.store(my_ctrl + ERR_STAGE, stage)
-            tl.store(my_ctrl + ERR_SIGNAL, signal_id)
-            tl.store(my_ctrl + ERR_OBSERVED, v)
-            tl.store(my_ctrl + ERR_EXPECTED, target)
-            tl.store(my_ctrl + ERR_EPOCH, tl.load(my_ctrl + EPOCH, volatile=True))
-            tl.atomic_xchg(my_ctrl + ERR_FLAG, 1, sem="release", scope="gpu")
+        record_timeout(my_ctrl, rank, stage, signal_id, v, target)
     return ok
+
+
+@register_device_function
+@triton.jit
+def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
+    """Vector form of `wait`: spin until `*p_sig - target >= 0` for every lane in `mask`.
+
+    Each lane polls its own word with an acquire atomic (no CAS: masked atomics are fine), lanes
+    drop out once satisfied. On timeout records `signal_id` (the caller's id for the vector).
+    """
+    target = target.to(tl.int32)
+    v = tl.atomic_add(p_sig, 0, mask=mask, sem="acquire", scope="sys")
+    pending = mask & ((v - target) < 0)
+    failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+    n = 0
+    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (n < budget) & (failed == 0):
+        v = tl.atomic_add(p_sig, 0, mask=pending, sem="acquire", scope="sys")
+        pending = pending & ((v - target) < 0)
+        failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+        n += 1
+    n_pending = tl.sum(pending.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    if n_pending > 0:
+        record_timeout(my_ctrl, rank, stage, signal_id, n_pending, 0)
+    return n_pending == 0
 
 
 @register_device_function

@@ -264,7 +264,9 @@ class SymmetricHeap:
         self._buffers.clear()
         self._signal_ranges.clear()
         self._ctrl = self.signals = None  # type: ignore[assignment]
+        self.ptr_table = self.signal_table = None  # type: ignore[assignment]
         self._arena.release()
+        self._arena = None  # type: ignore[assignment]  (drop the last reference to the memory)
 
     def __enter__(self) -> "SymmetricHeap":
         return self

@@ -1,0 +1,690 @@
+"""EP dispatch/combine on CUDA ranks (`EPBuffer`, torch symmetric memory), under torchrun.
+
+The GPU twin of tests/ops/test_ep_dispatch_combine.py (tests/ops/rank_fns_ep.py): the same checks,
+at GPU sizes. Run with tests/gpu/run_gpu_suite.sh. Every rank runs every test, in the same order;
+test bodies record problems and assert only after their last collective (the conftest then fails
+the test on every rank if it failed on any). EPBuffers are freed (collectively) by the
+`ep_buffers` fixture after the per-test verdict exchange, when all ranks are in step.
+
+Every rank builds every rank's inputs from the same seeds (on the host), so the expected receive
+side (rows of local expert e ordered by (source rank, source token)) is computed locally with
+plain torch indexing that shares no code with the library; the combine oracle is float64.
+
+The checking functions (`_*_check`) take the device and a list that collects the buffers they
+create, and return their problems: they run unchanged on emulated CPU ranks as well.
+"""
+from __future__ import annotations
+
+import gc
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ditron_ep  # noqa: F401  (decides compiled vs interpreted kernels before any triton.jit)
+from ditron_ep.determinism import TOLERANCES, make_routing
+from ditron_ep.ops import CapacityError, EPBuffer, RoutingError
+from ditron_ep.runtime import DitronConfigError
+
+DT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_MAX_PROBLEMS = 30
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixture: EPBuffers freed after the test (collective), like make_heap in conftest.py
+
+
+@pytest.fixture
+def ep_buffers(dist_env):
+    """A list the test appends its EPBuffers to (see `_new_buffer`); freed in teardown."""
+    buffers: list[EPBuffer] = []
+    yield buffers
+    for buf in reversed(buffers):
+        buf.free()
+    buffers.clear()
+
+
+def _new_buffer(buffers: list, num_experts: int, hidden: int, max_tokens: int, topk: int,
+                dtype: torch.dtype, **kwargs) -> EPBuffer:
+    """Collective: EPBuffer(None, E, H, max_tokens, K, dtype) with backend auto (torch on CUDA)."""
+    buf = EPBuffer(None, num_experts, hidden, max_tokens, topk, dtype, **kwargs)
+    buffers.append(buf)
+    return buf
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs, reference and oracle (host-side, shared by no library code)
+
+
+def _tokens(pattern: list[int], world: int) -> list[int]:
+    """Tokens per rank: the pattern repeated over the ranks (whatever torchrun gives)."""
+    return [pattern[r % len(pattern)] for r in range(world)]
+
+
+def _experts(num_experts: int, world: int) -> int:
+    """num_experts rounded up to a multiple of the world size (E must be one)."""
+    return -(-num_experts // world) * world
+
+
+def _make_inputs(W: int, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
+                 seed: int, drop: float = 0.0):
+    """Every rank's (x, topk_idx, topk_weights), on the host, as rank_fns_ep.make_inputs."""
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        xs.append(torch.randn(tokens[r], H, generator=g).to(dtype))
+        idx, w = make_routing(tokens[r], E, K, kind, generator=g, drop_prob=drop, num_ranks=W)
+        idxs.append(idx)
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def _scale_of(e: torch.Tensor) -> torch.Tensor:
+    """The test's expert "FFN" is a per-expert scale 1 + (e mod 64) / 64 (0 for dropped slots).
+
+    Exact in bf16, fp16 and fp32 (at most 8 significant bits), in [1, 2), and different for the
+    experts of a token unless they agree mod 64, so a row returned to the wrong (t, k) shows.
+    """
+    e = e.to(torch.int64)
+    return torch.where(e >= 0, 1.0 + (e.clamp(min=0) % 64).to(torch.float32) / 64.0,
+                       torch.zeros((), dtype=torch.float32))
+
+
+def _reference(xs, idxs, ws, rank: int, W: int, E: int) -> types.SimpleNamespace:
+    """What `rank` must receive: rows of local expert e at offsets[e]:offsets[e+1], ordered by
+    (source rank, source token, k); the routing weight of every row; per-expert counts."""
+    e_local = E // W
+    lo = rank * e_local
+    K = idxs[0].shape[1]
+    max_t = max([1] + [int(i.shape[0]) for i in idxs])
+    src, tok, kk, ee = [], [], [], []
+    for s, idx in enumerate(idxs):
+        t, k = ((idx >= lo) & (idx < lo + e_local)).nonzero(as_tuple=True)
+        src.append(torch.full_like(t, s))
+        tok.append(t)
+        kk.append(k)
+        ee.append(idx[t, k])
+    src, tok, kk, ee = (torch.cat(v).to(torch.int64) for v in (src, tok, kk, ee))
+    order = torch.argsort((((ee - lo) * W + src) * max_t + tok) * K + kk)
+    src, tok, kk, ee = src[order], tok[order], kk[order], ee[order]
+    first = torch.tensor([0] + [int(i.shape[0]) for i in idxs]).cumsum(0)[:-1]
+    g = first[src] + tok  # row of (source, token) in the concatenation of every rank's tokens
+    counts = torch.bincount(ee - lo, minlength=e_local)  # ids lie in [lo, lo + e_local)
+    return types.SimpleNamespace(
+        rows=torch.cat(xs)[g], weights=torch.cat(ws)[g, kk].to(torch.float32), expert=ee, src=src, tok=tok,
+        k=kk, n=int(ee.numel()), counts=counts.tolist(),
+        offsets=[0] + counts.cumsum(0).tolist())
+
+
+def _expert_forward(recv_x: torch.Tensor, expert: torch.Tensor, n_valid: int, dtype: torch.dtype) -> torch.Tensor:
+    """y = x * scale(expert of the row) in fp32, cast once; rows past the valid extent get 0 scale."""
+    scale = torch.zeros(recv_x.shape[0], dtype=torch.float32)
+    c = min(n_valid, int(expert.numel()), recv_x.shape[0])
+    scale[:c] = _scale_of(expert[:c])
+    return (recv_x.to(torch.float32) * scale.to(recv_x.device)[:, None]).to(dtype)
+
+
+def _combine_oracle(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 out[t] = sum_k w[t, k] * y(t, k), y(t, k) = dtype(x[t] * scale(e_k)) as the experts
+    compute it (same fp32 product, same cast); dropped slots contribute nothing."""
+    sc = _scale_of(idx).to(x.device)
+    y = (x.to(torch.float32)[:, None, :] * sc[:, :, None]).to(dtype)
+    valid = (idx >= 0).to(x.device)[:, :, None]
+    y64 = torch.where(valid, y.to(torch.float64), torch.zeros((), dtype=torch.float64, device=x.device))
+    return (w.to(torch.float64).to(x.device)[:, :, None] * y64).sum(dim=1)
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    if a.device != b.device:
+        b = b.to(a.device)
+    return torch.equal(a.contiguous().flatten().view(torch.uint8), b.contiguous().flatten().view(torch.uint8))
+
+
+def _close(got: torch.Tensor, want64: torch.Tensor, rtol: float, atol: float,
+           mag: torch.Tensor | None = None) -> tuple[bool, float]:
+    """|got - want| <= atol + rtol * mag (mag = |want| by default), NaN/inf failing; (ok, max err)."""
+    if got.shape != want64.shape:
+        return False, float("inf")
+    if got.numel() == 0:
+        return True, 0.0
+    g = got.detach().to(torch.float64).to(want64.device)
+    err = (g - want64).abs()
+    err = torch.where(torch.isfinite(g) & torch.isfinite(want64), err, torch.full_like(err, float("inf")))
+    mag = want64.abs() if mag is None else mag
+    return bool((err <= atol + rtol * mag).all()), float(err.max())
+
+
+def _describe_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"got {tuple(got.shape)} {got.dtype}, want {tuple(want.shape)} {want.dtype}"
+    bad = (got.to(torch.float64) != want.to(got.device).to(torch.float64))
+    if got.dim() > 1:
+        bad = bad.reshape(got.shape[0], -1).any(dim=1)
+    rows = bad.nonzero().flatten()[:8].tolist()
+    return f"{int(bad.sum())} of {got.shape[0]} rows differ (first: {rows})"
+
+
+def _fail(problems: list[str]) -> str:
+    more = f"\n... and {len(problems) - _MAX_PROBLEMS} more" if len(problems) > _MAX_PROBLEMS else ""
+    return "\n".join(problems[:_MAX_PROBLEMS]) + more
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch + combine: exact permutation, counts, weights, combine vs float64, reruns, graph mode
+
+
+def _dispatch_combine_check(dev, buffers: list, tokens: list[int], H: int, E: int, K: int,
+                            dtype: torch.dtype, kind: str, seed: int, drop: float = 0.0,
+                            max_tokens: int | None = None, num_programs: int | None = None,
+                            block_rows: int = 16) -> tuple[list[str], dict]:
+    """One buffer, three dispatch+combine runs (default, default again, graph mode), all checked.
+
+    Returns (problems, {"recv_x", "out", "recv_w"}) of the first default-mode run, on the device.
+    """
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = _make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop)
+    ref = _reference(xs, idxs, ws, rank, W, E)
+    max_t = max_tokens or max(max(tokens), 1)
+    buf = _new_buffer(buffers, E, H, max_t, K, dtype, num_programs=num_programs, block_rows=block_rows)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+    tag = f"[programs={num_programs or 'default'} block_rows={block_rows}]"
+
+    def run(sync: bool):
+        recv_x, handle = buf.dispatch(x, idx, w, sync=sync)
+        n = int(handle.expert_offsets[-1])
+        y = _expert_forward(recv_x, ref.expert, n, dtype)
+        out = buf.combine(y, handle, w)
+        return recv_x, handle, n, out
+
+    # ---- default mode
+    recv_x, handle, n, out = run(True)
+    if recv_x.shape != (ref.n, H) or recv_x.dtype != dtype or recv_x.device != x.device:
+        problems.append(f"{tag} recv_x is {tuple(recv_x.shape)} {recv_x.dtype} on {recv_x.device}, "
+                        f"want ({ref.n}, {H}) {dtype} on {x.device}")
+    if n != ref.n or handle.num_rows != ref.n:
+        problems.append(f"{tag} expert_offsets[-1] = {n}, num_rows = {handle.num_rows}, want {ref.n}")
+    if not _bits_equal(recv_x, ref.rows):
+        problems.append(f"{tag} recv_x differs from the reference permutation: "
+                        f"{_describe_mismatch(recv_x, ref.rows)}")
+    if handle.num_recv_per_expert.tolist() != ref.counts:
+        problems.append(f"{tag} num_recv_per_expert {handle.num_recv_per_expert.tolist()} != {ref.counts}")
+    if handle.expert_offsets.tolist() != ref.offsets:
+        problems.append(f"{tag} expert_offsets {handle.expert_offsets.tolist()} != {ref.offsets}")
+    if handle.grouped_mm_offs.tolist() != ref.offsets[1:]:
+        problems.append(f"{tag} grouped_mm_offs {handle.grouped_mm_offs.tolist()} != {ref.offsets[1:]}")
+    if handle.recv_weights is None or not _bits_equal(handle.recv_weights, ref.weights):
+        problems.append(f"{tag} carried weights (handle.recv_weights) differ from the routing weights")
+    exp = _combine_oracle(x, idx, w, dtype)
+    if out.shape != (tokens[rank], H) or out.dtype != dtype:
+        problems.append(f"{tag} combine out is {tuple(out.shape)} {out.dtype}, want ({tokens[rank]}, {H}) {dtype}")
+    else:
+        rtol, atol = TOLERANCES[dtype]
+        ok, max_err = _close(out, exp, rtol, atol)
+        if not ok:
+            problems.append(f"{tag} combine off the float64 oracle by up to {max_err:.3e} (rtol={rtol}, atol={atol})")
+
+    # ---- run to run: bitwise identical
+    recv_x2, handle2, n2, out2 = run(True)
+    if not (n2 == n and _bits_equal(recv_x2, recv_x) and _bits_equal(out2, out)
+            and handle2.recv_weights is not None and handle.recv_weights is not None
+            and _bits_equal(handle2.recv_weights, handle.recv_weights)):
+        problems.append(f"{tag} a second default-mode run differs bitwise from the first")
+
+    # ---- graph mode (sync=False): capacity rows, valid extent on the device, same bits
+    recv_g, handle_g, n_g, out_g = run(False)
+    cap = W * max_t * K
+    if recv_g.shape != (cap, H) or handle_g.num_rows is not None or handle_g.rows_cap != cap:
+        problems.append(f"{tag} graph mode: recv_x {tuple(recv_g.shape)}, num_rows {handle_g.num_rows}, "
+                        f"rows_cap {handle_g.rows_cap}; want ({cap}, {H}), None, {cap}")
+    if n_g != n or handle_g.expert_offsets.tolist() != handle.expert_offsets.tolist():
+        problems.append(f"{tag} graph mode: expert_offsets {handle_g.expert_offsets.tolist()} != default "
+                        f"{handle.expert_offsets.tolist()}")
+    elif not _bits_equal(recv_g[:n], recv_x):
+        problems.append(f"{tag} graph mode: valid rows differ from default mode: "
+                        f"{_describe_mismatch(recv_g[:n], recv_x)}")
+    elif handle_g.recv_weights is None or not _bits_equal(handle_g.recv_weights[:n], ref.weights):
+        problems.append(f"{tag} graph mode: carried weights differ")
+    if not _bits_equal(out_g, out):
+        problems.append(f"{tag} graph mode: combine output differs bitwise from default mode")
+    return problems, {"recv_x": recv_x, "out": out, "recv_w": handle.recv_weights}
+
+
+CASES = [  # (name, tokens per rank (pattern), H, E, K, dtype, routing, drop_prob, max_tokens)
+    ("uniform", [300, 337, 290, 311], 1000, 64, 8, torch.bfloat16, "uniform", 0.0, None),
+    ("zipf-E256", [256, 256, 256, 256], 128, 256, 8, torch.bfloat16, "zipf", 0.0, None),  # T = 16 blocks
+    ("one_expert", [200, 201, 202, 203], 128, 8, 2, torch.bfloat16, "one_expert", 0.0, None),
+    ("one_rank", [129, 64, 257, 1], 1000, 64, 8, torch.bfloat16, "one_rank", 0.0, None),
+    ("drops-empty-rank", [123, 0, 77, 200], 7168, 64, 2, torch.bfloat16, "uniform", 0.3, None),
+    ("large", [512, 500, 480, 511], 7168, 256, 8, torch.bfloat16, "zipf", 0.05, None),
+    ("slack-K1", [100, 90, 80, 70], 1000, 8, 1, torch.bfloat16, "uniform", 0.0, 384),  # max_tokens > T
+    ("K1", [511, 300, 17, 250], 1000, 8, 1, torch.float16, "uniform", 0.0, None),
+    ("E8-K8", [150, 161, 170, 185], 128, 8, 8, torch.float16, "uniform", 0.0, None),  # every rank, every token
+    ("zipf-empty-rank", [128, 100, 0, 77], 7168, 256, 8, torch.float16, "zipf", 0.1, None),
+    ("uniform-E256", [255, 1, 130, 64], 128, 256, 8, torch.float32, "uniform", 0.1, None),
+    ("one_rank-K1", [200, 150, 100, 50], 7168, 8, 1, torch.float32, "one_rank", 0.0, None),
+    ("heavy-drops", [97, 33, 0, 160], 1000, 64, 2, torch.float32, "zipf", 0.5, None),
+]
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}-T{max(c[1])}-H{c[2]}-E{c[3]}-K{c[4]}-{DT[c[5]]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_dispatch_combine(dist_env, ep_buffers, case):
+    name, pattern, H, E, K, dtype, kind, drop, max_tokens = case
+    W = dist_env.world
+    problems, _ = _dispatch_combine_check(dist_env.device, ep_buffers, _tokens(pattern, W), H, _experts(E, W), K,
+                                          dtype, kind, seed=CASES.index(case) + 1, drop=drop, max_tokens=max_tokens)
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism across grid sizes (and chunk size)
+
+GRID_CONFIGS = [(None, 16), (1, 16), (7, 16), (5, 4)]  # (num_programs, block_rows); None = every SM
+GRID_CASES = [  # (tokens pattern, H, E, K, dtype, routing, drop)
+    ([301, 77, 0, 190], 1000, 64, 8, torch.bfloat16, "zipf", 0.1),
+    ([129, 250, 33, 64], 128, 256, 8, torch.float32, "uniform", 0.0),
+]
+
+
+def _grid_check(dev, buffers: list, tokens, H, E, K, dtype, kind, drop, seed) -> list[str]:
+    problems: list[str] = []
+    base = None
+    for programs, block in GRID_CONFIGS:
+        probs, res = _dispatch_combine_check(dev, buffers, tokens, H, E, K, dtype, kind, seed, drop,
+                                             num_programs=programs, block_rows=block)
+        problems += probs
+        if base is None:
+            base = res
+            continue
+        for key in ("recv_x", "out", "recv_w"):
+            if res[key] is None or base[key] is None or not _bits_equal(res[key], base[key]):
+                problems.append(f"{key} with num_programs={programs}, block_rows={block} differs bitwise "
+                                f"from num_programs=default, block_rows=16")
+    return problems
+
+
+def _short_id(c) -> str:
+    return f"T{max(c[0])}-H{c[1]}-E{c[2]}-K{c[3]}-{DT[c[4]]}"
+
+
+@pytest.mark.parametrize("case", GRID_CASES, ids=[_short_id(c) for c in GRID_CASES])
+def test_grid_and_chunk_sizes_do_not_change_bits(dist_env, ep_buffers, case):
+    pattern, H, E, K, dtype, kind, drop = case
+    W = dist_env.world
+    problems = _grid_check(dist_env.device, ep_buffers, _tokens(pattern, W), H, _experts(E, W), K, dtype, kind,
+                           drop, seed=100 + GRID_CASES.index(case))
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graph: capture dispatch -> elementwise -> combine once, replay with new routings
+
+REPLAY_ROUTINGS = [("uniform", 0.0), ("zipf", 0.0), ("one_rank", 0.0), ("one_expert", 0.0), ("uniform", 0.5),
+                   ("zipf", 0.2), ("uniform", 0.0)]
+
+
+def _cuda_graph_capture(step):
+    """Capture `step()` in a CUDA graph; returns (its outputs: static tensors, replay, graph)."""
+    torch.cuda.synchronize()
+    gc.collect()  # nothing (an earlier test's symmetric arena) may be freed during the capture
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            statics = step()
+    finally:
+        gc.enable()
+    return statics, graph.replay, graph
+
+
+def _graph_capture_check(dev, buffers: list, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype,
+                         seed: int, capture=_cuda_graph_capture) -> list[str]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    T, max_t = tokens[rank], max(max(tokens), 1)
+    buf = _new_buffer(buffers, E, H, max_t, K, dtype)
+    problems: list[str] = []
+    x_s = torch.zeros(T, H, dtype=dtype, device=dev)
+    idx_s = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+    w_s = torch.zeros(T, K, dtype=torch.float32, device=dev)
+
+    def load(i: int):
+        kind, drop = REPLAY_ROUTINGS[i % len(REPLAY_ROUTINGS)]
+        xs, idxs, ws = _make_inputs(W, tokens, H, E, K, dtype, kind, seed * 100 + i, drop)
+        x_s.copy_(xs[rank])
+        idx_s.copy_(idxs[rank])
+        w_s.copy_(ws[rank])
+        return xs, idxs, ws
+
+    def step():
+        recv_x, handle = buf.dispatch(x_s, idx_s, w_s, sync=False)
+        y = recv_x * 2
+        out = buf.combine(y, handle, w_s)
+        return recv_x, handle.expert_offsets, handle.recv_weights, out
+
+    load(0)
+    step()  # eager warm-up in graph mode: compiles the kernels, no collective host work left
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    epoch0 = buf.heap.epoch
+    statics, replay, graph = capture(step)
+    if buf.heap.epoch != epoch0:
+        problems.append(f"capture ran kernels: epoch {epoch0} -> {buf.heap.epoch}")
+    recv_g, off_g, w_g, out_g = statics
+    rows_seen = []
+    n_replays = len(REPLAY_ROUTINGS)
+    for i in range(1, n_replays + 1):
+        xs, idxs, ws = load(i)
+        replay()
+        n = int(off_g[-1])
+        rows_seen.append(n)
+        # eager default mode on the same (static) inputs
+        recv_e, h_e = buf.dispatch(x_s, idx_s, w_s)
+        out_e = buf.combine(recv_e * 2, h_e, w_s)
+        ref = _reference(xs, idxs, ws, rank, W, E)
+        what = f"replay {i} ({REPLAY_ROUTINGS[i % len(REPLAY_ROUTINGS)]})"
+        if h_e.expert_offsets.tolist() != ref.offsets or not _bits_equal(recv_e, ref.rows):
+            problems.append(f"{what}: eager dispatch differs from the reference permutation")
+        if n != h_e.num_rows or off_g.tolist() != h_e.expert_offsets.tolist():
+            problems.append(f"{what}: replayed expert_offsets {off_g.tolist()} != eager {h_e.expert_offsets.tolist()}")
+            continue
+        if not _bits_equal(recv_g[:n], recv_e):
+            problems.append(f"{what}: replayed recv_x differs from eager: {_describe_mismatch(recv_g[:n], recv_e)}")
+        if w_g is None or h_e.recv_weights is None or not _bits_equal(w_g[:n], h_e.recv_weights):
+            problems.append(f"{what}: replayed carried weights differ from eager")
+        if not _bits_equal(out_g, out_e):
+            problems.append(f"{what}: replayed combine output differs bitwise from eager default mode")
+    if rank == 0 and len(set(rows_seen)) < 2:
+        problems.append(f"the replays did not change the received row count ({rows_seen}): test inputs too uniform")
+    epoch = buf.heap.epoch
+    want_epoch = (epoch0 + 6 * n_replays + 2**31) % 2**32 - 2**31  # replay: 3 launches, eager: 3
+    if epoch != want_epoch:
+        problems.append(f"epoch after {n_replays} replays + eager calls is {epoch}, want {want_epoch}")
+    try:
+        buf.check()
+        buf.heap.check_error()
+    except Exception as err:
+        problems.append(f"after the replays: {type(err).__name__}: {err}")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    del replay, graph, statics, recv_g, off_g, w_g, out_g
+    return problems
+
+
+GRAPH_CASES = [  # (tokens pattern, H, E, K, dtype)
+    ([200, 173, 256, 97], 1000, 64, 8, torch.bfloat16),
+    ([64, 0, 150, 33], 7168, 8, 2, torch.float16),
+    ([100, 129, 16, 1], 128, 256, 8, torch.float32),
+]
+
+
+@pytest.mark.parametrize("case", GRAPH_CASES, ids=[_short_id(c) for c in GRAPH_CASES])
+def test_cuda_graph_replays_follow_new_routings(dist_env, ep_buffers, case):
+    pattern, H, E, K, dtype = case
+    W = dist_env.world
+    problems = _graph_capture_check(dist_env.device, ep_buffers, _tokens(pattern, W), H, _experts(E, W), K, dtype,
+                                    seed=200 + GRAPH_CASES.index(case))
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients: dispatch -> per-expert scale -> combine, vs float64 autograd
+
+
+def _gradient_check(dev, buffers: list, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype,
+                    kind: str, seed: int, sync: bool) -> list[str]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = _make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop=0.1)
+    ref = _reference(xs, idxs, ws, rank, W, E)
+    buf = _new_buffer(buffers, E, H, max(max(tokens), 1), K, dtype)
+    idx = idxs[rank].to(dev)
+    g = torch.Generator().manual_seed(seed + 77 + rank)
+    upstream = torch.randn(tokens[rank], H, generator=g).to(dtype).to(dev)
+    problems: list[str] = []
+
+    def run():
+        x = xs[rank].to(dev).clone().requires_grad_(True)
+        w = ws[rank].to(dev).clone().requires_grad_(True)
+        recv_x, handle = buf.dispatch(x, idx, sync=sync)
+        n = int(handle.expert_offsets[-1])
+        scale = torch.zeros(recv_x.shape[0], dtype=torch.float32)
+        c = min(n, ref.n, recv_x.shape[0])
+        scale[:c] = _scale_of(ref.expert[:c])
+        y = recv_x * scale.to(dev)[:, None].to(dtype)
+        out = buf.combine(y, handle, w)
+        (out.to(torch.float32) * upstream.to(torch.float32)).sum().backward()
+        return out.detach(), x.grad, w.grad, n
+
+    out, gx, gw, n = run()
+    if n != ref.n:
+        problems.append(f"received {n} rows, want {ref.n}")
+    # float64 oracle: out[t] = sum_k w[t, k] * scale(e_k) * x[t]
+    x64 = xs[rank].to(dev).to(torch.float64).clone().requires_grad_(True)
+    w64 = ws[rank].to(dev).to(torch.float64).clone().requires_grad_(True)
+    sc = _scale_of(idx).to(torch.float64)
+    u64 = upstream.to(torch.float64)
+    ((w64 * sc).sum(dim=1, keepdim=True) * x64 * u64).sum().backward()
+    # Bounds scale with the sum of the magnitudes of the terms each gradient adds up (K terms for
+    # x, H terms for w): every term carries a few roundings of the dtype, with 4x margin.
+    rtol, atol = TOLERANCES[dtype]
+    with torch.no_grad():
+        mag_x = (w64.abs() * sc).sum(dim=1, keepdim=True) * u64.abs()
+        mag_w = sc * (u64.abs() * x64.abs()).sum(dim=1, keepdim=True)
+    if gx is None or gw is None:
+        problems.append(f"no gradient: x.grad {'set' if gx is not None else None}, "
+                        f"w.grad {'set' if gw is not None else None}")
+    else:
+        ok, err = _close(gx, x64.grad, 4 * rtol, 4 * atol, mag_x)
+        if not ok or gx.dtype != dtype:
+            problems.append(f"dispatch backward (x.grad, {gx.dtype}) off the float64 oracle by up to {err:.3e}")
+        ok, err = _close(gw, w64.grad, 4 * rtol, 4 * atol, mag_w)
+        if not ok or gw.dtype != torch.float32:
+            problems.append(f"combine weight gradient (w.grad, {gw.dtype}) off the float64 oracle by up to {err:.3e}")
+        if not bool((gw[idx < 0] == 0).all()):
+            problems.append("w.grad of dropped slots is not 0")
+        out2, gx2, gw2, _ = run()
+        if not (_bits_equal(out2, out) and gx2 is not None and _bits_equal(gx2, gx)
+                and gw2 is not None and _bits_equal(gw2, gw)):
+            problems.append("a second forward + backward differs bitwise from the first")
+    return problems
+
+
+GRAD_CASES = [  # (tokens pattern, H, E, K, dtype, routing, sync)
+    ([257, 0, 130, 64], 1000, 64, 8, torch.bfloat16, "uniform", True),
+    ([200, 31, 0, 99], 128, 8, 2, torch.float32, "zipf", True),
+    ([96, 150, 7, 0], 7168, 256, 8, torch.bfloat16, "zipf", False),
+    ([64, 17, 120, 0], 1000, 64, 2, torch.float32, "uniform", False),
+]
+
+
+@pytest.mark.parametrize("case", GRAD_CASES,
+                         ids=[f"{_short_id(c)}-{'default' if c[6] else 'graph'}" for c in GRAD_CASES])
+def test_gradients(dist_env, ep_buffers, case):
+    pattern, H, E, K, dtype, kind, sync = case
+    W = dist_env.world
+    problems = _gradient_check(dist_env.device, ep_buffers, _tokens(pattern, W), H, _experts(E, W), K, dtype, kind,
+                               seed=300 + GRAD_CASES.index(case), sync=sync)
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# No torch.distributed collective on the data path
+
+_COLLECTIVES = ["all_to_all_single", "all_to_all", "all_gather", "all_gather_object", "all_reduce", "broadcast",
+                "broadcast_object_list", "send", "recv", "isend", "irecv", "reduce", "reduce_scatter", "gather",
+                "gather_object", "scatter", "scatter_object_list", "barrier", "monitored_barrier",
+                "all_gather_into_tensor", "reduce_scatter_tensor", "batch_isend_irecv", "new_group"]
+
+
+def _no_collectives_check(dev, buffers: list) -> list[str]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K, T = 2 * W, 256, 2, 40
+    buf = _new_buffer(buffers, E, H, T, K, torch.bfloat16)  # collective set-up, before the patch
+    xs, idxs, ws = _make_inputs(W, [T] * W, H, E, K, torch.bfloat16, "uniform", seed=5)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+    called: list[str] = []
+    modules = [dist, torch.distributed.distributed_c10d]
+    saved = [(m, n, getattr(m, n)) for m in modules for n in _COLLECTIVES if hasattr(m, n)]
+
+    def forbid(name):
+        def forbidden(*args, **kwargs):
+            called.append(name)
+            raise AssertionError(f"torch.distributed.{name} was called during dispatch/combine")
+        return forbidden
+
+    out = out_g = None
+    try:
+        for m, n, _ in saved:
+            setattr(m, n, forbid(n))
+        xg = x.clone().requires_grad_(True)
+        wg = w.clone().requires_grad_(True)
+        recv_x, handle = buf.dispatch(xg, idx, wg)
+        out = buf.combine(recv_x, handle, wg)
+        out.to(torch.float32).sum().backward()
+        recv_g, handle_g = buf.dispatch(x, idx, w, sync=False)
+        out_g = buf.combine(recv_g, handle_g, w)
+        buf.check()
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    finally:
+        for m, n, f in saved:
+            setattr(m, n, f)
+    if called:
+        problems.append(f"collectives called on the data path: {sorted(set(called))}")
+    if out is not None and out_g is not None and not _bits_equal(out.detach(), out_g):
+        problems.append("graph-mode combine differs from default mode")
+    return problems
+
+
+def test_no_collectives_on_the_data_path(dist_env, ep_buffers):
+    problems = _no_collectives_check(dist_env.device, ep_buffers)
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: clear errors on every rank, before any token moves; graph mode records them
+
+
+def _error_check(dev, buffers: list) -> list[str]:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K, max_t = 4 * W, 32, 2, 8
+    buf = _new_buffer(buffers, E, H, max_t, K, torch.float32)
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(6, H, generator=g).to(dev)
+    idx = torch.tensor([[0, 1]] * 6, dtype=torch.int64, device=dev)  # experts 0, 1: both on rank 0
+    bad_rank = 1 if W > 1 else 0
+    res: dict[str, str] = {}
+
+    def catch(key, fn, exc=DitronConfigError):
+        try:
+            fn()
+            res[key] = "no error"
+        except exc as err:
+            res[key] = f"{type(err).__name__}: {err}"
+        except Exception as err:  # the wrong exception type is a failure too (recorded, not raised)
+            res[key] = f"wrong exception {type(err).__name__}: {err}"
+
+    bad_idx = idx.clone()
+    if rank == bad_rank:
+        bad_idx[2, 1] = E + 3
+    catch("bad_expert", lambda: buf.dispatch(x, bad_idx), RoutingError)
+    neg_idx = idx.clone()
+    if rank == bad_rank:
+        neg_idx[4, 0] = -2
+    catch("negative_expert", lambda: buf.dispatch(x, neg_idx.to(torch.int32)), RoutingError)
+    big = torch.randn(12 if rank == 0 else 4, H, generator=g).to(dev)
+    catch("too_many", lambda: buf.dispatch(big, torch.zeros(big.shape[0], K, dtype=torch.int64, device=dev)),
+          CapacityError)
+    # graph mode: recorded (the offending slot dropped), raised by the next host-visible call
+    graph_rows = -1
+    try:
+        recv_g, handle_g = buf.dispatch(x, bad_idx, sync=False)
+        graph_rows = int(handle_g.expert_offsets[-1])
+        res["graph_dispatch"] = "no error"
+    except Exception as err:
+        res["graph_dispatch"] = f"{type(err).__name__}: {err}"
+    catch("graph_then_check", buf.check, RoutingError)
+    catch("after_check_clean", buf.check, RoutingError)
+    # host-side argument checks (no kernel, no collective)
+    catch("hidden", lambda: buf.dispatch(torch.randn(6, H + 1, device=dev), idx))
+    catch("dtype", lambda: buf.dispatch(x.to(torch.float16), idx))
+    catch("topk_shape", lambda: buf.dispatch(x, idx[:, :1]))
+    catch("idx_dtype", lambda: buf.dispatch(x, idx.float()))
+    catch("non_contig", lambda: buf.dispatch(torch.randn(H, 6, device=dev).t(), idx))
+    if dev.type != "cpu":
+        catch("x_on_cpu", lambda: buf.dispatch(x.cpu(), idx))
+        catch("idx_on_cpu", lambda: buf.dispatch(x, idx.cpu()))
+    catch("weights_shape", lambda: buf.dispatch(x, idx, torch.ones(6, K + 1, device=dev)))
+    if W > 1:
+        catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, max_t, K, torch.float32))
+    catch("topk_too_large", lambda: EPBuffer(None, E, H, max_t, E + 1, torch.float32))
+    # recovery: a valid call works and is right (out = x + x: exact in fp32)
+    recovered = None
+    for attempt in range(2):
+        try:
+            recv_x, handle = buf.dispatch(x, idx)
+            recovered = (recv_x, handle)
+            break
+        except Exception as err:
+            res[f"valid_dispatch_{attempt}"] = f"{type(err).__name__}: {err}"
+    if recovered is not None:
+        recv_x, handle = recovered
+        catch("y_rows", lambda: buf.combine(recv_x[:-1].contiguous() if recv_x.shape[0] else
+                                            torch.zeros(1, H, device=dev), handle))
+        catch("bad_handle", lambda: buf.combine(recv_x, object()))
+        out = buf.combine(recv_x, handle)
+        res["recovered_rows"] = str(recv_x.shape[0])
+        res["recovered_exact"] = str(_bits_equal(out, x + x))
+
+    problems = []
+    want_rows = (12 * W - 1 if rank == 0 else 0)
+    expect = {
+        "bad_expert": ["RoutingError", f"(ranks {bad_rank})", str(E)],
+        "negative_expert": ["RoutingError", f"(ranks {bad_rank})"],
+        "too_many": ["CapacityError", "needed 12", "(ranks 0)", f"max_tokens_per_rank={max_t}"],
+        "graph_dispatch": ["no error"],
+        "graph_then_check": ["RoutingError"],
+        "after_check_clean": ["no error"],
+        "hidden": ["DitronConfigError", f"hidden={H}"],
+        "dtype": ["DitronConfigError", "float16"],
+        "topk_shape": ["DitronConfigError", "topk_idx"],
+        "idx_dtype": ["DitronConfigError", "int32 or int64"],
+        "non_contig": ["DitronConfigError", "contiguous"],
+        "weights_shape": ["DitronConfigError", "topk_weights"],
+        "topk_too_large": ["DitronConfigError", "topk"],
+        "y_rows": ["DitronConfigError", "rows"],
+        "bad_handle": ["DitronConfigError", "handle"],
+        "recovered_rows": [str(12 * W if rank == 0 else 0)],
+        "recovered_exact": ["True"],
+    }
+    if dev.type != "cpu":
+        expect["x_on_cpu"] = ["DitronConfigError", "cpu"]
+        expect["idx_on_cpu"] = ["DitronConfigError", "cpu"]
+    if W > 1:
+        expect["experts_not_multiple"] = ["DitronConfigError", "multiple of the world size"]
+    for key, words in expect.items():
+        got = res.get(key, "(not reached)")
+        if not all(wd in got for wd in words):
+            problems.append(f"{key}: {got!r} lacks one of {words}")
+    if graph_rows != want_rows:
+        problems.append(f"graph-mode dispatch with rank {bad_rank}'s bad slot dropped received {graph_rows} rows, "
+                        f"want {want_rows}")
+    for attempt in range(2):
+        if f"valid_dispatch_{attempt}" in res:
+            problems.append(f"a valid dispatch after the errors raised (attempt {attempt}): "
+                            f"{res[f'valid_dispatch_{attempt}']}")
+    return problems
+
+
+def test_bad_input_raises_on_every_rank(dist_env, ep_buffers):
+    problems = _error_check(dist_env.device, ep_buffers)
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
