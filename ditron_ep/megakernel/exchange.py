@@ -41,7 +41,8 @@ def exchange_tiles_kernel(
             if t < n_push:
                 i_dst = (rank + 1 + t // n_blocks) % world
                 i_b = t % n_blocks
-                row0 = rank.to(tl.int64) * R + i_b * BLOCK_R  # int64: W * R * C may pass 2^31
+                # int64: W * R * C may pass 2^31 (tl.cast: Triton may have specialised rank == 1)
+                row0 = tl.cast(rank, tl.int64) * R + i_b * BLOCK_R
                 p_dst = heap_ptr(table_ptr, i_dst, recv_offset, x_ptr.dtype.element_ty) + row0 * C
                 copy_rows(x_ptr + (i_b * BLOCK_R).to(tl.int64) * C, C, p_dst, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
                           BLOCK_R, BLOCK_C)

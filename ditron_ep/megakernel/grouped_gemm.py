@@ -1,0 +1,234 @@
+"""Grouped GEMM tiles of the MoE expert FFN (SwiGLU), Core level.
+
+Rows are expert-major: the rows of local expert e are expert_off[e]:expert_off[e+1]. The FFN is
+two grouped GEMMs with the activation fused into the first one's epilogue:
+
+    h[r] = silu(a[r] @ W1[e][:, :I]) * (a[r] @ W1[e][:, I:])     W1: [E_local, H, 2I] (gate ‖ up)
+    y[r] = h[r] @ W2[e]                                           W2: [E_local, I, H]
+
+`swiglu_tile` and `down_tile` compute one output tile each; a persistent megakernel calls them
+per task. `grouped_swiglu_kernel` / `grouped_down_kernel` are the standalone persistent kernels:
+P programs, program p takes tiles p, p + P, ...; the tile map (expert, first row, row count of
+every M-tile) is read from device memory, so a launch never waits on the host.
+
+Tile ids are M-tile major, N-tile minor: consecutive programs share the A rows of one M-tile and
+walk one expert's weight columns. No split-K: every output element is one fp32 dot over the whole
+K, so a tile's result does not depend on which program computes it, nor on the grid size.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..compiler.core_config import GemmTileConfig, default_gemm_configs
+from ..compiler.portability import register_device_function, register_kernel
+
+__all__ = ["build_tile_map", "down_tile", "grouped_down_kernel", "grouped_swiglu_kernel", "max_m_tiles",
+           "register_ffn_configs", "swiglu_tile", "tile_coords", "zero_tile"]
+
+_NO_TILE = tl.constexpr(2**31 - 1)  # tile_start padding: larger than any tile id
+
+
+def build_tile_map(expert_offsets: torch.Tensor, block_m: int) -> torch.Tensor:
+    """tile_start int32 [E_local + 1]: exclusive prefix sum of cdiv(rows of expert e, block_m).
+
+    Device ops only (no host sync), on expert_offsets' device. tile_start[E_local] is the number
+    of M-tiles; an expert without rows owns no tile.
+    """
+    counts = (expert_offsets[1:] - expert_offsets[:-1]).clamp_min(0)
+    tile_start = torch.zeros_like(expert_offsets, dtype=torch.int32)
+    torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
+                 out=tile_start[1:])
+    return tile_start
+
+
+def max_m_tiles(rows_cap: int, num_local_experts: int, block_m: int) -> int:
+    """Host bound on the M-tiles of any routing into rows_cap rows: each expert wastes < 1 tile."""
+    return triton.cdiv(rows_cap, block_m) + num_local_experts
+
+
+@register_device_function
+@triton.jit
+def tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap,
+                BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """M-tile t_m (< tile_start[E_local]) -> (expert e, first row row0, rows n_rows <= BM).
+
+    e = #{j in 1..E_local : tile_start[j] <= t_m}: the expert whose tile range holds t_m (empty
+    experts have empty ranges and are passed over). Rows are clamped to [0, rows_cap), so bad
+    offsets cannot make a tile write out of bounds.
+    """
+    o_e = tl.arange(0, BLOCK_E)
+    b_ts = tl.load(tile_start_ptr + 1 + o_e, mask=o_e < E_local, other=_NO_TILE)  # [BLOCK_E]
+    e = tl.sum((b_ts <= t_m).to(tl.int32), axis=0)
+    row0 = tl.load(expert_off_ptr + e) + (t_m - tl.load(tile_start_ptr + e)) * BM
+    row_end = tl.minimum(tl.load(expert_off_ptr + e + 1), rows_cap)
+    return e, row0, tl.where(row0 >= 0, tl.minimum(row_end - row0, BM), 0)
+
+
+@register_device_function
+@triton.jit
+def swiglu_tile(
+    a_ptr,      # (N, H) activations
+    a_idx_ptr,  # int32 (rows,) row of a for each row (read when HAS_IDX)
+    w1_ptr,     # (E_local, H, 2I) gate ‖ up
+    h_ptr,      # out (rows, I), a's dtype
+    e, row0, n_rows, n0, H, I,
+    HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """h[row0 + i, n0:n0+BN] = silu(A_i @ W1[e][:, n0:n0+BN]) * (A_i @ W1[e][:, I+n0:I+n0+BN]) for
+    i < n_rows, where A_i = a[a_idx[row0 + i]] (HAS_IDX: gathered in place, no copy) or a[row0 + i].
+    Two fp32 accumulators (gate, up), the activation in fp32, one cast to h's dtype."""
+    o_m = tl.arange(0, BM)
+    o_n = n0 + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_m = o_m < n_rows
+    m_n = o_n < I
+    if HAS_IDX:
+        i_a = tl.load(a_idx_ptr + row0 + o_m, mask=m_m, other=0).to(tl.int64)  # [BM]
+    else:
+        i_a = (row0 + o_m).to(tl.int64)
+    p_a = a_ptr + i_a[:, None] * H + o_k[None, :]  # [BM, BK]
+    p_g = w1_ptr + e.to(tl.int64) * H * (2 * I) + o_k[:, None] * (2 * I) + o_n[None, :]  # [BK, BN]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        m_k = o_k < H - k0
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        m_w = m_k[:, None] & m_n[None, :]
+        b_g = tl.load(p_g, mask=m_w, other=0.0)  # [BK, BN]
+        b_u = tl.load(p_g + I, mask=m_w, other=0.0)  # [BK, BN]
+        acc_g = tl.dot(b_a, b_g, acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(b_a, b_u, acc_u, input_precision=INPUT_PRECISION)
+        p_a += BK
+        p_g += BK * (2 * I)
+    b_h = acc_g * tl.sigmoid(acc_g) * acc_u  # [BM, BN] fp32
+    p_h = h_ptr + (row0 + o_m).to(tl.int64)[:, None] * I + o_n[None, :]
+    tl.store(p_h, b_h.to(h_ptr.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@register_device_function
+@triton.jit
+def down_tile(
+    h_ptr,   # (rows, I)
+    w2_ptr,  # (E_local, I, H)
+    y_ptr,   # out (rows, H)
+    e, row0, n_rows, n0, I, H,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """y[row0 + i, n0:n0+BN] = h[row0 + i] @ W2[e][:, n0:n0+BN] for i < n_rows; fp32, cast once."""
+    o_m = tl.arange(0, BM)
+    o_n = n0 + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    m_m = o_m < n_rows
+    m_n = o_n < H
+    r = (row0 + o_m).to(tl.int64)
+    p_h = h_ptr + r[:, None] * I + o_k[None, :]  # [BM, BK]
+    p_w = w2_ptr + e.to(tl.int64) * I * H + o_k[:, None] * H + o_n[None, :]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        m_k = o_k < I - k0
+        b_h = tl.load(p_h, mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
+        acc = tl.dot(b_h, b_w, acc, input_precision=INPUT_PRECISION)
+        p_h += BK
+        p_w += BK * H
+    tl.store(y_ptr + r[:, None] * H + o_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_m[:, None] & m_n[None, :])
+
+
+@register_device_function
+@triton.jit
+def zero_tile(y_ptr, row0, n_rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
+    """y[row0 + i, n0:n0+BN] = 0 for i < n_rows (y: (rows, N))."""
+    o_m = tl.arange(0, BM)
+    o_n = n0 + tl.arange(0, BN)
+    r = (row0 + o_m).to(tl.int64)
+    tl.store(y_ptr + r[:, None] * N + o_n[None, :], tl.zeros((BM, BN), dtype=y_ptr.dtype.element_ty),
+             mask=(o_m < n_rows)[:, None] & (o_n < N)[None, :])
+
+
+@triton.jit
+def grouped_swiglu_kernel(
+    a_ptr,           # (N, H) activations
+    a_idx_ptr,       # int32 (rows_cap,) row of a for each row (read when HAS_IDX)
+    w1_ptr,          # (E_local, H, 2I)
+    h_ptr,           # out (rows_cap, I); rows >= expert_off[E_local] are not written
+    tile_start_ptr,  # int32 (E_local + 1,) build_tile_map(expert_off, BM)
+    expert_off_ptr,  # int32 (E_local + 1,)
+    rows_cap, m_tiles_cap, H, I, E_local,
+    HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    n_n = tl.cdiv(I, BN)
+    n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
+    for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
+        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t // n_n, E_local, rows_cap, BM, BLOCK_E)
+        swiglu_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, (t % n_n) * BN, H, I,
+                    HAS_IDX, BM, BN, BK, INPUT_PRECISION)
+
+
+@triton.jit
+def grouped_down_kernel(
+    h_ptr,           # (rows_cap, I)
+    w2_ptr,          # (E_local, I, H)
+    y_ptr,           # out (rows_cap, H); rows >= expert_off[E_local] are set to zero
+    tile_start_ptr,  # int32 (E_local + 1,) build_tile_map(expert_off, BM)
+    expert_off_ptr,  # int32 (E_local + 1,)
+    rows_cap, m_tiles_cap, I, H, E_local,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    n_n = tl.cdiv(H, BN)
+    n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
+    for t in range(pid, n_m * n_n, n_prog):
+        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t // n_n, E_local, rows_cap, BM, BLOCK_E)
+        down_tile(h_ptr, w2_ptr, y_ptr, e, row0, n_rows, (t % n_n) * BN, I, H, BM, BN, BK, INPUT_PRECISION)
+    # Rows past the last expert belong to no expert: zero them (a separate loop keeps the branch
+    # out of the pipelined one above).
+    n_valid = tl.minimum(tl.maximum(tl.load(expert_off_ptr + E_local), 0), rows_cap)
+    for t in range(pid, tl.cdiv(rows_cap - n_valid, BM) * n_n, n_prog):
+        row0 = n_valid + (t // n_n) * BM
+        zero_tile(y_ptr, row0, rows_cap - row0, (t % n_n) * BN, H, BM, BN)
+
+
+# ---- compile signatures
+_TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: GemmTileConfig, *, label: str,
+                         shape: tuple[int, int] | None = None, has_idx: bool = True,
+                         input_precision: str = "tf32", num_local_experts: int = 16) -> None:
+    """Register one compile signature of each FFN kernel for the portability check.
+
+    shape=(H, I) compiles them as constants. Launches specialise H and I (multiples of 16 in real
+    models) as divisible by 16, and without that knowledge Triton does not pipeline the K-loop:
+    a constant shape makes the check see the real shared-memory footprint.
+    """
+    ptr = _TRITON_TYPES[dtype]
+    dims = {} if shape is None else {"H": shape[0], "I": shape[1]}
+    ints = {name: "i32" for name in ("rows_cap", "m_tiles_cap", "E_local", "H", "I") if name not in dims}
+    block_e = triton.next_power_of_2(num_local_experts)
+    register_kernel(grouped_swiglu_kernel,
+                    {"a_ptr": ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "h_ptr": ptr, "tile_start_ptr": "*i32",
+                     "expert_off_ptr": "*i32", **ints},
+                    {**dims, "HAS_IDX": has_idx, "BM": gate_up.block_m, "BN": gate_up.block_n,
+                     "BK": gate_up.block_k, "BLOCK_E": block_e, "INPUT_PRECISION": input_precision},
+                    label=f"{label}{'-gather' if has_idx else ''} {gate_up}", options=gate_up.launch_options())
+    register_kernel(grouped_down_kernel,
+                    {"h_ptr": ptr, "w2_ptr": ptr, "y_ptr": ptr, "tile_start_ptr": "*i32", "expert_off_ptr": "*i32",
+                     **ints},
+                    {**dims, "BM": down.block_m, "BN": down.block_n, "BK": down.block_k, "BLOCK_E": block_e,
+                     "INPUT_PRECISION": input_precision},
+                    label=f"{label} {down}", options=down.launch_options())
+
+
+# Every signature is compiled for sm_90 and gfx942, so these are AMD's defaults (64 KiB LDS);
+# tests/ops/test_grouped_ffn.py compiles NVIDIA's larger defaults for sm_90 alone.
+register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"), label="bf16",
+                     shape=(7168, 2048))
+register_ffn_configs(torch.float32, *default_gemm_configs(torch.float32, "hip"), label="fp32-ieee",
+                     has_idx=False, input_precision="ieee", num_local_experts=256)
