@@ -142,7 +142,11 @@ def device_info(device: torch.device | str | None = None) -> dict[str, Any]:
 
 
 def git_commit(repo: Path | str = REPO_ROOT) -> str:
-    """`git rev-parse HEAD` of `repo`, or "unknown"."""
+    """`git rev-parse HEAD` of `repo`; else $DITRON_COMMIT (the device machines get a copy of the
+    tree without .git, so the launching command passes the hash); else "unknown"."""
+    env = os.environ.get("DITRON_COMMIT")
+    if env:
+        return env
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
                              timeout=10, check=True)

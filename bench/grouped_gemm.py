@@ -181,7 +181,7 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
         gu_cfgs, dn_cfgs, grids = [default_gu], [default_dn], {f"persistent {sms}": sms}
     h = torch.empty(rows, I, dtype=dtype, device=device)
     y = torch.empty(rows, H, dtype=dtype, device=device)
-    best: dict[str, tuple[float, GemmTileConfig, int]] = {}
+    best: dict[str, tuple[float, GemmTileConfig, int, str]] = {}
     for stage, cfgs, flops in (("gate-up", gu_cfgs, flops_gu), ("down", dn_cfgs, flops_dn)):
         for cfg in cfgs:
             tiles = build_tile_map(off, cfg.block_m)
@@ -193,15 +193,15 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
                 label = f"ours {cfg}" + (" (default)" if cfg in (default_gu, default_dn) else "")
                 us = r.measure(name, stage, label, grid_name, flops, fn, torch_us.get(stage))
                 if us is not None and us < best.get(stage, (float("inf"),))[0]:
-                    best[stage] = (us, cfg, programs)
+                    best[stage] = (us, cfg, programs, grid_name)
     result: dict[str, Any] = {"shape": name, "torch_us": torch_us,
-                              "best": {k: {"us": v[0], "config": str(v[1]), "num_programs": v[2]}
+                              "best": {k: {"us": v[0], "config": str(v[1]), "num_programs": v[2], "grid": v[3]}
                                        for k, v in best.items()}}
     if "gate-up" not in best or "down" not in best:
         return result
     # ---- ours, the whole FFN with the best configs (one grid size for both launches: the best down's)
     cfg_pair = (best["gate-up"][1], best["down"][1])
-    programs = best["down"][2]
+    programs, grid_name = best["down"][2:]
     ours_y = grouped_swiglu_ffn(x, off, w1, w2, row_index=idx, config=cfg_pair, num_programs=programs,
                                 input_precision=precision)
     check = ""
@@ -210,7 +210,6 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
         rel = float((ours_y[:routed].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         check = f"max rel err {rel:.1e} vs torch"
         result["max_rel_err_vs_torch"] = rel
-    grid_name = next(k for k, v in grids.items() if v == programs)
     r.measure(name, "ffn", f"ours {cfg_pair[0]} + {cfg_pair[1]}", grid_name, flops_gu + flops_dn,
               lambda: grouped_swiglu_ffn(x, off, w1, w2, row_index=idx, config=cfg_pair, num_programs=programs,
                                          input_precision=precision),
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                 COLUMNS)
     for s in payload["shapes"]:
         if "best" in s:
-            log(f"best {s['shape']}: " + "; ".join(f"{k} {v['config']} programs={v['num_programs']} "
+            log(f"best {s['shape']}: " + "; ".join(f"{k} {v['config']} grid {v['grid']} "
                                                     f"{v['us']:.1f} µs" for k, v in s["best"].items()))
     failed = [row for row in payload["results"] if row["error"]]
     log(f"{len(payload['results']) - len(failed)} measurements, {len(failed)} failed; {payload['wall_s']} s; "

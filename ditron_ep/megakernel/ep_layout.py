@@ -77,9 +77,12 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     slot = torch.cumsum(hit, dim=0, dtype=torch.int32) - 1
     slot = torch.where(hit.bool(), slot, torch.full_like(slot, -1))
     tokens_to = hit.sum(dim=0, dtype=torch.int32)
-    # send_idx[d, slot[t, d]] = t; tokens not going to d land in a scratch column.
-    col = torch.where(hit.bool(), slot, torch.full_like(slot, max_tokens)).t().to(torch.int64)
-    send_idx = torch.zeros((W, max_tokens + 1), dtype=torch.int32, device=dev)
+    # send_idx[d, slot[t, d]] = t. Tokens not going to d write scratch column max_tokens + t: one
+    # scratch column for all of them made ~T*W writes collide on one address (measured: the
+    # layout took ~0.6 ms at T=4096 on H200, mostly this scatter).
+    scratch = torch.arange(max_tokens, max_tokens + T, device=dev, dtype=slot.dtype)[:, None]
+    col = torch.where(hit.bool(), slot, scratch).t().to(torch.int64)
+    send_idx = torch.zeros((W, max_tokens + T), dtype=torch.int32, device=dev)
     send_idx.scatter_(1, col, torch.arange(T, dtype=torch.int32, device=dev).expand(W, T).contiguous())
     return SendLayout(
         topk_idx=torch.where(in_range, idx, torch.full_like(idx, -1)).to(torch.int32),

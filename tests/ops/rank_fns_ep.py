@@ -225,3 +225,32 @@ def functional_regrow_case() -> dict:
                      bool(torch.allclose(out, exp, rtol=1e-6, atol=1e-6)))
     clear_cache()
     return res
+
+
+def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
+    """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
+    from ditron_ep.determinism import ep_moe_oracle
+    from ditron_ep.ops import clear_cache, moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.1)
+    e_local = E // W
+    w1s, w2s = [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
+        w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
+        w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
+    with torch.no_grad():
+        out = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
+    err = (out.to(torch.float64) - exp).abs()
+    grad_refused = False
+    try:
+        moe(xs[rank].requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    except NotImplementedError:
+        grad_refused = True
+    clear_cache()
+    return {"max_abs": float(err.max()) if err.numel() else 0.0,
+            "ok": bool((err <= 1e-5 + 1e-5 * exp.abs()).all()),
+            "bitwise": torch.equal(out, out2), "grad_refused": grad_refused}

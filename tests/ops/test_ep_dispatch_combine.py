@@ -73,3 +73,12 @@ def test_functional_wrappers_regrow(emulated_cluster):
         assert res[0] == (3, True) and res[1][1] and res[2][1]
         assert res[1][0] == 6  # regrown geometrically from 3
         assert res[2][0] == 40
+
+
+@pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
+                         ids=["W2-uniform", "W3-zipf-empty-rank"])
+def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_layer_case, tokens, 32, 24, E, K, kind, 4)):
+        assert rep["ok"], f"rank {rank}: moe off the float64 oracle by {rep['max_abs']}"
+        assert rep["bitwise"], f"rank {rank}: two runs differ"
+        assert rep["grad_refused"], "requesting gradients through moe must raise"
