@@ -24,7 +24,7 @@ import triton.language as tl
 from ..compiler.core_config import GemmTileConfig, default_gemm_configs
 from ..compiler.portability import register_device_function, register_kernel
 
-__all__ = ["build_tile_map", "down_tile", "grouped_down_kernel", "grouped_swiglu_kernel", "max_m_tiles",
+__all__ = ["build_tile_map", "down_acc", "down_tile", "grouped_down_kernel", "grouped_swiglu_kernel", "max_m_tiles",
            "register_ffn_configs", "swiglu_tile", "tile_coords", "zero_tile"]
 
 _NO_TILE = tl.constexpr(2**31 - 1)  # tile_start padding: larger than any tile id
@@ -75,7 +75,7 @@ def swiglu_tile(
     h_ptr,      # out (rows, I), a's dtype
     e, row0, n_rows, n0, H, I,
     HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, IDX_STRIDE: tl.constexpr = 1,
 ):
     """h[row0 + i, n0:n0+BN] = silu(A_i @ W1[e][:, n0:n0+BN]) * (A_i @ W1[e][:, I+n0:I+n0+BN]) for
     i < n_rows, where A_i = a[a_idx[row0 + i]] (HAS_IDX: gathered in place, no copy) or a[row0 + i].
@@ -86,7 +86,7 @@ def swiglu_tile(
     m_m = o_m < n_rows
     m_n = o_n < I
     if HAS_IDX:
-        i_a = tl.load(a_idx_ptr + row0 + o_m, mask=m_m, other=0).to(tl.int64)  # [BM]
+        i_a = tl.load(a_idx_ptr + (row0 + o_m) * IDX_STRIDE, mask=m_m, other=0).to(tl.int64)  # [BM]
     else:
         i_a = (row0 + o_m).to(tl.int64)
     p_a = a_ptr + i_a[:, None] * H + o_k[None, :]  # [BM, BK]
@@ -110,14 +110,13 @@ def swiglu_tile(
 
 @register_device_function
 @triton.jit
-def down_tile(
+def down_acc(
     h_ptr,   # (rows, I)
     w2_ptr,  # (E_local, I, H)
-    y_ptr,   # out (rows, H)
     e, row0, n_rows, n0, I, H,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
-    """y[row0 + i, n0:n0+BN] = h[row0 + i] @ W2[e][:, n0:n0+BN] for i < n_rows; fp32, cast once."""
+    """fp32 [BM, BN] tile h[row0 + i] @ W2[e][:, n0:n0+BN] (rows i >= n_rows are zero)."""
     o_m = tl.arange(0, BM)
     o_n = n0 + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
@@ -134,8 +133,25 @@ def down_tile(
         acc = tl.dot(b_h, b_w, acc, input_precision=INPUT_PRECISION)
         p_h += BK
         p_w += BK * H
+    return acc
+
+
+@register_device_function
+@triton.jit
+def down_tile(
+    h_ptr,   # (rows, I)
+    w2_ptr,  # (E_local, I, H)
+    y_ptr,   # out (rows, H)
+    e, row0, n_rows, n0, I, H,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """y[row0 + i, n0:n0+BN] = h[row0 + i] @ W2[e][:, n0:n0+BN] for i < n_rows; fp32, cast once."""
+    acc = down_acc(h_ptr, w2_ptr, e, row0, n_rows, n0, I, H, BM, BN, BK, INPUT_PRECISION)
+    o_m = tl.arange(0, BM)
+    o_n = n0 + tl.arange(0, BN)
+    r = (row0 + o_m).to(tl.int64)
     tl.store(y_ptr + r[:, None] * H + o_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_m[:, None] & m_n[None, :])
+             mask=(o_m < n_rows)[:, None] & (o_n < H)[None, :])
 
 
 @register_device_function

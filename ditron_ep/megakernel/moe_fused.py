@@ -19,3 +19,266 @@ Every position is a pure function of the routing and no tile is split along K, s
 does not depend on which program runs what, on the grid size, on the task order within a
 stage, or on `schedule="sequential"` (stage barriers from the plan): bit for bit.
 """
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_kernel
+from ..runtime.heap import register_stage
+from .grouped_gemm import down_acc, swiglu_tile
+from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, notify_add, wait,
+                         wait_all)
+
+STAGE_MOE_RECV = tl.constexpr(register_stage(10, "moe: dispatch_recv waits for a chunk"))
+STAGE_MOE_ROWS = tl.constexpr(register_stage(11, "moe: gemm_gate_up waits for its rows"))
+STAGE_MOE_GATE_UP = tl.constexpr(register_stage(12, "moe: gemm_down waits for gate-up tiles"))
+STAGE_MOE_LAND = tl.constexpr(register_stage(13, "moe: combine_reduce waits for expert outputs"))
+STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barrier"))
+
+
+@triton.jit
+def _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_word, n_prev, cross_first, epoch, budget,
+                   CROSS: tl.constexpr):
+    """Sequential schedule: wait until every task of the previous stage is done on this rank
+    (local counter) and, for CROSS barriers, on every rank (epoch flags stamped by each rank)."""
+    p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
+    ok = wait(p_sig + done_word, n_prev, my_ctrl, rank, STAGE_MOE_BARRIER, done_word, budget)
+    if CROSS:
+        for p in range(world):
+            ok = ok & wait(p_sig + cross_first + p, epoch, my_ctrl, rank, STAGE_MOE_BARRIER, cross_first + p,
+                           budget)
+    return ok
+
+
+@triton.jit
+def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoch, STAMP: tl.constexpr):
+    """Sequential schedule: count this task done; the task completing the stage stamps the
+    cross-rank barrier flag of this rank on every rank (STAMP)."""
+    tl.debug_barrier()
+    done = tl.atomic_add(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + done_word, 1, sem="acq_rel", scope="gpu")
+    if STAMP:
+        if done == n_this - 1:
+            for p in range(world):
+                notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, epoch)
+
+
+@triton.jit
+def moe_fused_kernel(
+    x_ptr,            # (T, H) tokens of this rank
+    topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
+    pos_ptr,          # int32 (T, K) position of (t, k) among this rank's pairs of its expert
+    w_ptr,            # fp32 (T, K) routing weights
+    send_idx_ptr,     # int32 (W, MAXT) j-th token sent to rank d
+    tokens_to_ptr,    # int32 (W,)
+    expert_off_ptr,   # int32 (E_local + 1,) first GEMM row of each local expert
+    src_off_ptr,      # int32 (W, E_local)
+    tokens_from_ptr,  # int32 (W,)
+    tile_start_ptr,   # int32 (E_local + 1,) first row tile of each local expert
+    w1_ptr,           # (E_local, H, 2I) gate ‖ up
+    w2_ptr,           # (E_local, I, H)
+    out_ptr,          # out (T, H)
+    trace_ptr,        # out int32 (NT, 2): logical start / end clock of every ticket (TRACE)
+    clock_ptr,        # int32 (1,) logical clock, zero at launch
+    table_ptr, sig_table_ptr,
+    xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
+    sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)
+    done_send, done_recv, done_gu, done_down, bar_recv, bar_down,  # sequential-only words
+    T, H, I, rank, world, E_local, MAXT, n_chunks, n_rt, n_t1, n_t2,
+    F1, F2, F3, F4, NT, budget,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+    BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, ROW_MAJOR: tl.constexpr, REVERSE_RING: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+):
+    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
+    DT = x_ptr.dtype.element_ty
+    META: tl.constexpr = 1 + 2 * K
+    o_s = tl.arange(0, BLOCK_S)
+    t = next_task(my_ctrl)
+    while t < NT:
+        if TRACE:
+            tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+        if ok:
+            if t < F1:
+                # ---- S0 dispatch_send: chunk c of the tokens going to rank d
+                i_pos = t // n_chunks
+                i_c = t % n_chunks
+                if REVERSE_RING:
+                    i_d = (rank + i_pos) % world
+                else:
+                    i_d = (rank - i_pos + world) % world
+                n = tl.load(tokens_to_ptr + i_d)
+                o_j = i_c * BLOCK_S + o_s
+                m_j = o_j < n
+                i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+                r_dst = (rank * MAXT + o_j).to(tl.int64)
+                p_xs = heap_ptr(table_ptr, i_d, xs_off, DT)
+                for h0 in range(0, H, BLOCK_H):
+                    o_h = h0 + tl.arange(0, BLOCK_H)
+                    m = m_j[:, None] & (o_h < H)[None, :]
+                    b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                    tl.store(p_xs + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
+                p_meta = heap_ptr(table_ptr, i_d, meta_off, tl.int32) + r_dst * META
+                tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
+                for k in tl.static_range(K):
+                    e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
+                    mine = (e >= 0) & (e // E_local == i_d)
+                    tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
+                    tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+                # every chunk is stamped, empty ones too: the receiver always waits exactly once
+                notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
+                if SEQUENTIAL:
+                    _stage_done(sig_table_ptr, rank, world, done_send, F1, 0, epoch, False)
+            elif t < F2:
+                # ---- S1 dispatch_recv: place the chunk's (token, k) pairs as GEMM rows
+                if SEQUENTIAL:
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_send, F1, 0, epoch,
+                                             budget, False)
+                q = t - F1
+                i_pos = q // n_chunks
+                i_c = q % n_chunks
+                if REVERSE_RING:
+                    i_s = (rank - i_pos + world) % world
+                else:
+                    i_s = (rank + i_pos) % world
+                i_sig = sig_flag + i_s * n_chunks + i_c
+                ok = ok & wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_MOE_RECV, i_sig, budget)
+                n = tl.load(tokens_from_ptr + i_s)
+                o_j = i_c * BLOCK_S + o_s
+                m_j = (o_j < n) & ok
+                r_src = (i_s * MAXT + o_j).to(tl.int64)
+                p_meta = heap_ptr(table_ptr, rank, meta_off, tl.int32) + r_src * META
+                tok = tl.load(p_meta, mask=m_j, other=0)
+                p_rows = heap_ptr(table_ptr, rank, rows_off, tl.int32)
+                for k in tl.static_range(K):
+                    el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
+                    pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
+                    valid = m_j & (el >= 0)
+                    e_off = tl.load(expert_off_ptr + el, mask=valid, other=0)
+                    row = (e_off + tl.load(src_off_ptr + i_s * E_local + el, mask=valid, other=0) + pos).to(tl.int64)
+                    tl.store(p_rows + row * 4, r_src.to(tl.int32), mask=valid)      # staged row to gather
+                    tl.store(p_rows + row * 4 + 1, i_s + 0 * pos, mask=valid)       # source rank
+                    tl.store(p_rows + row * 4 + 2, tok, mask=valid)                 # source token
+                    tl.store(p_rows + row * 4 + 3, k + 0 * pos, mask=valid)         # k
+                    i_tile = tl.load(tile_start_ptr + el, mask=valid, other=0) + (row - e_off) // BM
+                    tl.debug_barrier()
+                    tl.atomic_add(p_sig + sig_rows + i_tile, 1, mask=valid, sem="release", scope="gpu")
+                if SEQUENTIAL:
+                    _stage_done(sig_table_ptr, rank, world, done_recv, F2 - F1, bar_recv, epoch, True)
+            elif t < F3:
+                # ---- S2 gemm_gate_up: tile (i, j) once all its rows are placed
+                if SEQUENTIAL:
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2 - F1, bar_recv,
+                                             epoch, budget, True)
+                q = t - F2
+                if ROW_MAJOR:
+                    i_m = q // n_t1
+                    i_n = q % n_t1
+                else:
+                    i_n = q // n_rt
+                    i_m = q % n_rt
+                p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
+                e = tl.load(p_tile)
+                row0 = tl.load(p_tile + 1)
+                n_rows = tl.load(p_tile + 2)
+                if (n_rows > 0) & ok:
+                    if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
+                        swiglu_tile(heap_ptr(table_ptr, rank, xs_off, DT), heap_ptr(table_ptr, rank, rows_off, tl.int32),
+                                    w1_ptr, heap_ptr(table_ptr, rank, h_off, DT), e, row0, n_rows, i_n * BN1, H, I,
+                                    True, BM, BN1, BK1, INPUT_PRECISION, 4)
+                        notify_add(p_sig + sig_gu + i_m, 1)
+                if SEQUENTIAL:
+                    _stage_done(sig_table_ptr, rank, world, done_gu, F3 - F2, 0, epoch, False)
+            elif t < F4:
+                # ---- S3 gemm_down: tile (i, j); its rows go straight to their token's rank
+                if SEQUENTIAL:
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, F3 - F2, 0, epoch,
+                                             budget, False)
+                q = t - F3
+                if ROW_MAJOR:
+                    i_m = q // n_t2
+                    i_n = q % n_t2
+                else:
+                    i_n = q // n_rt
+                    i_m = q % n_rt
+                p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
+                e = tl.load(p_tile)
+                row0 = tl.load(p_tile + 1)
+                n_rows = tl.load(p_tile + 2)
+                if (n_rows > 0) & ok:
+                    if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
+                        acc = down_acc(heap_ptr(table_ptr, rank, h_off, DT), w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
+                                       BM, BN2, BK2, INPUT_PRECISION)  # [BM, BN2] fp32
+                        o_m = tl.arange(0, BM)
+                        m_m = o_m < n_rows
+                        p_rows = heap_ptr(table_ptr, rank, rows_off, tl.int32) + (row0 + o_m).to(tl.int64) * 4
+                        i_src = tl.load(p_rows + 1, mask=m_m, other=0)
+                        i_tk = (tl.load(p_rows + 2, mask=m_m, other=0) * K + tl.load(p_rows + 3, mask=m_m, other=0)).to(tl.int64)
+                        base = tl.load(table_ptr + i_src, mask=m_m, other=0)  # [BM] peer arena bases
+                        p_land = (base + land_off).to(tl.pointer_type(DT)) + i_tk * H  # [BM]
+                        o_n = i_n * BN2 + tl.arange(0, BN2)
+                        tl.store(p_land[:, None] + o_n[None, :], acc.to(DT), mask=m_m[:, None] & (o_n < H)[None, :])
+                        tl.debug_barrier()
+                        p_cnt = (tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4).to(
+                            tl.pointer_type(tl.int32)) + i_tk
+                        tl.atomic_add(p_cnt, 1, mask=m_m, sem="release", scope="sys")
+                if SEQUENTIAL:
+                    _stage_done(sig_table_ptr, rank, world, done_down, F4 - F3, bar_down, epoch, True)
+            else:
+                # ---- S4 combine_reduce: tokens whose every (t, k) has all its column tiles
+                if SEQUENTIAL:
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, F4 - F3, bar_down,
+                                             epoch, budget, True)
+                q = t - F4
+                o_t = q * BLOCK_T + tl.arange(0, BLOCK_T)
+                o_k = tl.arange(0, BLOCK_K)
+                m_t = o_t < T
+                o_tk = o_t.to(tl.int64)[:, None] * K + o_k[None, :]  # [BLOCK_T, BLOCK_K]
+                m_tk = m_t[:, None] & (o_k < K)[None, :]
+                b_e = tl.load(topk_ptr + o_tk, mask=m_tk, other=-1)
+                valid = m_tk & (b_e >= 0)
+                if tl.max(m_t.to(tl.int32), axis=0) > 0:
+                    ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
+                                       STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
+                    if ok:
+                        p_land = heap_ptr(table_ptr, rank, land_off, DT)
+                        o_t64 = o_t.to(tl.int64)
+                        for h0 in range(0, H, BLOCK_H):
+                            o_h = h0 + tl.arange(0, BLOCK_H)
+                            m = m_t[:, None] & (o_h < H)[None, :]
+                            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+                            for k in tl.static_range(K):
+                                v_k = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
+                                b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :],
+                                              mask=m & v_k[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+                                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & v_k, other=0.0)
+                                acc += b_w[:, None] * b_y
+                            tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+                        # counters back to zero for the next call (peers add again only after
+                        # the next call barrier, i.e. after this launch has finished)
+                        tl.debug_barrier()
+                        tl.store(p_sig + sig_land + o_tk, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32), mask=valid)
+        if TRACE:
+            tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+        t = next_task(my_ctrl)
+    call_end(table_ptr, rank)
+
+
+_SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",
+        "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
+        "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
+        "clock_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64",
+        **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
+        **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
+                              "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
+                              "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget")}}
+_CONST = {"K": 8, "BLOCK_K": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
+          "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "ROW_MAJOR": True, "REVERSE_RING": False,
+          "INPUT_PRECISION": "tf32", "TRACE": True}
+register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap")
+register_kernel(moe_fused_kernel, {**_SIG, "x_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out_ptr": "*fp32"},
+                {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "ROW_MAJOR": False, "REVERSE_RING": True,
+                 "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential")

@@ -117,12 +117,12 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
     pending = mask & ((v - target) < 0)
     failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
     n = 0
-    while (tl.max(pending.to(tl.int32), axis=0) > 0) & (n < budget) & (failed == 0):
+    while (tl.max(pending.to(tl.int32), axis=None) > 0) & (n < budget) & (failed == 0):
         v = tl.atomic_add(p_sig, 0, mask=pending, sem="acquire", scope="sys")
         pending = pending & ((v - target) < 0)
         failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
         n += 1
-    n_pending = tl.sum(pending.to(tl.int32), axis=0)
+    n_pending = tl.sum(pending.to(tl.int32), axis=None)  # any shape: reduce every axis
     tl.debug_barrier()
     if n_pending > 0:
         record_timeout(my_ctrl, rank, stage, signal_id, n_pending, 0)

@@ -194,7 +194,7 @@ class EPBuffer:
         """Raise any input problem recorded by graph-mode dispatches (one host read)."""
         flags = int(self._pending_flags.item())
         self._pending_flags.zero_()
-        self._raise_flags(flags, None)
+        raise_input_flags(flags, None, self.num_experts, self.max_tokens)
 
     def free(self) -> None:
         self.heap.free()
@@ -236,22 +236,6 @@ class EPBuffer:
             raise DitronConfigError(f"topk_weights is on {w.device}, the buffer on {self.device}")
         return w
 
-    def _raise_flags(self, flags: int, info: list[list[int]] | None) -> None:
-        if not flags:
-            return
-        who = ""
-        if info is not None:
-            who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
-        if flags & FLAG_TOO_MANY_TOKENS:
-            needed = max(t for _, t in info) if info is not None else self.max_tokens + 1
-            raise CapacityError(
-                f"a rank passed more tokens than max_tokens_per_rank={self.max_tokens}{who}: needed "
-                f"{needed}; build the EPBuffer with a larger max_tokens_per_rank (no token was moved)",
-                needed=needed)
-        if flags & FLAG_BAD_EXPERT:
-            raise RoutingError(f"topk_idx holds expert ids outside [-1, {self.num_experts}){who}; "
-                               f"fix the router output (no token was moved)")
-
     # ------------------------------------------------------------------ launchers
     def _launch_layout(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
@@ -259,18 +243,7 @@ class EPBuffer:
         return send, recv
 
     def _sync_after_layout(self, recv: RecvLayout) -> int:
-        """The one device-to-host read of default mode: total rows, every rank's flags, errors."""
-        words = torch.cat([recv.expert_off[-1:], self._pending_flags, self.heap.error_word,
-                           recv.src_info.reshape(-1)]).tolist()
-        total, pending, err = words[0], words[1], words[2]
-        if err:
-            self.heap.check_error()
-        info = [words[3 + 2 * r: 5 + 2 * r] for r in range(self.world_size)]
-        if pending:
-            self._pending_flags.zero_()
-            self._raise_flags(pending, None)
-        self._raise_flags(max(f for f, _ in info) if info else 0, info)
-        return total
+        return sync_after_layout(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
 
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
@@ -346,6 +319,40 @@ class EPBuffer:
     def _landed(self, num_tokens: int) -> torch.Tensor:
         """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
         return self.heap.local_view("ep/land")[:num_tokens].clone()
+
+
+def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int) -> None:
+    """Raise the error for FLAG_* bits (info: (flags, T) of every rank, when known)."""
+    if not flags:
+        return
+    who = ""
+    if info is not None:
+        who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+    if flags & FLAG_TOO_MANY_TOKENS:
+        needed = max(t for _, t in info) if info is not None else max_tokens + 1
+        raise CapacityError(
+            f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed {needed}; "
+            f"build the buffer with a larger max_tokens_per_rank (no token was moved)", needed=needed)
+    if flags & FLAG_BAD_EXPERT:
+        raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
+                           f"fix the router output (no token was moved)")
+
+
+def sync_after_layout(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
+                      max_tokens: int) -> int:
+    """The one device-to-host read of default mode: total rows, every rank's input flags, the
+    heap's error word and flags pending from graph-mode calls. Raises on any of them."""
+    words = torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word,
+                       recv.src_info.reshape(-1)]).tolist()
+    total, pending, err = words[0], words[1], words[2]
+    if err:
+        heap.check_error()
+    info = [words[3 + 2 * r: 5 + 2 * r] for r in range(heap.world_size)]
+    if pending:
+        pending_flags.zero_()
+        raise_input_flags(pending, None, num_experts, max_tokens)
+    raise_input_flags(max(f for f, _ in info) if info else 0, info, num_experts, max_tokens)
+    return total
 
 
 def _numel(shape: tuple[int, ...]) -> int:

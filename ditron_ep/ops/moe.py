@@ -1,8 +1,9 @@
 """`moe`: the EP MoE layer forward — dispatch, grouped SwiGLU experts, combine.
 
-schedule="staged" runs the three stages as separate launches on the cached EPBuffer (dispatch
-and combine kernels, the grouped GEMM between them); it is the building block the fused
-megakernel (schedule "overlap" / "sequential") must match.
+schedule="overlap" (default): the fused megakernel (ops/fused_moe.py), communication and GEMM
+tiles overlapped in one persistent launch. "sequential": the same binary and tiles run stage by
+stage (stage barriers from the plan): bitwise equal to "overlap". "staged": dispatch, grouped
+GEMM and combine as separate launches (the unfused building blocks).
 """
 from __future__ import annotations
 
@@ -10,14 +11,18 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
+from .ep_buffer import CapacityError
 from .functional import combine, dispatch
+from .fused_moe import FusedMoE
 from .grouped_ffn import grouped_swiglu_ffn
 
-SCHEDULES = ("staged",)
+SCHEDULES = ("overlap", "sequential", "staged")
+_LAYERS: dict[tuple, FusedMoE] = {}
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-        w2: torch.Tensor, *, group: dist.ProcessGroup | None = None, schedule: str = "staged") -> torch.Tensor:
+        w2: torch.Tensor, *, group: dist.ProcessGroup | None = None, schedule: str = "overlap",
+        sync: bool = True) -> torch.Tensor:
     """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * FFN_{e(t,k)}(x[t]).
 
     Args:
@@ -27,7 +32,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         topk_weights: [T, K] float routing weights.
         w1: [E_local, H, 2I] gate ‖ up of this rank's experts; w2: [E_local, I, H].
         group: EP process group (None = default).
-        schedule: "staged" (dispatch, expert GEMMs and combine as three launches).
+        schedule: "overlap" | "sequential" | "staged" (see the module docstring).
+        sync: fused schedules only: False = no host synchronisation (CUDA-graph capturable;
+            needs the cached layer to exist at a sufficient size: call once with sync=True).
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
     """
@@ -41,6 +48,39 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                                 f"{tuple(w2.shape)}")
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
+    if schedule != "staged":
+        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts)
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
+
+
+def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts) -> torch.Tensor:
+    """The cached FusedMoE for these shapes: sized by one collective at first use (largest T),
+    regrown on every rank together when a call's layout reports more tokens than it holds."""
+    g = group if group is not None else dist.group.WORLD
+    key = (g.group_name, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule)
+    layer = _LAYERS.get(key)
+    if layer is None:
+        need = torch.tensor([max(x.shape[0], 1)], dtype=torch.int64,
+                            device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
+        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], int(need.item()),
+                                        topk_idx.shape[-1], x.dtype, schedule=schedule)
+    try:
+        return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+    except CapacityError as err:
+        if not sync:
+            raise
+        layer.free()
+        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1],
+                                        max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
+                                        schedule=schedule)
+        return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+
+
+def clear_layers() -> None:
+    """Free every cached fused layer (collective: call on every rank)."""
+    for layer in _LAYERS.values():
+        layer.free()
+    _LAYERS.clear()

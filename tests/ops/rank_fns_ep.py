@@ -230,7 +230,8 @@ def functional_regrow_case() -> dict:
 def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
     """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
     from ditron_ep.determinism import ep_moe_oracle
-    from ditron_ep.ops import clear_cache, moe
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+    from ditron_ep.ops.moe import SCHEDULES
 
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.1)
@@ -241,16 +242,20 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
         w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
         w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
     with torch.no_grad():
-        out = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        outs = {s: moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], schedule=s) for s in SCHEDULES}
+        out = outs["overlap"]
         out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
     exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
-    err = (out.to(torch.float64) - exp).abs()
+    err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
+                       for o in outs.values()])
     grad_refused = False
     try:
         moe(xs[rank].requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
     except NotImplementedError:
         grad_refused = True
     clear_cache()
-    return {"max_abs": float(err.max()) if err.numel() else 0.0,
-            "ok": bool((err <= 1e-5 + 1e-5 * exp.abs()).all()),
-            "bitwise": torch.equal(out, out2), "grad_refused": grad_refused}
+    clear_layers()
+    bound = 1e-5 + 1e-5 * (float(exp.abs().max()) if exp.numel() else 0.0)
+    return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
+            "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
+            "grad_refused": grad_refused}

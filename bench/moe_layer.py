@@ -1,0 +1,665 @@
+"""Benchmark the EP MoE layer forward (`ditron_ep.ops.moe`) against a tuned torch-native pipeline, on the launched ranks.
+
+    torchrun --nproc-per-node 4 bench/moe_layer.py [--tokens 128 4096 1024] [--hidden 7168] [--inter 2048]
+        [--experts 64] [--topk 8] [--routing uniform] [--iters 10] [--warmup 3] [--time-budget 150]
+        [--json [PATH]]
+    TRITON_INTERPRET=1 GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 bench/moe_layer.py --smoke
+
+Weights per rank: w1 [E_local, H, 2I] (gate ‖ up), w2 [E_local, I, H], random, scaled by H^-1/2 and
+I^-1/2 (so h and y are O(1)); drawn once and shared by every config. A config is (T tokens per
+rank, routing); per config, in this order (everything under torch.no_grad):
+  ours          `moe(x, topk_idx, topk_weights, w1, w2, schedule=S)` for every S in
+                `ditron_ep.ops.moe.SCHEDULES` (dispatch + grouped SwiGLU GEMMs + combine).
+  standalone    `grouped_swiglu_ffn(recv_x, expert_offsets, w1, w2)` alone on this rank's real
+                received rows (one untimed `ditron_ep.ops.dispatch` beforehand): the GEMM work
+                inside the layer, without communication.
+  gemm refs     gate-up (rows @ W1, no activation) and down (h @ W2) alone on the same rows:
+                torch._grouped_mm with W row-major and with W column-major, and one dense
+                torch.matmul of all rows against one expert's weight (same FLOPs). The fastest per
+                GEMM gives the cuBLAS time of the floor, and the faster _grouped_mm layout per GEMM
+                is the one the torch-native pipeline uses.
+  torch-native  the tuned pure-torch EP pipeline, all of it inside the timed region: (token, k)
+                pairs sorted by destination expert (one copy per (token, expert)); per-expert
+                counts exchanged with one all_to_all_single and read to the host once (the split
+                exchange is INSIDE the timed region, as for DESIGN.md's 9.7 ms / 1.42 ms); NCCL
+                all_to_all_single of the rows; received rows permuted expert-major;
+                torch._grouped_mm gate-up, silu(gate) * up, torch._grouped_mm down; permuted back;
+                the reverse all_to_all_single; combine by index_select + bmm (weights [T, 1, K]
+                bmm rows [T, K, H]). Where torch._grouped_mm fails (CPU builds), a per-expert
+                torch.matmul loop replaces it and the row says so.
+  floor         max(compute, memory): compute = fastest measured gate-up + fastest measured down
+                on the busiest rank's rows (the cuBLAS rate of this run); memory = (weight bytes +
+                activation bytes) / the HBM bandwidth of a ~1 GiB device-to-device copy measured
+                at the start of this run. Communication is not part of the floor.
+Check (once per config): every schedule's output against torch-native's on every rank,
+max |ours - torch| / max |torch| over all ranks, within the dtype's rtol (determinism/tolerances).
+Timing (bench/common.py): barrier + device sync before every iteration, CUDA events around it,
+the slowest rank's time per iteration (all_reduce MAX), then median / p20 / p80.
+Every stage's failure is agreed on by all ranks, recorded, and the sweep goes on; --time-budget
+skips configs not started in time; with --json the file is rewritten after every config.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `bench.common`, `ditron_ep`
+
+# Also sets the NCCL / symmetric-memory environment (no NVLink multicast) before NCCL starts.
+from bench.dispatch_combine import (Ctx, Fatal, StageFailed, guarded, init_distributed, make_inputs,  # noqa: E402
+                                    synced_elapsed)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
+from bench.common import (default_json_path, device_info, git_commit, git_dirty, log, print_table,  # noqa: E402
+                          summarize, time_fn)
+from ditron_ep.determinism.tolerances import TOLERANCES  # noqa: E402
+from ditron_ep.ops import EPBuffer, clear_cache, dispatch, get_buffer, grouped_swiglu_ffn, moe  # noqa: E402
+from ditron_ep.ops.moe import SCHEDULES  # noqa: E402
+from ditron_ep.runtime import kernels_interpreted  # noqa: E402
+
+BENCH = "moe_layer"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down) with rows = the (token, k) rows of the busiest "
+             "rank (most received rows); TFLOP/s = those FLOPs / median of the slowest rank's per-iteration "
+             "time, per GPU (SwiGLU, permutes and communication are not counted).")
+FLOOR_RULE = ("floor = max(compute, memory); compute = fastest gate-up + fastest down among the gemm refs "
+              "(slowest rank, its own rows); memory = (E_local*(H*2I + I*H) weight elements + 2*rows*H "
+              "activation elements (expert input rows read, output rows written; busiest rank)) * element size "
+              "/ HBM bandwidth of a device-to-device copy (read + write bytes) measured in this run.")
+BASELINE_NOTE = ("torch-native: sort (token, k) by expert, per-expert counts all_to_all_single + one host read "
+                 "(INSIDE the timed region), NCCL all_to_all_single, expert-major permute, torch._grouped_mm "
+                 "gate-up, silu*up, torch._grouped_mm down, permute back, reverse all_to_all_single, "
+                 "index_select + bmm combine.")
+# Issue targets (printed beside, never asserted): T -> (min speedup vs torch-native, max ratio to standalone).
+TARGETS: dict[int, tuple[float, float | None]] = {4096: (1.8, 1.15), 128: (2.5, None)}
+TARGET_NOTE = ("targets (issue; bf16, H=7168, I=2048, E=64, top-8, uniform): T=4096 ours >= 1.8x faster than "
+               "torch-native and <= 1.15x the standalone grouped GEMM; T=128 ours >= 2.5x faster than torch-native. "
+               "DESIGN.md (4xH200): torch-native 9.7 ms at T=4096, 1.42 ms at T=128.")
+COLUMNS = ["config", "impl", "median ms", "p20", "p80", "TFLOP/s", "vs torch", "vs GEMM", "floor ms", "target",
+           "check"]
+
+
+# ============================================================================ arguments
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096, 1024], help="tokens per rank T")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size H")
+    p.add_argument("--inter", type=int, default=2048, help="expert intermediate size I")
+    p.add_argument("--experts", type=int, default=64, help="experts E in all (a multiple of the ranks)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token K")
+    p.add_argument("--routing", nargs="+", default=["uniform"], choices=["uniform", "zipf"],
+                   help="routings (kinds without dropped slots)")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES),
+                   help="GPU dtype (the interpreter always runs float32: it computes bf16 tl.dot wrongly)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-mib", type=int, default=1024, help="size of the HBM bandwidth copy (MiB)")
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help="write results as JSON (no value: bench/results/moe_layer_<device>_<date>.json)")
+    p.add_argument("--time-budget", type=float, default=150.0,
+                   help="seconds; configs not started by then are skipped (recorded as such)")
+    p.add_argument("--pg-timeout", type=float, default=120.0, help="seconds before a stuck collective aborts")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny configs (T=16 and 8, H=64, I=32, E=8, K=2, 3 iters); also on CPU with emulated ranks")
+    return p
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    args.tokens, args.hidden, args.inter, args.experts, args.topk = [16, 8], 64, 32, 8, 2
+    args.iters, args.warmup, args.copy_mib = 3, 1, 16
+
+
+def validate_args(args: argparse.Namespace, world: int) -> None:
+    for name in ("hidden", "inter", "topk", "iters", "copy_mib"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0 or any(t < 1 for t in args.tokens):
+        raise SystemExit("--warmup must be >= 0 and every --tokens value >= 1")
+    if args.experts % world or args.experts < args.topk:
+        raise SystemExit(f"--experts {args.experts} must be a multiple of the world size {world} and >= --topk")
+
+
+# ============================================================================ inputs
+@dataclass
+class Config:
+    """One (T, routing) of the sweep: this rank's inputs and what was measured for it."""
+    label: str
+    spec: dict[str, Any]
+    x: torch.Tensor            # [T, H] dtype
+    idx: torch.Tensor          # int64 [T, K] global expert ids
+    w: torch.Tensor            # fp32 [T, K] routing weights
+    rows: list[int]            # (token, k) rows each rank's experts receive
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    check: str | None = None
+
+    @property
+    def rows_max(self) -> int:
+        return max(self.rows)
+
+
+@dataclass
+class Weights:
+    w1: torch.Tensor           # [E_local, H, 2I] row-major
+    w2: torch.Tensor           # [E_local, I, H] row-major
+    col_major: dict[str, torch.Tensor] = field(default_factory=dict)  # same values, column-major views
+
+    def layout(self, name: str, col: bool) -> torch.Tensor:
+        """`name` ("w1" or "w2") row-major, or column-major (a transposed view of [E, N, K] storage)."""
+        w = getattr(self, name)
+        if not col:
+            return w
+        if name not in self.col_major:
+            self.col_major[name] = w.transpose(1, 2).contiguous().transpose(1, 2)
+        return self.col_major[name]
+
+
+def make_weights(ctx: Ctx) -> Weights:
+    a = ctx.args
+    e_local = a.experts // ctx.world
+    gen = torch.Generator(device=ctx.device).manual_seed(a.seed * 1000 + 700 + ctx.rank)
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=ctx.device) * scale).to(ctx.dtype)
+
+    return Weights(w1=randn(e_local, a.hidden, 2 * a.inter, scale=a.hidden**-0.5),
+                   w2=randn(e_local, a.inter, a.hidden, scale=a.inter**-0.5))
+
+
+def make_config(ctx: Ctx, T: int, routing: str) -> Config:
+    """This rank's tokens and routing (dispatch_combine's seeds), and every rank's received row count."""
+    a, W = ctx.args, ctx.world
+    inp = make_inputs(ctx, T, a.experts, routing)
+    spec = {"tokens": T, "hidden": a.hidden, "inter": a.inter, "experts": a.experts, "topk": a.topk,
+            "routing": routing, "dtype": str(ctx.dtype).removeprefix("torch."), "world": W}
+    return Config(label=f"T{T} {routing}", spec=spec, x=inp.x, idx=inp.idx, w=inp.w,
+                  rows=[inp.rows_received(r) for r in range(W)])
+
+
+def gemm_flops(ctx: Ctx, rows: int) -> tuple[float, float]:
+    """(gate-up, down) FLOPs of `rows` expert rows."""
+    a = ctx.args
+    return 2.0 * rows * a.hidden * 2 * a.inter, 2.0 * rows * a.inter * a.hidden
+
+
+# ============================================================================ torch-native pipeline
+def torch_experts(x_rows: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  loop_offsets: list[int] | None) -> torch.Tensor:
+    """SwiGLU FFN of every local expert over expert-major rows [rows, H] -> [rows, H].
+
+    offs: int32 [E_local] cumulative row ends (torch._grouped_mm). loop_offsets: None to use
+    torch._grouped_mm; else the host row offsets [E_local + 1] of a per-expert torch.matmul loop
+    (the fallback where torch._grouped_mm is unsupported).
+    """
+    inter = w2.shape[1]
+    if loop_offsets is None:
+        g = torch._grouped_mm(x_rows, w1, offs=offs)                  # [rows, 2I]
+        return torch._grouped_mm(F.silu(g[:, :inter]) * g[:, inter:], w2, offs=offs)   # [rows, H]
+    y = x_rows.new_empty(x_rows.shape[0], w2.shape[2])
+    for e in range(w1.shape[0]):
+        lo, hi = loop_offsets[e], loop_offsets[e + 1]
+        if hi > lo:
+            g = x_rows[lo:hi] @ w1[e]
+            torch.matmul(F.silu(g[:, :inter]) * g[:, inter:], w2[e], out=y[lo:hi])
+    return y
+
+
+def torch_native_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     grouped: bool) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * FFN_{idx[t,k]}(x[t]) with NCCL all_to_all_single and torch ops only.
+
+    x [T, H]; idx int64 [T, K] (no dropped slots); w fp32 [T, K]; w1 / w2 this rank's experts.
+    """
+    T, K = idx.shape
+    H, e_local = x.shape[1], w1.shape[0]
+    W = dist.get_world_size()
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)                  # (token, k) pairs by destination expert
+    send_x = x.index_select(0, order // K)                    # [T*K, H], one copy per (token, expert)
+    counts = torch.zeros(e_local * W, dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))                       # [W * E_local] rows per destination expert (no sync)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)               # [W * E_local]: source rank s, local expert e
+    host = torch.stack([counts, recv_counts]).view(2, W, e_local).cpu()   # the one host read
+    send_splits, recv_splits = host[0].sum(1).tolist(), host[1].sum(1).tolist()
+    rows = sum(recv_splits)
+    recv_x = x.new_empty(rows, H)
+    dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits)
+    # Source-major -> expert-major; stable, so within an expert rows stay in (source rank, token) order.
+    expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=x.device).repeat(W), recv_counts,
+                                            output_size=rows)
+    perm = torch.argsort(expert_of_row, stable=True)
+    per_expert = recv_counts.view(W, e_local).sum(0)
+    offs = per_expert.cumsum(0).to(torch.int32)
+    loop_offsets = None if grouped else [0, *host[1].sum(0).cumsum(0).tolist()]
+    y_e = torch_experts(recv_x.index_select(0, perm), offs, w1, w2, loop_offsets)
+    y_r = torch.empty_like(y_e).index_copy_(0, perm, y_e)    # back to the received (source-major) order
+    back = x.new_empty(T * K, H)
+    dist.all_to_all_single(back, y_r, send_splits, recv_splits)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(T * K, device=x.device)
+    rows_tk = back.index_select(0, inv).view(T, K, H)          # [T, K, H] in (token, k) order
+    return torch.bmm(w.to(x.dtype).unsqueeze(1), rows_tk).squeeze(1)   # [T, H]
+
+
+# ============================================================================ results
+def add_entry(ctx: Ctx, cfg: Config | None, impl: str, kind: str, times_us: list[float] | None,
+              flops: float | None, error: str | None = None, fixed_ms: float | None = None,
+              **extra: Any) -> dict[str, Any]:
+    """Record one result (timed, `fixed_ms` for a derived figure, or an error) and log it."""
+    s = summarize(times_us) if times_us else None
+    med = s["median"] / 1e3 if s else fixed_ms
+    entry: dict[str, Any] = {
+        "config": cfg.spec if cfg else None, "label": cfg.label if cfg else "run", "impl": impl, "kind": kind,
+        "median_ms": med, "p20_ms": s["p20"] / 1e3 if s else None, "p80_ms": s["p80"] / 1e3 if s else None,
+        "min_ms": s["min"] / 1e3 if s else None, "times_ms": [t / 1e3 for t in times_us] if times_us else None,
+        "flops": flops, "tflops": flops / (med * 1e-3) / 1e12 if (flops and med) else None,
+        "speedup_vs_torch": None, "ratio_vs_standalone": None, "floor_ms": None, "target": None,
+        "meets_target": None, "check": None, "error": error, **extra}
+    ctx.payload["results"].append(entry)
+    if cfg is not None:
+        cfg.entries.append(entry)
+    elif error:
+        ctx.rows.append(table_row(entry))
+    if error or med is None:
+        log(f"    {impl:<52} ERROR {(error or 'no time')[:300]}")
+        return entry
+    line = f"    {impl:<52} {med:9.3f} ms"
+    if s:
+        line += f" (p20 {entry['p20_ms']:.3f}, p80 {entry['p80_ms']:.3f})"
+    log(line + (f"  {entry['tflops']:.1f} TFLOP/s" if entry["tflops"] else ""))
+    return entry
+
+
+def measure(ctx: Ctx, cfg: Config | None, impl: str, kind: str, fn: Callable[[], object], flops: float | None,
+            buf: EPBuffer | None = None, **extra: Any) -> dict[str, Any]:
+    """Time `fn` on every rank (slowest rank per iteration); record the entry, or the agreed failure."""
+    a = ctx.args
+    try:
+        times = guarded(ctx, impl, lambda: time_fn(fn, a.iters, a.warmup, None, ctx.device), buf)
+        return add_entry(ctx, cfg, impl, kind, times, flops, **extra)
+    except StageFailed as exc:
+        return add_entry(ctx, cfg, impl, kind, None, flops, error=str(exc), **extra)
+
+
+def _ms(e: dict[str, Any] | None) -> float | None:
+    return e["median_ms"] if e and not e["error"] else None
+
+
+def finish_config(ctx: Ctx, cfg: Config, floor: dict[str, Any] | None) -> None:
+    """Fill speedups, ratios, floor and targets into the config's entries; add its table rows."""
+    by_kind: dict[str, dict[str, Any]] = {e["kind"]: e for e in cfg.entries if e["kind"] in ("standalone", "torch")}
+    torch_ms, gemm_ms = _ms(by_kind.get("torch")), _ms(by_kind.get("standalone"))
+    floor_ms = floor["floor_ms"] if floor else None
+    a = ctx.args
+    standard = (a.hidden, a.inter, a.experts, a.topk, ctx.dtype, cfg.spec["routing"]) == \
+        (7168, 2048, 64, 8, torch.bfloat16, "uniform")
+    for e in cfg.entries:
+        med = _ms(e)
+        if e["kind"] in ("ours", "standalone", "torch"):
+            e["floor_ms"] = floor_ms
+            if med is not None:
+                e["speedup_vs_torch"] = torch_ms / med if torch_ms else None
+                e["ratio_vs_standalone"] = med / gemm_ms if gemm_ms else None
+        if e["kind"] == "ours" and standard and cfg.spec["tokens"] in TARGETS:
+            min_speedup, max_ratio = TARGETS[cfg.spec["tokens"]]
+            parts, ok = [f">={min_speedup}x torch"], [None if e["speedup_vs_torch"] is None
+                                                       else e["speedup_vs_torch"] >= min_speedup]
+            if max_ratio is not None:
+                parts.append(f"<={max_ratio}x GEMM")
+                ok.append(None if e["ratio_vs_standalone"] is None else e["ratio_vs_standalone"] <= max_ratio)
+            e["target"] = ", ".join(parts)
+            e["meets_target"] = None if None in ok else all(ok)
+        ctx.rows.append(table_row(e))
+
+
+def _f(v: float | None, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.1f}" if abs(v) >= 100 else f"{v:.{digits}g}"
+
+
+def table_row(e: dict[str, Any]) -> dict[str, Any]:
+    tgt = ""
+    if e["target"]:
+        tgt = e["target"] + " " + ("-" if e["meets_target"] is None else ("✓" if e["meets_target"] else "✗"))
+    return {"config": e["label"], "impl": e["impl"] + (" (error)" if e["error"] else ""),
+            "median ms": _f(e["median_ms"], 4), "p20": _f(e["p20_ms"], 4), "p80": _f(e["p80_ms"], 4),
+            "TFLOP/s": _f(e["tflops"]), "vs torch": _f(e["speedup_vs_torch"]), "vs GEMM": _f(e["ratio_vs_standalone"]),
+            "floor ms": _f(e["floor_ms"], 4), "target": tgt, "check": e["check"] or ""}
+
+
+# ============================================================================ stages
+def measure_hbm(ctx: Ctx) -> float | None:
+    """HBM (or host memory) bandwidth in bytes/s: device-to-device copy, read + write bytes."""
+    n = ctx.args.copy_mib * 2**20
+    bufs: dict[str, torch.Tensor] = {}
+
+    def setup() -> None:
+        bufs["src"] = torch.ones(n, dtype=torch.uint8, device=ctx.device)
+        bufs["dst"] = torch.empty_like(bufs["src"])
+
+    try:
+        guarded(ctx, "copy buffers", setup)
+    except StageFailed as exc:
+        add_entry(ctx, None, f"memory copy {ctx.args.copy_mib} MiB", "hbm", None, None, error=str(exc))
+        return None
+    e = measure(ctx, None, f"memory copy {ctx.args.copy_mib} MiB (bandwidth = 2*bytes/time)", "hbm",
+                lambda: bufs["dst"].copy_(bufs["src"]), None)
+    bufs.clear()
+    if e["error"]:
+        return None
+    bw = 2 * n / (e["median_ms"] * 1e-3)
+    e["bytes"], e["bytes_per_s"], e["check"] = 2 * n, bw, f"{bw / 1e12:.2f} TB/s"
+    ctx.rows.append(table_row(e))
+    return bw
+
+
+def probe_grouped_mm(ctx: Ctx, recv_x: torch.Tensor, offs: torch.Tensor, wts: Weights) -> str | None:
+    """None if torch._grouped_mm runs on this data on every rank, else why not (agreed by all ranks)."""
+    def run() -> None:
+        torch_experts(recv_x, offs, wts.w1, wts.w2, None)
+        if ctx.on_cuda:
+            torch.cuda.synchronize(ctx.device)
+
+    try:
+        guarded(ctx, "torch._grouped_mm probe", run)
+        return None
+    except StageFailed as exc:
+        return str(exc)
+
+
+def gemm_refs(ctx: Ctx, cfg: Config, recv_x: torch.Tensor, offs: torch.Tensor, host_off: list[int], wts: Weights,
+              grouped: bool) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
+    """Time gate-up and down alone on this rank's rows; return the best entry per GEMM and, per
+    GEMM, whether column-major weights were the faster _grouped_mm layout."""
+    inter = ctx.args.inter
+    fl_gu, fl_dn = gemm_flops(ctx, cfg.rows_max)
+    state: dict[str, torch.Tensor] = {}
+
+    def make_h() -> None:
+        g = recv_x @ wts.w1[0]   # values only feed the down GEMM's timing
+        state["h"] = F.silu(g[:, :inter]) * g[:, inter:]
+
+    try:
+        guarded(ctx, "gemm refs: h", make_h)
+    except StageFailed as exc:
+        add_entry(ctx, cfg, "gemm refs", "gemm", None, None, error=str(exc))
+        return {}, {"w1": False, "w2": False}
+
+    def loop(a: torch.Tensor, w: torch.Tensor) -> Callable[[], object]:
+        def run() -> None:
+            for e in range(w.shape[0]):
+                if host_off[e + 1] > host_off[e]:
+                    a[host_off[e]:host_off[e + 1]] @ w[e]
+        return run
+
+    layouts = [False]
+    if grouped:
+        try:
+            guarded(ctx, "column-major weight copies", lambda: (wts.layout("w1", True), wts.layout("w2", True)))
+            layouts.append(True)
+        except StageFailed as exc:
+            add_entry(ctx, cfg, "torch._grouped_mm W col-major", "gemm", None, None, error=str(exc))
+    variants: list[tuple[str, str, bool | None, Callable[[], object], float]] = []
+    for gemm, name, a_rows, flops in (("gate-up", "w1", recv_x, fl_gu), ("down", "w2", state["h"], fl_dn)):
+        if grouped:
+            for col in layouts:
+                w = wts.layout(name, col)
+                variants.append((gemm, f"{gemm}: torch._grouped_mm W {'col' if col else 'row'}-major", col,
+                                 lambda a_=a_rows, w_=w: torch._grouped_mm(a_, w_, offs=offs), flops))
+        else:
+            variants.append((gemm, f"{gemm}: per-expert torch.matmul loop (_grouped_mm unsupported here)", None,
+                             loop(a_rows, getattr(wts, name)), flops))
+        w0 = getattr(wts, name)[0]
+        variants.append((gemm, f"{gemm}: torch.matmul dense, one expert's W", None,
+                         lambda a_=a_rows, w_=w0: torch.matmul(a_, w_), flops))
+    best: dict[str, dict[str, Any]] = {}
+    col_best: dict[str, tuple[float, bool]] = {}
+    for gemm, impl, col, fn, flops in variants:
+        e = measure(ctx, cfg, impl, "gemm", fn, flops, gemm=gemm)
+        med = _ms(e)
+        if med is None:
+            continue
+        if gemm not in best or med < best[gemm]["median_ms"]:
+            best[gemm] = e
+        key = "w1" if gemm == "gate-up" else "w2"
+        if col is not None and (key not in col_best or med < col_best[key][0]):
+            col_best[key] = (med, col)
+    state.clear()
+    return best, {k: col_best.get(k, (0.0, False))[1] for k in ("w1", "w2")}
+
+
+def compute_floor(ctx: Ctx, cfg: Config, best: dict[str, dict[str, Any]], hbm: float | None) -> dict[str, Any] | None:
+    a = ctx.args
+    if "gate-up" not in best or "down" not in best:
+        return None
+    compute_ms = best["gate-up"]["median_ms"] + best["down"]["median_ms"]
+    elt = ctx.elt
+    e_local = a.experts // ctx.world
+    weight_bytes = e_local * (a.hidden * 2 * a.inter + a.inter * a.hidden) * elt
+    act_bytes = 2 * cfg.rows_max * a.hidden * elt
+    memory_ms = (weight_bytes + act_bytes) / hbm * 1e3 if hbm else None
+    floor_ms = max(compute_ms, memory_ms or 0.0)
+    fl = sum(gemm_flops(ctx, cfg.rows_max))
+    floor = {"floor_ms": floor_ms, "compute_ms": compute_ms, "memory_ms": memory_ms, "weight_bytes": weight_bytes,
+             "activation_bytes": act_bytes, "hbm_bytes_per_s": hbm, "rows_max": cfg.rows_max,
+             "gate_up_impl": best["gate-up"]["impl"], "down_impl": best["down"]["impl"],
+             "gate_up_tflops": best["gate-up"]["tflops"], "down_tflops": best["down"]["tflops"]}
+    mem = f"{memory_ms:.3f}" if memory_ms is not None else "n/a"
+    add_entry(ctx, cfg, f"floor = max(compute {compute_ms:.3f}, memory {mem}) ms", "floor", None, fl,
+              fixed_ms=floor_ms, **floor)
+    return floor
+
+
+def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
+    a = ctx.args
+    cfg = guarded(ctx, "inputs", lambda: make_config(ctx, T, routing))
+    ctx.payload["configs"].append({"label": cfg.label, "spec": cfg.spec, "rows_per_rank": cfg.rows})
+    fl = sum(gemm_flops(ctx, cfg.rows_max))
+    log(f"  rows per rank {cfg.rows} (busiest {cfg.rows_max}); expert FLOPs of the busiest rank {fl:.3e}")
+    E = a.experts
+    # A buffer sized for this T (the functional cache's first-use sizing), as a layer of this T would have.
+    clear_cache()
+    buf = guarded(ctx, "EPBuffer", lambda: get_buffer(None, E, a.hidden, a.topk, ctx.dtype, T))
+    floor = None
+    group_ok = True
+    try:
+        # ---- our rows, once: standalone GEMM input, torch._grouped_mm probe, gemm refs
+        def first_dispatch() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+            recv, handle = dispatch(cfg.x, cfg.idx, num_experts=E)
+            return recv, handle.expert_offsets, [int(v) for v in handle.expert_offsets.tolist()]
+
+        recv_x, off, host_off = guarded(ctx, "dispatch (untimed)", first_dispatch, buf)
+        offs = off[1:]  # torch._grouped_mm: cumulative row ends
+        why = probe_grouped_mm(ctx, recv_x, offs, wts)
+        grouped = why is None
+        if not grouped:
+            log(f"  torch._grouped_mm unsupported here ({why}): torch rows use a per-expert torch.matmul loop")
+            ctx.payload["skipped"].append({"label": cfg.label, "what": "torch._grouped_mm", "why": why})
+        torch_impl = ("torch-native (NCCL a2a + _grouped_mm)" if grouped else
+                      "torch-native (a2a + per-expert matmul loop: _grouped_mm unsupported)")
+        if dist.get_backend() != "nccl":
+            torch_impl = torch_impl.replace("NCCL a2a", f"{dist.get_backend()} a2a")
+
+        # ---- check: every schedule against torch-native (weights in row-major layout)
+        outs: dict[str, torch.Tensor] = {}
+        try:
+            outs["torch"] = guarded(ctx, "torch-native (check)",
+                                    lambda: torch_native_moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, grouped))
+        except StageFailed as exc:
+            log(f"  check: torch-native failed: {exc}")
+        for S in SCHEDULES:
+            try:
+                outs[S] = guarded(ctx, f"moe {S} (check)",
+                                  lambda: moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule=S), buf)
+            except StageFailed as exc:
+                log(f"  check: moe schedule={S} failed: {exc}")
+        checks = check_outputs(ctx, outs)
+        outs.clear()
+
+        # ---- ours: the layer, every schedule
+        for S in SCHEDULES:
+            e = measure(ctx, cfg, f"ours moe(schedule={S!r})", "ours",
+                        lambda: moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule=S), fl, buf, schedule=S)
+            e["check"] = checks.get(S)
+        # ---- ours: the grouped GEMM alone on the same rows
+        measure(ctx, cfg, "ours grouped_swiglu_ffn (standalone)", "standalone",
+                lambda: grouped_swiglu_ffn(recv_x, off, wts.w1, wts.w2), fl)
+        # ---- gemm refs and floor
+        best, col = gemm_refs(ctx, cfg, recv_x, offs, host_off, wts, grouped)
+        del recv_x
+        floor = compute_floor(ctx, cfg, best, ctx.payload.get("hbm_bytes_per_s"))
+        # ---- torch-native, with the faster _grouped_mm weight layout per GEMM
+        w1t, w2t = wts.layout("w1", col["w1"] and grouped), wts.layout("w2", col["w2"] and grouped)
+        layout = f"W1 {'col' if col['w1'] else 'row'}-major, W2 {'col' if col['w2'] else 'row'}-major"
+        e = measure(ctx, cfg, torch_impl + (f" [{layout}]" if grouped else ""), "torch",
+                    lambda: torch_native_moe(cfg.x, cfg.idx, cfg.w, w1t, w2t, grouped), fl,
+                    grouped_mm=grouped, weight_layout=layout if grouped else "row-major")
+        e["check"] = checks.get("torch")
+    except Fatal:
+        group_ok = False
+        raise
+    finally:
+        finish_config(ctx, cfg, floor)
+        if group_ok:
+            clear_cache()
+
+
+def check_outputs(ctx: Ctx, outs: dict[str, torch.Tensor]) -> dict[str, str]:
+    """max |out_S - out_torch| / max |out_torch| over every rank, per schedule (collective)."""
+    rtol = TOLERANCES[ctx.dtype][0]
+    have = [S for S in SCHEDULES if S in outs]  # the same on every rank: each stage's failure was agreed
+    if "torch" not in outs:
+        return {S: "n/a (torch-native failed)" for S in SCHEDULES}
+    ref = outs["torch"].float()
+    vals = [(outs[S].float() - ref).abs().max().item() if ref.numel() else 0.0 for S in have]
+    vec = ctx.coll_tensor([ref.abs().max().item() if ref.numel() else 0.0, *vals])
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
+    scale = max(vec[0].item(), 1e-30)
+    res: dict[str, str] = {}
+    worst = 0.0
+    for S, v in zip(have, vec[1:].tolist()):
+        rel = v / scale
+        worst = max(worst, rel)
+        res[S] = f"{'ok' if rel <= rtol else 'FAIL'} rel {rel:.1e}"
+        log(f"  check moe(schedule={S!r}) vs torch-native: max|diff|/max|ref| = {rel:.2e} (rtol {rtol:g}): "
+            f"{'ok' if rel <= rtol else 'FAIL'}")
+    for S in SCHEDULES:
+        res.setdefault(S, "n/a (moe failed)")
+    res["torch"] = f"ref (worst {worst:.1e})" if have else "ref"
+    return res
+
+
+# ============================================================================ sweep and main
+def sweep(ctx: Ctx) -> None:
+    a = ctx.args
+    log("  measuring memory bandwidth")
+    hbm = measure_hbm(ctx)
+    ctx.payload["hbm_bytes_per_s"] = hbm
+    wts = guarded(ctx, "weights", lambda: make_weights(ctx))
+    log(f"  weights per rank: w1 {tuple(wts.w1.shape)}, w2 {tuple(wts.w2.shape)} "
+        f"({(wts.w1.numel() + wts.w2.numel()) * ctx.elt / 2**20:.0f} MiB)")
+    ctx.save()
+    configs = [(T, r) for T in a.tokens for r in a.routing]
+    for i, (T, routing) in enumerate(configs, 1):
+        label = f"T{T} {routing}"
+        elapsed = synced_elapsed(ctx)
+        if elapsed > a.time_budget:
+            log(f"[{i}/{len(configs)} {elapsed:5.0f}s] {label}: skipped (time budget {a.time_budget:.0f}s spent)")
+            ctx.payload["skipped"].append({"label": label, "what": "config", "why": "time budget"})
+            continue
+        log(f"[{i}/{len(configs)} {elapsed:5.0f}s] {label}  (H={a.hidden} I={a.inter} E={a.experts} "
+            f"K={a.topk} {ctx.dtype}, schedules {', '.join(SCHEDULES)})")
+        try:
+            run_config(ctx, wts, T, routing)
+        except StageFailed as exc:
+            add_entry(ctx, None, f"config {label}", "config", None, None, error=str(exc))
+        gc.collect()
+        if ctx.on_cuda:
+            torch.cuda.empty_cache()
+        ctx.save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        apply_smoke(args)
+    t0 = time.time()
+    device = init_distributed(args)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    validate_args(args, world)
+    info = device_info(device)
+    interpreted = kernels_interpreted()
+    dtype = torch.float32 if interpreted else DTYPES[args.dtype]
+    timer = ("cuda_events" if device.type == "cuda" else
+             "cpu_perf_counter" + (" (Triton interpreter, emulated ranks: NOT GPU performance)" if interpreted else ""))
+    json_path = None
+    if args.json is not None:
+        json_path = default_json_path(BENCH, info["name"]) if args.json == "auto" else Path(args.json)
+    payload: dict[str, Any] = {
+        "benchmark": BENCH, "device": info["name"], "device_info": info, "gpu_count": info["gpu_count"],
+        "world_size": world, "torch": info["torch"], "triton": info["triton"],
+        "date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
+        "commit_dirty": git_dirty(), "timer": timer, "interpreted": interpreted,
+        "dtype": str(dtype).removeprefix("torch."), "schedules": list(SCHEDULES), "flop_rule": FLOP_RULE,
+        "floor_rule": FLOOR_RULE, "baseline": BASELINE_NOTE, "targets": TARGET_NOTE, "args": vars(args),
+        "status": "running", "hbm_bytes_per_s": None, "configs": [], "results": [], "skipped": []}
+    ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=dtype, t0=t0, payload=payload,
+              json_path=json_path)
+    log(f"ditron_ep {BENCH}: {world} ranks on {info['name']} ({device.type}), torch {info['torch']}, "
+        f"triton {info['triton']}, commit {payload['commit'][:12]}{' (dirty)' if payload['commit_dirty'] else ''}, "
+        f"{payload['dtype']}")
+    log(f"timer: {timer}; slowest rank per iteration, median (p20, p80) of {args.iters} iterations "
+        f"after {args.warmup} warm-up")
+    for line in (FLOP_RULE, FLOOR_RULE, BASELINE_NOTE, TARGET_NOTE):
+        log(line)
+    status = "complete"
+    try:
+        with torch.no_grad():
+            sweep(ctx)
+    except (Fatal, StageFailed) as exc:
+        status = f"aborted: {exc}"
+        log(f"ABORTED: {exc}")
+    except KeyboardInterrupt:
+        status = "interrupted"
+    payload["status"] = status
+    payload["wall_s"] = round(time.time() - t0, 1)
+    errors = [r for r in payload["results"] if r["error"]]
+    failed_checks = [r for r in payload["results"] if (r["check"] or "").startswith("FAIL")]
+    if rank == 0:
+        title = (f"EP MoE layer forward — {info['name']} x{world}, {payload['dtype']}, H={args.hidden}, "
+                 f"I={args.inter}, E={args.experts}, K={args.topk}, commit {payload['commit'][:12]}"
+                 + ("  [CPU interpreter timings: not performance]" if device.type == "cpu" else ""))
+        print_table(ctx.rows, title, COLUMNS)
+        log("vs torch = torch-native median / this median (speedup); vs GEMM = this median / standalone "
+            "grouped_swiglu_ffn median.")
+        log(FLOP_RULE)
+        log(TARGET_NOTE)
+        log(f"{len(payload['results']) - len(errors)} measured, {len(errors)} failed, {len(failed_checks)} failed "
+            f"the check against torch-native, {len(payload['skipped'])} skipped; {payload['wall_s']} s; status: {status}")
+    ctx.save()
+    if json_path is not None:
+        log(f"wrote {json_path}")
+    if status == "complete":
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    return 0 if status == "complete" and not errors and not failed_checks else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

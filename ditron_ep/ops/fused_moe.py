@@ -1,0 +1,200 @@
+"""`FusedMoE`: owns the heap and the verified plan of the fused EP MoE megakernel.
+
+Per call: the sender-side layout (torch device ops) and the counts exchange (one small launch),
+the row-tile map (torch device ops), then ONE persistent launch of `moe_fused_kernel` that runs
+dispatch, both expert GEMMs and combine, overlapped at tile granularity (schedule "overlap") or
+stage by stage (schedule "sequential": same binary, same tiles, stage barriers from the plan).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ..compiler.lowering import lower
+from ..compiler.plan import MoEPlan, MoESpec
+from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_layout
+from ..megakernel.grouped_gemm import build_tile_map
+from ..megakernel.moe_fused import moe_fused_kernel
+from ..runtime.errors import DitronConfigError
+from ..runtime.heap import SymmetricHeap
+from .ep_buffer import SUPPORTED_DTYPES, sync_after_layout
+
+STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
+
+
+class FusedMoE:
+    """Fused EP MoE forward over `group`: out = combine(experts(dispatch(x))) in one launch.
+
+    Args mirror `EPBuffer`, plus ffn_hidden (I), the schedule and Device-level plan overrides
+    (num_programs, chunk_rows, source_order, gemm_tile_order, block_t, tile configs): any of
+    them changes which program runs what and when (the trace) but not one bit of the result.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
+                 max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
+                 schedule: str = "overlap", backend: str = "auto", wait_budget: int | None = None,
+                 **plan_overrides) -> None:
+        if not dist.is_initialized():
+            raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
+        if dtype not in SUPPORTED_DTYPES:
+            raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
+        world = dist.get_world_size(group)
+        if num_experts % world:
+            raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
+        device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
+        spec = MoESpec(world_size=world, num_experts=num_experts, topk=topk, hidden=hidden, ffn_hidden=ffn_hidden,
+                       max_tokens=max_tokens_per_rank, dtype=str(dtype).removeprefix("torch."),
+                       device_type=device_type, schedule=schedule, **plan_overrides)
+        self.plan: MoEPlan = lower(spec)
+        self.plan.require_verified()  # kernels refuse an unverified plan
+        if not self.plan.device.combine_fused:
+            raise DitronConfigError("combine_fused=False is a plan variant the megakernel does not implement; "
+                                    "leave combine_fused at its default")
+        self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
+        self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
+        dev = self.plan.device
+        layout_bytes = triton.cdiv(world * (self.num_local_experts + LAYOUT_EXTRA) * 4, 256) * 256
+        self.heap = SymmetricHeap(group, backend=backend, size_bytes=dev.heap_bytes + 256 + layout_bytes + 4 * world,
+                                  num_signals=dev.num_signals + world, wait_budget=wait_budget)
+        for fam in dev.signals:  # plan order: the heap hands out the same words
+            if self.heap.alloc_signals(fam.name, fam.count) != fam.first:
+                raise DitronConfigError(f"signal family {fam.name!r} does not land where the plan put it")
+        self._sig_layout = self.heap.alloc_signals("moe/layout", world)
+        for b in dev.buffers:
+            self.heap.alloc(b.name, b.shape, getattr(torch, b.dtype))
+            if self.heap.offset_of(b.name) - self.heap.data_offset != b.offset - dev.data_offset:
+                raise DitronConfigError(f"buffer {b.name!r} does not land where the plan put it")
+        self.heap.alloc("moe/layout", (world, self.num_local_experts + LAYOUT_EXTRA), torch.int32)
+        self.device = self.heap.device
+        self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # Local counters the kernel expects at zero ("reset: layout launch" in the plan).
+        self._local_counters = [f for f in dev.signals if f.kind == "counter" and f.scope == "local"]
+        self._clock = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.last_trace: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
+        """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
+
+        sync=True: one device-to-host read after the layout (bad input raises on every rank,
+        before any token moves) and one after the launch (timeouts). sync=False: no host sync
+        (CUDA-graph capturable); input problems are recorded for `check()`.
+        trace=True records the logical start/end clock of every task in `last_trace` [NT, 2].
+        """
+        self._validate(x, topk_idx, topk_weights, w1, w2)
+        plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
+        W, T = self.world_size, x.shape[0]
+        send = build_send_layout(topk_idx, self.num_experts, W, self.max_tokens)
+        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout)
+        if sync:
+            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+        else:
+            torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
+        bm = core.gate_up.block_m
+        tile_start = build_tile_map(recv.expert_off, bm)
+        self._fill_tiles(h.local_view("gemm/tiles"), tile_start, recv.expert_off, bm)
+        for fam in self._local_counters:
+            h.signals[fam.first:fam.first + fam.count].zero_()
+        self._clock.zero_()
+        nt = dev.num_tasks
+        trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
+        out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
+        st = {s.name: s for s in dev.stages}
+        firsts = [st[n].first_task for n in STAGES[1:]]
+        seq = dev.schedule == "sequential"
+        word = (lambda name: dev.signal(name).first) if seq else (lambda name: 0)
+        interp = self.device.type != "cuda"
+        moe_fused_kernel[(dev.num_programs,)](
+            x, send.topk_idx, send.pos, topk_weights.to(torch.float32).contiguous(), send.send_idx, send.tokens_to,
+            recv.expert_off, recv.src_off, recv.tokens_from, tile_start, w1, w2, out, trace_buf, self._clock,
+            h.ptr_table, h.signal_table,
+            *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
+                                       "combine/land")),
+            dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
+            dev.signal("land").first,
+            word("stage_done.dispatch_send"), word("stage_done.dispatch_recv"), word("stage_done.gemm_gate_up"),
+            word("stage_done.gemm_down"), word("stage_barrier.dispatch_recv"), word("stage_barrier.gemm_down"),
+            T, self.hidden, self.ffn_hidden, h.rank, W, self.num_local_experts, self.max_tokens,
+            plan.routing.n_chunks, dev.n_row_tiles_max, dev.n_tiles1, dev.n_tiles2, *firsts, nt, h.wait_budget,
+            K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=bm, BN1=core.gate_up.block_n,
+            BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
+            BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
+            REVERSE_RING=dev.source_order == "reverse_ring",
+            INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace,
+            num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
+        if trace:
+            self.last_trace = trace_buf
+        if sync:
+            h.check_error()
+        return out
+
+    __call__ = forward
+
+    def overlap_report(self) -> dict[str, int]:
+        """From `last_trace` (host read): how many GEMM tiles started before the last remote
+        dispatch chunk was placed (logical clock of task starts and ends on this rank)."""
+        if self.last_trace is None:
+            raise DitronConfigError("call forward(..., trace=True) first")
+        tr = self.last_trace.cpu()
+        st = {s.name: s for s in self.plan.device.stages}
+        recv, gu = st["dispatch_recv"], st["gemm_gate_up"]
+        rank, W, n_chunks = self.heap.rank, self.world_size, self.plan.routing.n_chunks
+        remote = [recv.first_task + q for q in range(recv.num_tasks)
+                  if self.plan.source_of(rank, q // n_chunks) != rank]
+        last_remote = max((int(tr[t, 1]) for t in remote), default=-1)
+        n_rows = self.heap.local_view("gemm/tiles")[:, 2].cpu()
+        order_row_major = self.plan.device.gemm_tile_order == "row_major"
+        n_t1, n_rt = self.plan.device.n_tiles1, self.plan.device.n_row_tiles_max
+        started = worked = 0
+        for q in range(gu.num_tasks):
+            i_m = q // n_t1 if order_row_major else q % n_rt
+            if int(n_rows[i_m]) > 0:
+                worked += 1
+                started += int(int(tr[gu.first_task + q, 0]) < last_remote)
+        return {"gate_up_tiles": worked, "started_before_last_remote_chunk": started,
+                "last_remote_chunk_clock": last_remote}
+
+    def check(self) -> None:
+        """Raise input problems recorded by sync=False calls."""
+        from .ep_buffer import raise_input_flags
+
+        flags = int(self._pending_flags.item())
+        self._pending_flags.zero_()
+        raise_input_flags(flags, None, self.num_experts, self.max_tokens)
+
+    def free(self) -> None:
+        self.heap.free()
+
+    # ------------------------------------------------------------------ helpers
+    def _fill_tiles(self, tiles: torch.Tensor, tile_start: torch.Tensor, expert_off: torch.Tensor, bm: int) -> None:
+        """tiles[i] = (local expert, first row, rows) of row tile i; rows = 0 past the last tile."""
+        i = torch.arange(tiles.shape[0], device=tiles.device, dtype=torch.int32)
+        e = torch.searchsorted(tile_start[1:].contiguous(), i, right=True).clamp_(max=self.num_local_experts - 1)
+        row0 = expert_off[e] + (i - tile_start[e]) * bm
+        n = torch.minimum(expert_off[e + 1] - row0, torch.full_like(row0, bm)).clamp_(min=0)
+        n = torch.where(i < tile_start[-1], n, torch.zeros_like(n))
+        tiles.copy_(torch.stack([e.to(torch.int32), row0.to(torch.int32), n.to(torch.int32)], dim=1))
+
+    def _validate(self, x, topk_idx, topk_weights, w1, w2) -> None:
+        H, I, El, K = self.hidden, self.ffn_hidden, self.num_local_experts, self.topk
+        for name, t, shape in (("x", x, (None, H)), ("topk_idx", topk_idx, (x.shape[0], K)),
+                               ("topk_weights", topk_weights, (x.shape[0], K)), ("w1", w1, (El, H, 2 * I)),
+                               ("w2", w2, (El, I, H))):
+            if not isinstance(t, torch.Tensor):
+                raise DitronConfigError(f"{name} must be a torch.Tensor")
+            if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+                raise DitronConfigError(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
+                                        f"got {tuple(t.shape)}")
+            if t.device != self.device:
+                raise DitronConfigError(f"{name} is on {t.device}, the buffer on {self.device}")
+            if not t.is_contiguous():
+                raise DitronConfigError(f"{name} must be contiguous; call .contiguous() first")
+        for name, t in (("x", x), ("w1", w1), ("w2", w2)):
+            if t.dtype != self.dtype:
+                raise DitronConfigError(f"{name} dtype {t.dtype} does not match the layer's {self.dtype}")
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            raise DitronConfigError("topk_idx must be int32 or int64")
+        if not topk_weights.is_floating_point():
+            raise DitronConfigError("topk_weights must be floating point")
+
