@@ -61,7 +61,7 @@ def test_fused_bitwise_across_schedules_grids_and_plan_fields(dist_env, layers):
     for v, o in zip(variants, outs):
         if not torch.equal(o, outs[0]):
             problems.append(f"variant {v} differs from overlap by {(o.float() - outs[0].float()).abs().max()}")
-    exp = ep_moe_oracle(xs, idxs, ws, [w.float() for w in w1s], [w.float() for w in w2s])[rank]
+    exp = ep_moe_oracle([x.float() for x in xs], idxs, ws, [w.float() for w in w1s], [w.float() for w in w2s])[rank]
     if exp.numel():
         rel = float((outs[0].double().cpu() - exp).abs().max() / exp.abs().max())
         if rel > 2e-2:
