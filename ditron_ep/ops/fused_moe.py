@@ -29,12 +29,13 @@ class FusedMoE:
     Args mirror `EPBuffer`, plus ffn_hidden (I), the schedule and Device-level plan overrides
     (num_programs, chunk_rows, source_order, gemm_tile_order, block_t, tile configs): any of
     them changes which program runs what and when (the trace) but not one bit of the result.
+    `plan`: a plan lowered elsewhere (e.g. by a tuner); it must be verified.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                  schedule: str = "overlap", backend: str = "auto", wait_budget: int | None = None,
-                 **plan_overrides) -> None:
+                 plan: MoEPlan | None = None, **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
         if dtype not in SUPPORTED_DTYPES:
@@ -46,8 +47,12 @@ class FusedMoE:
         spec = MoESpec(world_size=world, num_experts=num_experts, topk=topk, hidden=hidden, ffn_hidden=ffn_hidden,
                        max_tokens=max_tokens_per_rank, dtype=str(dtype).removeprefix("torch."),
                        device_type=device_type, schedule=schedule, **plan_overrides)
-        self.plan: MoEPlan = lower(spec)
-        self.plan.require_verified()  # kernels refuse an unverified plan
+        self.plan: MoEPlan = lower(spec) if plan is None else plan
+        self.plan.require_verified()  # kernels refuse an unverified plan (e.g. one edited by hand)
+        r = self.plan.routing
+        if (r.world_size, r.num_experts, r.topk, r.hidden, r.ffn_hidden, r.max_tokens) != (
+                world, num_experts, topk, hidden, ffn_hidden, max_tokens_per_rank):
+            raise DitronConfigError("the plan was lowered for another shape; lower it for this layer's shape")
         if not self.plan.device.combine_fused:
             raise DitronConfigError("combine_fused=False is a plan variant the megakernel does not implement; "
                                     "leave combine_fused at its default")

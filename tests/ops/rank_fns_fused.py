@@ -44,3 +44,41 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
         "variants_bitwise": [torch.equal(o, outs[0]) for o in outs],
         "reports": reports,
     }
+
+
+def fused_refusals() -> dict:
+    """An unverified plan, a plan for another shape and malformed inputs are refused clearly."""
+    import dataclasses
+
+    from ditron_ep.compiler.lowering import lower
+    from ditron_ep.compiler.plan import MoESpec
+    from ditron_ep.runtime import DitronConfigError
+
+    W = dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 24, 2, 6
+    spec = MoESpec(world_size=W, num_experts=E, topk=K, hidden=H, ffn_hidden=I, max_tokens=T, dtype="float32",
+                   device_type="cpu")
+    good = lower(spec)
+    res = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            res[key] = "no error"
+        except (ValueError, DitronConfigError) as err:
+            res[key] = f"{type(err).__name__}: {err}"
+
+    edited = dataclasses.replace(good, device=dataclasses.replace(good.device, num_programs=5))
+    catch("unverified", lambda: FusedMoE(None, E, H, I, T, K, torch.float32, plan=edited))
+    catch("other_shape", lambda: FusedMoE(None, E, H, I, T + 1, K, torch.float32, plan=good))
+    layer = FusedMoE(None, E, H, I, T, K, torch.float32, plan=good)
+    x, idx, w = torch.randn(T, H), torch.zeros(T, K, dtype=torch.long), torch.full((T, K), 0.5)
+    w1, w2 = torch.randn(E // W, H, 2 * I), torch.randn(E // W, I, H)
+    catch("x_shape", lambda: layer(torch.randn(T, H + 1), idx, w, w1, w2))
+    catch("w1_shape", lambda: layer(x, idx, w, w1[:, :, :I], w2))
+    catch("dtype", lambda: layer(x.double(), idx, w, w1, w2))
+    catch("idx_dtype", lambda: layer(x, idx.float(), w, w1, w2))
+    idx[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
+    catch("bad_expert", lambda: layer(x, idx, w, w1, w2))
+    layer.free()
+    return res

@@ -29,3 +29,12 @@ def test_fused_moe(emulated_cluster, W, tokens, H, I, E, K, kind):
         for v, r in zip(VARIANTS, rep["reports"]):
             assert r["rerun_bitwise"] and r["nosync_bitwise"], f"rank {rank} {v}: runs differ"
             assert r["overlap"]["gate_up_tiles"] >= 0
+
+
+def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.fused_refusals)):
+        assert "verif" in res["unverified"], res["unverified"]
+        assert "another shape" in res["other_shape"], res["other_shape"]
+        for key in ("x_shape", "w1_shape", "dtype", "idx_dtype"):
+            assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
+        assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
