@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..compiler.portability import register_kernel
+from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .grouped_gemm import down_acc, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, notify_add, wait,
@@ -37,6 +37,7 @@ STAGE_MOE_LAND = tl.constexpr(register_stage(13, "moe: combine_reduce waits for 
 STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barrier"))
 
 
+@register_device_function
 @triton.jit
 def _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_word, n_prev, cross_first, epoch, budget,
                    CROSS: tl.constexpr):
@@ -51,6 +52,7 @@ def _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_word, n_prev, cross
     return ok
 
 
+@register_device_function
 @triton.jit
 def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoch, STAMP: tl.constexpr):
     """Sequential schedule: count this task done; the task completing the stage stamps the
