@@ -3,8 +3,12 @@
 * `info`  — versions, execution mode, backends available here, devices and GPU topology.
 * `check` — self-check on emulated CPU ranks (default: 4), or, under torchrun, on the launched
   ranks (`torchrun --nproc-per-node 4 -m ditron_ep check --backend torch`): heap, signals and
-  the bounded-wait timeout, and the sequential reference against the float64 oracle. Prints a
-  table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
+  the bounded-wait timeout, the sequential reference against the float64 oracle, EP
+  dispatch/combine (received rows vs the reference permutation bit for bit, combine vs the
+  float64 oracle, run vs run bitwise) and the MoE layer (`moe` overlap vs sequential bitwise,
+  run vs run bitwise, vs the float64 oracle) for several routings. `--against MODULE:FN` checks
+  the user's own MoE forward instead (see ditron_ep/determinism/against.py for the contract).
+  Prints a table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
 
 Exit status: 0 success, 1 a check failed, 2 bad arguments or a backend that cannot run here.
 """
@@ -75,7 +79,97 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--quick", action="store_true", help="fewer cases")
     check.add_argument("--json", type=Path, default=None, metavar="PATH",
                        help="also write the report as JSON to PATH")
+    check.add_argument("--routings", type=_routings, default=None, metavar="R[,R...]",
+                       help=f"routings of the dispatch / moe / --against cases, from "
+                            f"{','.join(_routing_names())} (default {','.join(_case_routings())}; "
+                            f"with --quick: uniform)")
+    check.add_argument("--dtypes", type=_dtypes, default=None, metavar="D[,D...]",
+                       help="dtypes of the dispatch / moe / --against cases, from fp32,bf16,fp16 "
+                            "(default fp32 on emulated ranks, bf16 on GPUs; the MoE math runs on "
+                            "emulated ranks in fp32 only, the Triton interpreter's bf16 math is wrong)")
+    check.add_argument("--repeats", type=_repeats, default=2, metavar="N",
+                       help="runs compared bit for bit (run vs run), at least 2 (default 2)")
+    check.add_argument("--shape", type=_shape, default=None, metavar="T,H,I,E,K",
+                       help="tokens (rank 0; rank r has T-3r), hidden, FFN width, experts, top-k "
+                            "of the dispatch / moe / --against cases (default 16,32,16,8,2)")
+    check.add_argument("--against", default=None, metavar="MODULE:FN",
+                       help="check your own MoE forward instead of the built-in cases: "
+                            "FN(x, topk_idx, topk_weights, w1, w2, *, group=None, "
+                            "schedule='overlap') with the contract of ditron_ep.ops.moe; its "
+                            "overlap output must equal its sequential output and every rerun bit "
+                            "for bit, and match the float64 oracle. MODULE must be importable "
+                            "from sys.path on every rank")
     return parser
+
+
+def _routing_names() -> list[str]:
+    from ditron_ep.determinism.selfcheck import REFERENCE_ROUTINGS
+
+    return sorted(REFERENCE_ROUTINGS)
+
+
+def _case_routings() -> tuple[str, ...]:
+    from ditron_ep.determinism.selfcheck import CASE_ROUTINGS
+
+    return CASE_ROUTINGS
+
+
+def _comma_list(text: str, allowed: Sequence[str], what: str) -> tuple[str, ...]:
+    items = tuple(p.strip() for p in text.split(",") if p.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"no {what} given")
+    bad = [p for p in items if p not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(bad)}; choose from {', '.join(allowed)}")
+    return tuple(dict.fromkeys(items))
+
+
+def _routings(text: str) -> tuple[str, ...]:
+    return _comma_list(text, _routing_names(), "routing")
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    return _comma_list(text, ("fp32", "bf16", "fp16"), "dtype")
+
+
+def _repeats(text: str) -> int:
+    value = _positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"run vs run needs at least 2 runs, got {value}")
+    return value
+
+
+def _shape(text: str) -> tuple[int, int, int, int, int]:
+    parts = text.split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 5 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be five positive integers T,H,I,E,K, got {text!r}")
+    T, H, I, E, K = values
+    if K > E:
+        raise argparse.ArgumentTypeError(f"top-k K={K} exceeds the number of experts E={E}")
+    return values  # type: ignore[return-value]
+
+
+def _plan_options(args: argparse.Namespace, world_size: int, backend: str) -> dict:
+    """plan_cases keyword arguments from the command line; DitronConfigError if they cannot run."""
+    from ditron_ep.determinism.against import load_moe_fn
+    from ditron_ep.determinism.selfcheck import DEFAULT_SHAPE, default_dtypes, moe_dtypes
+
+    shape = args.shape or DEFAULT_SHAPE
+    if shape[3] % world_size:
+        raise DitronConfigError(f"--shape: E={shape[3]} experts is not a multiple of the world size "
+                                f"{world_size}")
+    dtypes = args.dtypes or default_dtypes(backend)
+    if args.against is not None:
+        load_moe_fn(args.against)  # a bad MODULE:FN is a usage error, before any rank starts
+        if not moe_dtypes(backend, dtypes):
+            raise DitronConfigError(f"--against on {backend} ranks runs in fp32 only (the Triton "
+                                    f"interpreter's bf16 math is wrong); add fp32 to --dtypes")
+    return dict(routings=args.routings, dtypes=dtypes, repeats=args.repeats, shape=shape,
+                against=args.against, backend=backend)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -264,24 +358,26 @@ def cmd_check(args: argparse.Namespace) -> int:
     problem = interpreter_numpy_problem()
     if problem:  # the run goes on (its failures show where), but say why first
         Console(stderr=True).print(f"[bold yellow]warning:[/] {problem}", highlight=False)
-    report = run_emulated_check(world_size, seed=args.seed, quick=args.quick)
+    options = _plan_options(args, world_size, "emulated")
+    report = run_emulated_check(world_size, seed=args.seed, quick=args.quick, **options)
     if report is None:
         return EXIT_FAILED
     return emit_report(report, Console(width=_table_width()), args.json)
 
 
-def run_emulated_check(world_size: int, *, seed: int, quick: bool) -> "CheckReport | None":
+def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) -> "CheckReport | None":
     """Start one pool of emulated ranks, run every case on it, with a progress bar on stderr.
 
+    `options`: plan_cases keyword arguments (routings, dtypes, repeats, shape, against).
     Returns None (after printing why) if the ranks could not start.
     """
-    from ditron_ep.determinism.selfcheck import plan_cases, run_check
+    from ditron_ep.determinism.selfcheck import count_rows, plan_cases, run_check
     from ditron_ep.runtime import EmulatedCluster
 
-    cases = plan_cases(world_size, quick=quick)
+    cases = plan_cases(world_size, quick=quick, **options)
     cluster = EmulatedCluster(world_size, timeout_s=300)
     try:
-        with _case_progress(len(cases), f"starting {world_size} emulated ranks") as hooks:
+        with _case_progress(count_rows(cases), f"starting {world_size} emulated ranks") as hooks:
             try:
                 cluster.start()
             except RankError as exc:
@@ -298,7 +394,7 @@ def _check_launched_ranks(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from ditron_ep.determinism.selfcheck import exit_status, local_runner, plan_cases, run_check
+    from ditron_ep.determinism.selfcheck import count_rows, exit_status, local_runner, plan_cases, run_check
     from ditron_ep.runtime import resolve_backend
 
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -306,6 +402,7 @@ def _check_launched_ranks(args: argparse.Namespace) -> int:
         raise DitronConfigError(f"--world-size {args.world_size} but torchrun launched {world_size} "
                                 f"ranks; drop --world-size or launch {args.world_size} ranks")
     backend = resolve_backend(args.backend)
+    options = _plan_options(args, world_size, backend)
     created = not dist.is_initialized()
     if created:
         if backend == "torch":
@@ -315,9 +412,9 @@ def _check_launched_ranks(args: argparse.Namespace) -> int:
         else:
             dist.init_process_group("gloo")
     try:
-        cases = plan_cases(world_size, quick=args.quick)
+        cases = plan_cases(world_size, quick=args.quick, **options)
         if rank == 0:
-            with _case_progress(len(cases), "") as hooks:
+            with _case_progress(count_rows(cases), "") as hooks:
                 report = run_check(local_runner, backend, world_size, cases, seed=args.seed, **hooks)
             return emit_report(report, Console(width=_table_width()), args.json)
         # Every rank evaluates the same gathered results, so every rank exits alike.
@@ -377,7 +474,8 @@ def _verdict_line(report: "CheckReport") -> str:
     status = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     return (f"{status}: {passed}/{len(report.cases)} cases passed in {report.wall_s:.1f} s. "
             f"rel err = max |err| / max |expected|; bitwise = received == sent (signal), "
-            f"run == run (reference).")
+            f"run == run (reference, run vs run), received == reference permutation (dispatch), "
+            f"overlap == sequential (moe, against).")
 
 
 def emit_report(report: "CheckReport", console: Console, json_path: Path | None) -> int:

@@ -75,13 +75,15 @@ def test_check_quick_on_two_ranks_writes_json(tmp_path: Path, capsys: pytest.Cap
     assert {"ok", "backend", "world_size", "cases"} <= set(report)
     assert report["ok"] is True and report["backend"] == "emulated" and report["world_size"] == 2
     names = [c["case"] for c in report["cases"]]
-    assert len(names) == len(set(names)) == len(selfcheck.plan_cases(2, quick=True))
+    assert len(names) == len(set(names)) == selfcheck.count_rows(selfcheck.plan_cases(2, quick=True))
     for case in report["cases"]:
         assert set(case) == CASE_KEYS
         assert case["kind"] in selfcheck.KINDS
         assert case["ok"] is True, case
     kinds = {c["kind"] for c in report["cases"]}
-    assert kinds == set(selfcheck.KINDS)
+    assert kinds == set(selfcheck.KINDS) - {"against"}  # against runs only with --against
+    assert "dispatch uniform fp32: rows vs permutation" in names
+    assert "moe uniform fp32: overlap vs sequential" in names
     assert any("timeout" in n for n in names)
     reference = [c for c in report["cases"] if c["kind"] == "reference"]
     assert all(c["bitwise"] is True and 0 <= c["max_abs"] < 0.05 for c in reference)
@@ -109,7 +111,7 @@ def test_json_has_no_bare_infinity() -> None:
 
 
 def test_main_returns_1_and_writes_failed_json(monkeypatch, tmp_path: Path, capsys) -> None:
-    monkeypatch.setattr(cli, "run_emulated_check", lambda world_size, seed, quick: _report(PASSING, FAILING))
+    monkeypatch.setattr(cli, "run_emulated_check", lambda world_size, **options: _report(PASSING, FAILING))
     path = tmp_path / "fail.json"
     assert cli.main(["check", "--json", str(path)]) == 1
     doc = json.loads(path.read_text())
@@ -193,3 +195,137 @@ def test_world_size_must_match_torchrun(monkeypatch, capsys) -> None:
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert cli.main(["check", "--world-size", "2"]) == 2
     assert "torchrun launched 3 ranks" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- dispatch / moe / --against
+def test_plan_of_new_kinds() -> None:
+    full = selfcheck.plan_cases(4)
+    rows = [n for c in full for n in c.row_names]
+    assert len(rows) == len(set(rows)) == selfcheck.count_rows(full)
+    for kind in ("dispatch", "moe"):
+        assert {c.params["routing"] for c in full if c.kind == kind} == set(selfcheck.CASE_ROUTINGS)
+    assert {c.params["dtype"] for c in full if c.kind == "moe"} == {"fp32"}, "interpreter: fp32 only"
+    # bf16 on emulated ranks: dispatch/combine only (the interpreter's bf16 math is wrong)
+    both = selfcheck.plan_cases(2, dtypes=("fp32", "bf16"), routings=("drops",))
+    assert {(c.kind, c.params["dtype"]) for c in both if c.kind in ("dispatch", "moe")} == {
+        ("dispatch", "fp32"), ("dispatch", "bf16"), ("moe", "fp32")}
+    gpu = selfcheck.plan_cases(2, backend="torch", routings=("uniform",))
+    assert {(c.kind, c.params["dtype"]) for c in gpu if c.kind in ("dispatch", "moe")} == {
+        ("dispatch", "bf16"), ("moe", "bf16")}
+    against = selfcheck.plan_cases(2, against="m:f", routings=("uniform", "zipf"), repeats=3)
+    assert [c.kind for c in against] == ["against"] * 2 and against[0].params["repeats"] == 3
+    assert against[0].row_names == tuple(f"m:f uniform fp32: {r}" for r in
+                                         ("overlap vs sequential", "run vs run", "vs oracle"))
+
+
+def test_multi_row_case_that_raises_fails_every_row() -> None:
+    (case,) = selfcheck.plan_cases(2, against="m:f", routings=("uniform",))
+
+    def broken_runner(fn, *args):
+        raise RankError("rank 0 raised ImportError: no module m", rank=0)
+
+    report = selfcheck.run_check(broken_runner, "emulated", 2, [case])
+    assert [r.case for r in report.cases] == list(case.row_names)
+    assert not any(r.ok for r in report.cases) and exit_status(report) == 1
+
+
+# One 2-rank run per function; K=4 so that a summation order can show (two terms added to zero
+# commute: a + b == b + a).
+AGAINST = ["check", "--world-size", "2", "--routings", "uniform", "--shape", "16,32,16,8,4"]
+
+
+@pytest.mark.parametrize("spec, failing", [
+    ("ditron_ep.ops.moe:moe", set()),
+    ("cli_broken_impls:staged_moe", set()),
+    ("cli_broken_impls:overlap_ulp_moe", {"overlap vs sequential"}),
+    ("cli_broken_impls:swapped_rows_moe", {"vs oracle"}),
+    # different random orders also make overlap differ from sequential
+    ("cli_broken_impls:index_add_combine_moe", {"run vs run", "overlap vs sequential"}),
+], ids=["ditron-moe", "staged", "ulp-in-overlap", "swapped-rows", "index-add-order"])
+def test_against(spec: str, failing: set[str], tmp_path: Path, capsys) -> None:
+    path = tmp_path / "against.json"
+    status = cli.main([*AGAINST, "--against", spec, "--json", str(path)])
+    doc = json.loads(path.read_text())
+    assert status == (1 if failing else 0), doc
+    assert doc["ok"] is (not failing) and doc["world_size"] == 2 and doc["backend"] == "emulated"
+    rows = {c["case"].split(": ")[-1]: c for c in doc["cases"]}
+    assert set(rows) == {"overlap vs sequential", "run vs run", "vs oracle"}
+    for name, row in rows.items():
+        assert set(row) == CASE_KEYS and row["kind"] == "against"
+        assert row["case"].startswith(f"{spec} uniform fp32: ")
+        assert row["ok"] is (name not in failing), row
+        if name != "vs oracle":
+            assert row["bitwise"] is (name not in failing)
+    if "vs oracle" in failing:
+        assert "outside torch.float32 tolerance" in rows["vs oracle"]["detail"]
+        assert rows["vs oracle"]["max_abs"] > 1e-2
+    if "overlap vs sequential" in failing and "run vs run" not in failing:  # exactly one ulp
+        assert "rank 0: 1/" in rows["overlap vs sequential"]["detail"]
+    out = capsys.readouterr().out
+    assert ("FAIL" in out) is bool(failing)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--against", "no_such_module_xyz:fn"], "cannot import module 'no_such_module_xyz'"),
+    (["--against", "cli_broken_impls:nope"], "has no attribute 'nope'"),
+    (["--against", "cli_broken_impls"], "MODULE:FN"),
+    (["--against", "cli_broken_impls:_num_experts"], "expected fn(x, topk_idx"),
+    (["--against", "cli_broken_impls:staged_moe", "--dtypes", "bf16"], "fp32 only"),
+    (["--shape", "16,32,16,6,2"], "not a multiple of the world size 4"),
+    (["--shape", "16,32,16,8"], "five positive integers"),
+    (["--shape", "16,32,16,2,4"], "exceeds the number of experts"),
+    (["--repeats", "1"], "at least 2 runs"),
+    (["--routings", "uniform,bogus"], "unknown routing bogus"),
+    (["--dtypes", "fp64"], "unknown dtype fp64"),
+], ids=["module", "attr", "no-colon", "signature", "bf16-emulated", "experts", "shape-len", "topk",
+        "repeats", "routing", "dtype"])
+def test_bad_check_options_exit_2(argv: list[str], message: str, capsys) -> None:
+    assert cli.main(["check", *argv]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())  # rich wraps at 80 columns
+
+
+def _dispatch_runner(corrupt: str | None = None):
+    """A fake RankRunner for a dispatch case: every rank 'returns' the reference permutation and
+    a combine computed here, twice; `corrupt` breaks one thing."""
+
+    def run(fn, backend, inputs, repeats):
+        assert fn is selfcheck.rank_dispatch
+        W, E = len(inputs.xs), inputs.num_experts
+        terms = [torch.zeros(*i.shape, x.shape[1]) for i, x in zip(inputs.topk_idxs, inputs.xs)]
+        received = []
+        for r in range(W):
+            order = selfcheck.expected_permutation(inputs, r)
+            rows = torch.stack([inputs.xs[s][t] for s, t, _ in order])
+            experts = [int(inputs.topk_idxs[s][t, k]) for s, t, k in order]
+            y = selfcheck._scaled_rows(rows, experts, rows.dtype)
+            for row, (s, t, k) in enumerate(order):
+                terms[s][t, k] = inputs.topk_weights[s][t, k] * y[row]
+            counts = [experts.count(e) for e in range(r * E // W, (r + 1) * E // W)]
+            received.append((rows, [sum(counts[:i]) for i in range(len(counts) + 1)]))
+        results = []
+        for r, (rows, offsets) in enumerate(received):
+            out = terms[r].sum(dim=1).to(inputs.xs[r].dtype)
+            results.append([(rows, offsets, out), (rows.clone(), list(offsets), out.clone())])
+        if corrupt == "swap":  # in every run: the order is wrong, not unstable
+            for run in results[0]:
+                run[0][[0, 1]] = run[0][[1, 0]]
+        elif corrupt == "rerun":
+            out = results[1][1][2]
+            out[0, 0] = torch.nextafter(out[0, 0], torch.tensor(9.0))
+        elif corrupt == "combine":
+            results[1][0][2][0, 0] += 0.5
+        return results
+
+    return run
+
+
+@pytest.mark.parametrize("corrupt, failing", [
+    (None, set()), ("swap", {"rows vs permutation"}), ("rerun", {"run vs run"}),
+    ("combine", {"combine vs oracle", "run vs run"})])
+def test_dispatch_verdict(corrupt: str | None, failing: set[str]) -> None:
+    (case,) = selfcheck.plan_cases(2, routings=("zipf",))[-2:-1]
+    assert case.kind == "dispatch"
+    rows = selfcheck.run_case_rows(case, _dispatch_runner(corrupt), "emulated", 2)
+    assert {r.case.split(": ")[-1] for r in rows if not r.ok} == failing, rows
+    if corrupt == "swap":
+        assert "rank 0: 2/" in rows[0].detail

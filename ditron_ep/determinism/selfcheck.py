@@ -35,7 +35,7 @@ from .reference import ep_moe_reference
 from .routing import make_routing
 from .tolerances import TOLERANCES, assert_close_to_oracle
 
-KINDS = ("heap", "signal", "reference")
+KINDS = ("heap", "signal", "reference", "dispatch", "moe", "against")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HEAP_BYTES = 4 << 20  # every check fits in 4 MiB per rank, on either backend
 # Poll budget of the timeout probe: ~0.6 s of polls under the interpreter (~0.25 ms a poll),
@@ -116,6 +116,13 @@ class CheckCase:
     kind: str
     driver: Callable[..., CaseResult]
     params: dict[str, Any] = field(default_factory=dict)
+    # A case that yields several report rows (one rank run judged several ways) names them here;
+    # its driver then returns one CaseResult per name, in this order. Empty: one row, `name`.
+    rows: tuple[str, ...] = ()
+
+    @property
+    def row_names(self) -> tuple[str, ...]:
+        return self.rows or (self.name,)
 
 
 # name -> (routing kind, drop probability, last rank has no tokens, topk)
@@ -129,8 +136,65 @@ REFERENCE_ROUTINGS: dict[str, tuple[str, float, bool, int]] = {
 QUICK_REFERENCE = (("uniform", "fp32"), ("zipf", "bf16"), ("drops", "fp32"), ("empty_rank", "bf16"))
 
 
-def plan_cases(world_size: int, *, quick: bool = False) -> list[CheckCase]:
-    """The cases of one check run, in running order."""
+# Routings of the dispatch / moe / against cases (names of REFERENCE_ROUTINGS; K from the shape).
+CASE_ROUTINGS = ("uniform", "zipf", "one_expert", "drops")
+# T, H, I, E, K of the dispatch / moe / against cases: tiny, for the interpreter.
+DEFAULT_SHAPE = (16, 32, 16, 8, 2)
+
+
+def default_dtypes(backend: str) -> tuple[str, ...]:
+    """MoE math under the Triton interpreter is right in fp32 only; GPUs run bf16."""
+    return ("bf16",) if backend == "torch" else ("fp32",)
+
+
+def moe_dtypes(backend: str, dtypes: Sequence[str]) -> tuple[str, ...]:
+    """The dtypes of `dtypes` that moe / against cases run in on `backend`."""
+    return tuple(d for d in dtypes if backend == "torch" or d == "fp32")
+
+
+def plan_cases(world_size: int, *, quick: bool = False, routings: Sequence[str] | None = None,
+               dtypes: Sequence[str] | None = None, repeats: int = 2,
+               shape: tuple[int, int, int, int, int] = DEFAULT_SHAPE, against: str | None = None,
+               backend: str = "emulated") -> list[CheckCase]:
+    """The cases of one check run, in running order.
+
+    Without `against`: heap, signal and reference cases, then dispatch/combine and MoE-layer
+    cases for every routing in `routings` (default CASE_ROUTINGS; quick: uniform) and dtype in
+    `dtypes` (default `default_dtypes(backend)`; MoE cases on emulated ranks in fp32 only).
+    With `against` ("MODULE:FN"): only that function's cases, one per routing and dtype.
+    """
+    if routings is None:
+        routings = ("uniform",) if quick else CASE_ROUTINGS
+    dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(backend)
+    params = dict(repeats=repeats, shape=tuple(shape))
+    if against is not None:
+        return [_moe_case(f"{against} {routing} {dtype}", "against", against, routing, dtype, params)
+                for routing in routings for dtype in moe_dtypes(backend, dtypes)]
+    cases = _plan_base(world_size, quick=quick)
+    for routing in routings:
+        for dtype in dtypes:
+            name = f"dispatch {routing} {dtype}"
+            cases.append(CheckCase(name, "dispatch", _check_dispatch, dict(routing=routing, dtype=dtype, **params),
+                                   rows=tuple(f"{name}: {row}" for row in DISPATCH_ROWS)))
+    for routing in routings:
+        for dtype in moe_dtypes(backend, dtypes):
+            cases.append(_moe_case(f"moe {routing} {dtype}", "moe", None, routing, dtype, params))
+    return cases
+
+
+DISPATCH_ROWS = ("rows vs permutation", "combine vs oracle", "run vs run")
+
+
+def _moe_case(name: str, kind: str, spec: str | None, routing: str, dtype: str,
+              params: dict[str, Any]) -> CheckCase:
+    from .against import DITRON_MOE, ROWS
+
+    return CheckCase(name, kind, _check_moe, dict(spec=spec or DITRON_MOE, routing=routing, dtype=dtype, **params),
+                     rows=tuple(f"{name}: {row}" for row in ROWS))
+
+
+def _plan_base(world_size: int, *, quick: bool) -> list[CheckCase]:
+    """Heap, signal and reference cases."""
     cases = [CheckCase("heap: alloc + peer visibility", "heap", _check_heap)]
     exchanges = [("exchange fp32 16x64", 16, 64, "fp32", 2, None),
                  ("exchange bf16 ragged 37x130", 37, 130, "bf16", 2, 3)]
@@ -162,21 +226,37 @@ def run_check(runner: RankRunner, backend: str, world_size: int, cases: Sequence
     for case in cases:
         if on_case_start is not None:
             on_case_start(case)
-        result = run_case(case, runner, backend, world_size, seed=seed)
-        results.append(result)
-        if on_case_done is not None:
-            on_case_done(result)
+        for result in run_case_rows(case, runner, backend, world_size, seed=seed):
+            results.append(result)
+            if on_case_done is not None:
+                on_case_done(result)
     return CheckReport(backend, world_size, seed, tuple(results), time.perf_counter() - start)
+
+
+def count_rows(cases: Sequence[CheckCase]) -> int:
+    """Report rows that `cases` produce (the progress bar's total)."""
+    return sum(len(c.row_names) for c in cases)
 
 
 def run_case(case: CheckCase, runner: RankRunner, backend: str, world_size: int, *,
              seed: int = 0) -> CaseResult:
+    """The (first) row of `case`; see run_case_rows."""
+    return run_case_rows(case, runner, backend, world_size, seed=seed)[0]
+
+
+def run_case_rows(case: CheckCase, runner: RankRunner, backend: str, world_size: int, *,
+                  seed: int = 0) -> list[CaseResult]:
+    """Every row of `case`; an exception fails each of them with its first line."""
     try:
-        return case.driver(case, runner, backend, world_size, seed, **case.params)
+        result = case.driver(case, runner, backend, world_size, seed, **case.params)
+        rows = [result] if isinstance(result, CaseResult) else list(result)
+        if len(rows) != len(case.row_names):
+            raise RuntimeError(f"driver returned {len(rows)} rows for {len(case.row_names)} names")
+        return rows
     except Exception as exc:  # noqa: BLE001 - a crashed case is a failed row, not a crashed CLI
         first_line = (str(exc).strip().splitlines() or [""])[0]
-        return CaseResult(case.name, case.kind, None, None, None, False,
-                          f"{type(exc).__name__}: {first_line}")
+        return [CaseResult(name, case.kind, None, None, None, False,
+                           f"{type(exc).__name__}: {first_line}") for name in case.row_names]
 
 
 def local_runner(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
@@ -281,6 +361,122 @@ def _check_reference(case: CheckCase, runner: RankRunner, backend: str, world_si
                       not problems, detail)
 
 
+def _case_inputs(world_size: int, routing: str, dtype: str, seed: int,
+                 shape: tuple[int, int, int, int, int]) -> MoEInputs:
+    T, H, I, E, K = shape
+    return make_moe_inputs(world_size, routing, DTYPES[dtype], seed=seed, num_tokens=T, hidden=H,
+                           inter=I, num_experts=E, topk=K)
+
+
+def _check_moe(case: CheckCase, runner: RankRunner, backend: str, world_size: int, seed: int, *,
+               spec: str, routing: str, dtype: str, repeats: int,
+               shape: tuple[int, int, int, int, int]) -> list[CaseResult]:
+    from .against import check_moe_rows
+
+    inputs = _case_inputs(world_size, routing, dtype, seed, shape)
+    return check_moe_rows(case.row_names, case.kind, runner, backend, spec, inputs, DTYPES[dtype], repeats)
+
+
+def expected_permutation(inputs: MoEInputs, rank: int) -> list[tuple[int, int, int]]:
+    """(source rank, token, k) of every row `rank` receives: expert-major, then (source, token)
+    order — plain loops, sharing no code with the kernels."""
+    world = len(inputs.xs)
+    e_local = inputs.num_experts // world
+    order = []
+    for e in range(rank * e_local, (rank + 1) * e_local):
+        for src in range(world):
+            idx = inputs.topk_idxs[src]
+            for t in range(idx.shape[0]):
+                for k in range(idx.shape[1]):
+                    if int(idx[t, k]) == e:
+                        order.append((src, t, k))
+    return order
+
+
+def expert_scale(expert: int) -> float:
+    """The dispatch case's stand-in expert: y = x * (1 + e/8), different for every expert."""
+    return 1.0 + expert / 8.0
+
+
+def _scaled_rows(rows: torch.Tensor, experts: list[int], dtype: torch.dtype) -> torch.Tensor:
+    scale = torch.tensor([expert_scale(e) for e in experts], dtype=torch.float32)
+    return (rows.to(torch.float32) * scale[:, None]).to(dtype)
+
+
+def _check_dispatch(case: CheckCase, runner: RankRunner, backend: str, world_size: int, seed: int, *,
+                    routing: str, dtype: str, repeats: int,
+                    shape: tuple[int, int, int, int, int]) -> list[CaseResult]:
+    inputs = _case_inputs(world_size, routing, dtype, seed, shape)
+    torch_dtype = DTYPES[dtype]
+    per_rank = runner(rank_dispatch, backend, inputs, repeats)
+    H = inputs.xs[0].shape[1]
+    e_local = inputs.num_experts // world_size
+    # rows vs the reference permutation
+    perm_problems, ys = [], []
+    for rank, runs in enumerate(per_rank):
+        order = expected_permutation(inputs, rank)
+        want = (torch.stack([inputs.xs[s][t] for s, t, _ in order]) if order
+                else torch.empty(0, H, dtype=torch_dtype))
+        experts = [int(inputs.topk_idxs[s][t, k]) for s, t, k in order]
+        counts = [experts.count(e) for e in range(rank * e_local, (rank + 1) * e_local)]
+        offsets = [sum(counts[:i]) for i in range(e_local + 1)]
+        recv_x, got_offsets, _ = runs[0]
+        if got_offsets != offsets:
+            perm_problems.append(f"rank {rank}: expert offsets {got_offsets}, expected {offsets}")
+        elif not _bitwise(recv_x, want):
+            bad = [i for i in range(len(order)) if not _bitwise(recv_x[i], want[i])]
+            perm_problems.append(f"rank {rank}: {len(bad)}/{len(order)} rows differ (first row {bad[:1]})")
+        ys.append((order, _scaled_rows(want, experts, torch_dtype)))
+    rows_total = sum(len(o) for o, _ in ys)
+    rows = [CaseResult(case.row_names[0], "dispatch", None, None, not perm_problems, not perm_problems,
+                       "; ".join(perm_problems[:3]) if perm_problems else
+                       f"{rows_total} rows on {world_size} ranks element-exact, in reference order")]
+    # combine vs the float64 oracle of the expert rows
+    expected = [torch.zeros(x.shape, dtype=torch.float64) for x in inputs.xs]
+    for order, y in ys:
+        for row, (s, t, k) in enumerate(order):
+            expected[s][t] += float(inputs.topk_weights[s][t, k]) * y[row].to(torch.float64)
+    max_abs, max_ref, problems = 0.0, 0.0, []
+    for rank, (runs, want) in enumerate(zip(per_rank, expected)):
+        out = runs[0][2]
+        if out.dtype != torch_dtype or out.shape != want.shape:
+            problems.append(f"rank {rank}: combine gave {out.dtype} {tuple(out.shape)}")
+            continue
+        max_abs = max(max_abs, _max_abs_err(out, want))
+        max_ref = max(max_ref, float(want.abs().max()) if want.numel() else 0.0)
+        try:
+            assert_close_to_oracle(out, want, torch_dtype, f"rank {rank} combine")
+        except AssertionError as exc:
+            problems.append(str(exc))
+    rtol, atol = TOLERANCES[torch_dtype]
+    rows.append(CaseResult(case.row_names[1], "dispatch", max_abs, _relative(max_abs, max_ref), None,
+                           not problems, "; ".join(problems[:2]) if problems else
+                           f"expert y = x·(1+e/8); rtol={rtol:g} atol={atol:g}"))
+    # run vs run
+    problems = []
+    for rank, runs in enumerate(per_rank):
+        first = runs[0]
+        for i, run in enumerate(runs[1:], 1):
+            what = [name for name, same in (("received rows", _bitwise(run[0], first[0])),
+                                            ("offsets", run[1] == first[1]),
+                                            ("combine", _bitwise(run[2], first[2]))) if not same]
+            if what:
+                problems.append(f"rank {rank}: run {i} differs from run 0 in {' and '.join(what)}")
+    rows.append(CaseResult(case.row_names[2], "dispatch", None, None, not problems, not problems,
+                           "; ".join(problems[:3]) if problems else
+                           f"{repeats} runs: rows and combine bitwise equal"))
+    return rows
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (unlike torch.equal: NaN == NaN, -0 != +0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
 def _max_abs_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest |got - want| in float64; inf if either holds a non-finite value; 0 when empty."""
     if got.numel() == 0:
@@ -310,14 +506,17 @@ class MoEInputs:
 
 
 def make_moe_inputs(world_size: int, routing: str, dtype: torch.dtype, *, seed: int = 0,
-                    num_tokens: int = 24, hidden: int = 64, inter: int = 32) -> MoEInputs:
+                    num_tokens: int = 24, hidden: int = 64, inter: int = 32,
+                    num_experts: int | None = None, topk: int | None = None) -> MoEInputs:
     """Seeded inputs of the reference cases, scaled so outputs are of order 1.
 
     Rank r holds max(1, num_tokens - 3r) tokens (uneven on purpose); `routing` names an entry
-    of REFERENCE_ROUTINGS. E = 8 experts, or the next multiple of the world size.
+    of REFERENCE_ROUTINGS (topk: that entry's unless given). E = `num_experts` (default 8)
+    rounded up to a multiple of the world size.
     """
-    kind, drop_prob, last_rank_empty, topk = REFERENCE_ROUTINGS[routing]
-    num_experts = world_size * math.ceil(8 / world_size)
+    kind, drop_prob, last_rank_empty, routing_topk = REFERENCE_ROUTINGS[routing]
+    topk = topk or routing_topk
+    num_experts = world_size * math.ceil((num_experts or 8) / world_size)
     num_local = num_experts // world_size
     tokens = [max(1, num_tokens - 3 * r) for r in range(world_size)]
     if last_rank_empty:
@@ -460,3 +659,28 @@ def rank_reference(backend: str, inputs: MoEInputs, repeats: int) -> list[torch.
     args = [t[rank].to(device) for t in (inputs.xs, inputs.topk_idxs, inputs.topk_weights,
                                          inputs.w1s, inputs.w2s)]
     return [ep_moe_reference(*args, num_experts=inputs.num_experts).cpu() for _ in range(repeats)]
+
+
+def rank_dispatch(backend: str, inputs: MoEInputs, repeats: int) -> list[tuple]:
+    """`repeats` dispatch -> y = x * (1 + e/8) -> combine rounds on a fresh EPBuffer; per round
+    (received rows, expert offsets, combined output), CPU."""
+    from ..ops.ep_buffer import EPBuffer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = _device(backend)
+    x, idx, w = (t[rank].to(device) for t in (inputs.xs, inputs.topk_idxs, inputs.topk_weights))
+    e_local = inputs.num_experts // world
+    max_tokens = max(1, max(t.shape[0] for t in inputs.xs))
+    buf = EPBuffer(None, inputs.num_experts, x.shape[1], max_tokens, idx.shape[1], x.dtype, backend=backend)
+    runs = []
+    try:
+        for _ in range(repeats):
+            recv_x, handle = buf.dispatch(x, idx, w)
+            offsets = handle.expert_offsets.tolist()
+            experts = [rank * e_local + i for i in range(e_local) for _ in range(offsets[i + 1] - offsets[i])]
+            y = _scaled_rows(recv_x.cpu(), experts, x.dtype).to(device)
+            out = buf.combine(y, handle, w)
+            runs.append((recv_x.cpu(), offsets, out.cpu()))
+    finally:
+        buf.free()
+    return runs

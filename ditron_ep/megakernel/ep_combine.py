@@ -12,11 +12,34 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..compiler.portability import register_kernel
+from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
+
+
+@register_device_function
+@triton.jit
+def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, H, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over k = 0..K-1 of w[t, k] * land[t, k] (routed k only), fp32, k in order, one
+    cast: the combine contract. land is (T, K, H); o_t / m_t are the block's tokens and mask."""
+    o_t64 = o_t.to(tl.int64)
+    for h0 in range(0, H, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_t[:, None] & (o_h < H)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for k in tl.static_range(K):
+            valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
+            b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :], mask=m & valid[:, None],
+                          other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+            if HAS_WEIGHTS:
+                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & valid, other=0.0)
+                acc += b_w[:, None] * b_y
+            else:
+                acc += b_y
+        tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -82,23 +105,8 @@ def ep_combine_kernel(
                                     rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:
-                    p_land = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
-                    o_t64 = o_t.to(tl.int64)
-                    for h0 in range(0, H, BLOCK_H):
-                        o_h = h0 + tl.arange(0, BLOCK_H)
-                        m = m_t[:, None] & (o_h < H)[None, :]
-                        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-                        for k in tl.static_range(K):
-                            valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
-                            m_k = m & valid[:, None]
-                            b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :], mask=m_k,
-                                          other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
-                            if HAS_WEIGHTS:
-                                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & valid, other=0.0)
-                                acc += b_w[:, None] * b_y
-                            else:
-                                acc += b_y
-                        tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+                    reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
+                                  out_ptr, o_t, m_t, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank)
 

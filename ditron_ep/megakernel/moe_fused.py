@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
+from .ep_combine import reduce_landed
 from .grouped_gemm import down_acc, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, notify_add, wait,
                          wait_all)
@@ -35,6 +36,21 @@ STAGE_MOE_ROWS = tl.constexpr(register_stage(11, "moe: gemm_gate_up waits for it
 STAGE_MOE_GATE_UP = tl.constexpr(register_stage(12, "moe: gemm_down waits for gate-up tiles"))
 STAGE_MOE_LAND = tl.constexpr(register_stage(13, "moe: combine_reduce waits for expert outputs"))
 STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barrier"))
+
+
+@register_device_function
+@triton.jit
+def _gemm_tile(q, n_cols, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR: tl.constexpr):
+    """q-th task of a GEMM stage -> (row tile, column tile, expert, first row, rows); the plan's
+    gemm_tile_order picks row-major (all column tiles of a row tile together) or column-major."""
+    if ROW_MAJOR:
+        i_m = q // n_cols
+        i_n = q % n_cols
+    else:
+        i_n = q // n_rt
+        i_m = q % n_rt
+    p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
+    return i_m, i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
 
 
 @register_device_function
@@ -175,17 +191,7 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2 - F1, bar_recv,
                                              epoch, budget, True)
-                q = t - F2
-                if ROW_MAJOR:
-                    i_m = q // n_t1
-                    i_n = q % n_t1
-                else:
-                    i_n = q // n_rt
-                    i_m = q % n_rt
-                p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
-                e = tl.load(p_tile)
-                row0 = tl.load(p_tile + 1)
-                n_rows = tl.load(p_tile + 2)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
                         swiglu_tile(heap_ptr(table_ptr, rank, xs_off, DT), heap_ptr(table_ptr, rank, rows_off, tl.int32),
@@ -199,17 +205,7 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, F3 - F2, 0, epoch,
                                              budget, False)
-                q = t - F3
-                if ROW_MAJOR:
-                    i_m = q // n_t2
-                    i_n = q % n_t2
-                else:
-                    i_n = q // n_rt
-                    i_m = q % n_rt
-                p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
-                e = tl.load(p_tile)
-                row0 = tl.load(p_tile + 1)
-                n_rows = tl.load(p_tile + 2)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
                         acc = down_acc(heap_ptr(table_ptr, rank, h_off, DT), w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
@@ -246,19 +242,8 @@ def moe_fused_kernel(
                     ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
                                        STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
                     if ok:
-                        p_land = heap_ptr(table_ptr, rank, land_off, DT)
-                        o_t64 = o_t.to(tl.int64)
-                        for h0 in range(0, H, BLOCK_H):
-                            o_h = h0 + tl.arange(0, BLOCK_H)
-                            m = m_t[:, None] & (o_h < H)[None, :]
-                            acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-                            for k in tl.static_range(K):
-                                v_k = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
-                                b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :],
-                                              mask=m & v_k[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
-                                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & v_k, other=0.0)
-                                acc += b_w[:, None] * b_y
-                            tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+                        reduce_landed(heap_ptr(table_ptr, rank, land_off, DT), topk_ptr, w_ptr, out_ptr, o_t, m_t, H,
+                                      K, True, BLOCK_T, BLOCK_H)
                         # counters back to zero for the next call (peers add again only after
                         # the next call barrier, i.e. after this launch has finished)
                         tl.debug_barrier()

@@ -192,9 +192,7 @@ class EPBuffer:
 
     def check(self) -> None:
         """Raise any input problem recorded by graph-mode dispatches (one host read)."""
-        flags = int(self._pending_flags.item())
-        self._pending_flags.zero_()
-        raise_input_flags(flags, None, self.num_experts, self.max_tokens)
+        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
 
     def free(self) -> None:
         self.heap.free()
@@ -336,6 +334,13 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
     if flags & FLAG_BAD_EXPERT:
         raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
                            f"fix the router output (no token was moved)")
+
+
+def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int) -> None:
+    """Raise (and clear) input problems recorded by graph-mode calls: one host read."""
+    flags = int(pending_flags.item())
+    pending_flags.zero_()
+    raise_input_flags(flags, None, num_experts, max_tokens)
 
 
 def sync_after_layout(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,

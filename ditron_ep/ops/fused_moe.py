@@ -18,7 +18,7 @@ from ..megakernel.grouped_gemm import build_tile_map
 from ..megakernel.moe_fused import moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
-from .ep_buffer import SUPPORTED_DTYPES, sync_after_layout
+from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, sync_after_layout
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
 
@@ -162,11 +162,7 @@ class FusedMoE:
 
     def check(self) -> None:
         """Raise input problems recorded by sync=False calls."""
-        from .ep_buffer import raise_input_flags
-
-        flags = int(self._pending_flags.item())
-        self._pending_flags.zero_()
-        raise_input_flags(flags, None, self.num_experts, self.max_tokens)
+        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
 
     def free(self) -> None:
         self.heap.free()
