@@ -131,14 +131,12 @@ def cdiv(a: int, b: int) -> int:
 
 def row_tiles_bound(routing: "RoutingPlan", block_m: int) -> int:
     """Most GEMM row tiles one rank can get: tiles never span two experts, so the count is
-    sum_e cdiv(rows_e, BM) <= floor((R + E_local * (BM - 1)) / BM) with R the most rows a rank
-    can receive, W * max_tokens * min(topk, E_local) (a token has at most one slot per expert),
-    and <= E_local * cdiv(W * max_tokens, BM) (an expert gets each token at most once)."""
+    sum_e cdiv(rows_e, BM) <= floor((R + E_local * (BM - 1)) / BM) with R = W * max_tokens * topk
+    the most rows a rank can receive. (Not min(topk, E_local): nothing stops a router from
+    repeating an expert within a token, and each (token, k) is its own row.)"""
     r = routing
-    per_expert = r.world_size * r.max_tokens
-    rows = per_expert * min(r.topk, r.experts_per_rank)
-    return min((rows + r.experts_per_rank * (block_m - 1)) // block_m,
-               r.experts_per_rank * cdiv(per_expert, block_m))
+    rows = r.world_size * r.max_tokens * r.topk
+    return (rows + r.experts_per_rank * (block_m - 1)) // block_m
 
 
 def index_space_size(key: str, routing: "RoutingPlan", n_row_tiles_max: int) -> int:

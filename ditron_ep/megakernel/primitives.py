@@ -81,6 +81,15 @@ def record_timeout(my_ctrl, rank, stage, signal_id, observed, expected):
 
 @register_device_function
 @triton.jit
+def read_error_flag(my_ctrl):
+    """This rank's error flag, one value for the whole program: a scalar atomic's result is
+    shared by every thread, while a plain scalar load is issued by each thread on its own and
+    warps could see different values (and then leave a wait loop at different iterations)."""
+    return tl.atomic_add(my_ctrl + ERR_FLAG, 0, sem="relaxed", scope="gpu")
+
+
+@register_device_function
+@triton.jit
 def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     """Spin (acquire) until `*sig_ptr - target >= 0` in int32, at most `budget` polls.
 
@@ -90,11 +99,11 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     """
     target = target.to(tl.int32)
     v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-    failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+    failed = read_error_flag(my_ctrl)
     n = 0
     while ((v - target) < 0) & (n < budget) & (failed == 0):
         v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-        failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+        failed = read_error_flag(my_ctrl)
         n += 1
     ok = (v - target) >= 0
     # Every thread of the program reads the awaited data only after the acquiring thread saw it.
@@ -115,12 +124,12 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
     target = target.to(tl.int32)
     v = tl.atomic_add(p_sig, 0, mask=mask, sem="acquire", scope="sys")
     pending = mask & ((v - target) < 0)
-    failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+    failed = read_error_flag(my_ctrl)
     n = 0
     while (tl.max(pending.to(tl.int32), axis=None) > 0) & (n < budget) & (failed == 0):
         v = tl.atomic_add(p_sig, 0, mask=pending, sem="acquire", scope="sys")
         pending = pending & ((v - target) < 0)
-        failed = tl.load(my_ctrl + ERR_FLAG, volatile=True)
+        failed = read_error_flag(my_ctrl)
         n += 1
     n_pending = tl.sum(pending.to(tl.int32), axis=None)  # any shape: reduce every axis
     tl.debug_barrier()
@@ -134,20 +143,22 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
 def call_begin(table_ptr, rank, world, budget):
     """Enter a collective launch: returns (epoch, ok).
 
-    The epoch is one more than the rank's call counter. Program 0 stamps it into every peer's
-    barrier slot for this rank; every program waits until all peers have entered the same call,
+    The epoch is one more than the rank's call counter. It is stamped into every peer's barrier
+    slot for this rank; every program waits until all peers have entered the same call,
     so no rank writes into a peer's buffers while the peer still reads the previous call's data.
     """
     my_ctrl = ctrl_ptr(table_ptr, rank)
     epoch = tl.load(my_ctrl + EPOCH, volatile=True) + 1
-    if tl.program_id(0) == 0:
-        for p in range(world):
-            notify(ctrl_ptr(table_ptr, p) + BARRIER + rank, epoch)
+    # Every program stamps (the same value): no program depends on another being resident.
+    for p in range(world):
+        notify(ctrl_ptr(table_ptr, p) + BARRIER + rank, epoch)
     n_bad = 0
     for p in range(world):
         ok_p = wait(my_ctrl + BARRIER + p, epoch, my_ctrl, rank, STAGE_CALL_BARRIER, p, budget)
         n_bad += (ok_p == 0).to(tl.int32)
-    return epoch, n_bad == 0
+    # A rank whose error slot is set (a timeout not yet cleared by heap.reset()) runs no task:
+    # its buffers may hold half-written data.
+    return epoch, (n_bad == 0) & (read_error_flag(my_ctrl) == 0)
 
 
 @register_device_function

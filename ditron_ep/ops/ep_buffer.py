@@ -287,8 +287,10 @@ class EPBuffer:
             rows_cap, num_rows = W * T * K, None
         recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
         recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
-        recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
-        recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
+        # -1 = "no row": after a timed-out graph-mode dispatch, combine then moves nothing
+        # rather than gathering through garbage indices.
+        recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
+        recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok)
         self._finish(sync)

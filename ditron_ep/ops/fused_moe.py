@@ -44,6 +44,10 @@ class FusedMoE:
         if num_experts % world:
             raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
         device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
+        if device_type == "cuda" and plan is None:
+            # one program per SM of this device (the plan's default assumes an H100/H200's 132)
+            plan_overrides.setdefault("num_programs", torch.cuda.get_device_properties(
+                torch.cuda.current_device()).multi_processor_count)
         spec = MoESpec(world_size=world, num_experts=num_experts, topk=topk, hidden=hidden, ffn_hidden=ffn_hidden,
                        max_tokens=max_tokens_per_rank, dtype=str(dtype).removeprefix("torch."),
                        device_type=device_type, schedule=schedule, **plan_overrides)
