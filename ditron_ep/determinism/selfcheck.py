@@ -336,7 +336,7 @@ def _check_reference(case: CheckCase, runner: RankRunner, backend: str, world_si
                      *, routing: str, dtype: str) -> CaseResult:
     inputs = make_moe_inputs(world_size, routing, DTYPES[dtype], seed=seed)
     per_rank = runner(rank_reference, backend, inputs, 2)
-    expected = ep_moe_oracle(inputs.xs, inputs.topk_idxs, inputs.topk_weights, inputs.w1s, inputs.w2s)
+    expected = inputs.oracle()
     bitwise = all(torch.equal(first, second) for first, second in per_rank)
     max_abs, max_ref, problems = 0.0, 0.0, []
     for rank, ((first, _), want) in enumerate(zip(per_rank, expected)):
@@ -503,6 +503,10 @@ class MoEInputs:
     w1s: list[torch.Tensor]
     w2s: list[torch.Tensor]
     num_experts: int
+
+    def oracle(self) -> list[torch.Tensor]:
+        """float64 output of every rank (the independent single-process oracle)."""
+        return ep_moe_oracle(self.xs, self.topk_idxs, self.topk_weights, self.w1s, self.w2s)
 
 
 def make_moe_inputs(world_size: int, routing: str, dtype: torch.dtype, *, seed: int = 0,

@@ -17,11 +17,39 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..compiler.portability import register_kernel
+from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
 
 STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
+
+
+@register_device_function
+@triton.jit
+def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+                      stage_offset, meta_offset, wstage_offset, H, E_local, MAXT,
+                      K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy staging slots o_j (mask m_j) of the tokens going to rank i_d into i_d's staging area
+    at row (rank, slot), with per-token metadata [token, local expert of every k (-1: not on
+    i_d), position of every k] and, with HAS_WEIGHTS, the routing weights."""
+    i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+    r_dst = (rank * MAXT + o_j).to(tl.int64)
+    p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
+    for h0 in range(0, H, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_j[:, None] & (o_h < H)[None, :]
+        b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+        tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
+    p_meta = heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * (1 + 2 * K)
+    tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
+    for k in tl.static_range(K):
+        e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
+        mine = (e >= 0) & (e // E_local == i_d)
+        tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
+        tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+        if HAS_WEIGHTS:
+            p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
+            tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
 
 
 @triton.jit
@@ -65,24 +93,9 @@ def ep_dispatch_kernel(
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
                 if i_c * BLOCK_S < n:
-                    i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
-                    r_dst = (rank * MAXT + o_j).to(tl.int64)
-                    p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
-                    for h0 in range(0, H, BLOCK_H):
-                        o_h = h0 + tl.arange(0, BLOCK_H)
-                        m = m_j[:, None] & (o_h < H)[None, :]
-                        b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
-                        tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
-                    p_meta = heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * META
-                    tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
-                    p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
-                    for k in tl.static_range(K):
-                        e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
-                        mine = (e >= 0) & (e // E_local == i_d)
-                        tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
-                        tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
-                        if HAS_WEIGHTS:
-                            tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+                    stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+                                      stage_offset, meta_offset, wstage_offset, H, E_local, MAXT, K, HAS_WEIGHTS,
+                                      BLOCK_H)
                     notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_first + rank * n_chunks + i_c, epoch)
             else:
                 # ---- receive: chunk c from source s, expanded into expert-major rows

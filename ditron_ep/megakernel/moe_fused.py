@@ -27,6 +27,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .ep_combine import reduce_landed
+from .ep_dispatch import stage_token_chunk
 from .grouped_gemm import down_acc, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, notify_add, wait,
                          wait_all)
@@ -131,21 +132,8 @@ def moe_fused_kernel(
                 n = tl.load(tokens_to_ptr + i_d)
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
-                i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
-                r_dst = (rank * MAXT + o_j).to(tl.int64)
-                p_xs = heap_ptr(table_ptr, i_d, xs_off, DT)
-                for h0 in range(0, H, BLOCK_H):
-                    o_h = h0 + tl.arange(0, BLOCK_H)
-                    m = m_j[:, None] & (o_h < H)[None, :]
-                    b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
-                    tl.store(p_xs + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
-                p_meta = heap_ptr(table_ptr, i_d, meta_off, tl.int32) + r_dst * META
-                tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
-                for k in tl.static_range(K):
-                    e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
-                    mine = (e >= 0) & (e // E_local == i_d)
-                    tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
-                    tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+                stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+                                  xs_off, meta_off, 0, H, E_local, MAXT, K, False, BLOCK_H)
                 # every chunk is stamped, empty ones too: the receiver always waits exactly once
                 notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
                 if SEQUENTIAL:

@@ -6,7 +6,7 @@ fixture; inputs are built in the parent from a seeded generator and passed to ev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,25 +14,11 @@ import torch.distributed as dist
 
 from ditron_ep.determinism.oracle import ep_moe_oracle
 from ditron_ep.determinism.reference import ep_moe_reference
+from ditron_ep.determinism.selfcheck import MoEInputs
 from ditron_ep.determinism.routing import make_routing, validate_routing
 from ditron_ep.determinism.tolerances import assert_close_to_oracle
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class MoEInputs:
-    """Every rank's inputs; index r of each list belongs to rank r."""
-
-    xs: list[torch.Tensor]
-    topk_idxs: list[torch.Tensor]
-    topk_weights: list[torch.Tensor]
-    w1s: list[torch.Tensor]
-    w2s: list[torch.Tensor]
-    num_experts: int
-
-    def oracle(self) -> list[torch.Tensor]:
-        return ep_moe_oracle(self.xs, self.topk_idxs, self.topk_weights, self.w1s, self.w2s)
 
 
 def make_inputs(tokens: list[int], hidden: int, inter: int, num_experts: int, topk: int,
