@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SKIP_MODULES",
     "PORTABILITY_TARGETS",
     "CompileResult",
+    "count_narrow_accesses",
     "KernelSignature",
     "check",
     "compile_registered",
@@ -92,6 +93,7 @@ class KernelSignature:
     label: str
     options: tuple[tuple[str, Any], ...]
     aligned: bool
+    multiples_of_16: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -138,14 +140,18 @@ def qualified_name(fn: Any) -> str:
 
 
 def register_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, object] | None = None, *,
-                    label: str = "", options: dict[str, Any] | None = None, aligned: bool = True) -> Any:
+                    label: str = "", options: dict[str, Any] | None = None, aligned: bool = True,
+                    multiples_of_16: Iterable[str] = ()) -> Any:
     """Record one compile signature of a ``@triton.jit`` kernel for the portability check.
 
     ``signature`` maps every non-constexpr argument to a Triton type string ("*bf16", "*i64",
     "i32", "fp32", ...); ``constexprs`` maps constexpr arguments to values (constexprs with
     defaults may be left out). ``options`` are compile options such as ``num_warps`` and
     ``num_stages``. ``aligned`` marks pointer arguments 16-byte aligned, as Triton specialises
-    them for torch tensors at launch. Call once per configuration worth checking; returns ``fn``.
+    them for torch tensors at launch. ``multiples_of_16`` names integer arguments that real launches
+    pass as multiples of 16 (hidden sizes, heap offsets): Triton specialises those at launch, and
+    its vectorisation and pipelining depend on it, so the check compiles what really runs.
+    Call once per configuration worth checking; returns ``fn``.
     """
     if not _is_jit(fn):
         raise TypeError(f"register_kernel expects a @triton.jit function, got {fn!r}")
@@ -160,7 +166,11 @@ def register_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, ob
         label=label,
         options=tuple(sorted((options or {}).items())),
         aligned=aligned,
+        multiples_of_16=tuple(multiples_of_16),
     )
+    not_ints = [n for n in entry.multiples_of_16 if signature.get(n) not in ("i32", "i64")]
+    if not_ints:
+        raise ValueError(f"multiples_of_16 of {qualified_name(fn)} names {not_ints}, which are not i32/i64 arguments")
     entries = _KERNELS.setdefault(_base_function(fn), [])
     if entry not in entries:  # re-importing a module registers the same data again
         entries.append(entry)
@@ -308,6 +318,9 @@ class CompileResult:
     seconds: float
     shared_bytes: int | None
     device_functions: tuple[str, ...]  # device functions inlined into this kernel
+    # NVIDIA only: scalar 8/16-bit global loads and stores in the PTX. Half-precision tiles that
+    # Triton cannot prove 16-byte aligned compile to these, one per element: several times slower.
+    narrow_accesses: int | None = None
 
 
 def target_name(target: GPUTarget) -> str:
@@ -353,7 +366,7 @@ def _ast_source(entry: KernelSignature):
         elif name in given_types and given_types[name] != "constexpr":
             ty = given_types[name]
             signature[name] = ty
-            if entry.aligned and ty.startswith("*"):
+            if (entry.aligned and ty.startswith("*")) or name in entry.multiples_of_16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif param.default is not inspect.Parameter.empty:
             constexprs[name] = param.default
@@ -391,6 +404,20 @@ def _error_text(exc: BaseException, stderr: str) -> str:
     return text if len(text) <= _ERROR_TAIL_CHARS else "..." + text[-_ERROR_TAIL_CHARS:]
 
 
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global((?:\.[\w:]+)+)")
+
+
+def count_narrow_accesses(ptx: str) -> int:
+    """Scalar (not vector) 8/16-bit global loads and stores in a PTX listing."""
+    n = 0
+    for m in _GLOBAL_ACCESS.finditer(ptx):
+        parts = m.group(1).split(".")[1:]
+        if parts[-1] in ("b8", "u8", "s8", "b16", "u16", "s16", "f16", "bf16") and \
+                not any(re.fullmatch(r"v\d+", q) for q in parts):
+            n += 1
+    return n
+
+
 def _called_device_functions(ttir_source: str) -> tuple[str, ...]:
     # Device functions appear in the un-inlined TTIR as `tt.func private @"module.qualname__<mangling>"`.
     names = re.findall(r'tt\.func\s+private\s+@"?([\w.]+?)__', ttir_source)
@@ -418,12 +445,14 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
         for entry, label in zip(entries, _display_labels(entries)):
             for target in targets:
                 start = time.perf_counter()
-                error, shared, called = None, None, ()
+                error, shared, called, narrow = None, None, (), None
                 with _CaptureStderr() as captured:
                     try:
                         compiled = triton.compile(_ast_source(entry), target=target, options=dict(entry.options))
                         shared = int(compiled.metadata.shared)
                         called = _called_device_functions(compiled.asm.get("source", ""))
+                        if "ptx" in compiled.asm:
+                            narrow = count_narrow_accesses(compiled.asm["ptx"])
                     except Exception as exc:
                         failure = exc
                     else:
@@ -437,7 +466,8 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                                  f"has {limit}: reduce the block sizes or num_stages of this configuration")
                 results.append(CompileResult(
                     kernel=entry.name, label=label, target=target_name(target), ok=error is None, error=error,
-                    seconds=round(time.perf_counter() - start, 3), shared_bytes=shared, device_functions=called))
+                    seconds=round(time.perf_counter() - start, 3), shared_bytes=shared, device_functions=called,
+                    narrow_accesses=narrow))
     return results
 
 

@@ -116,7 +116,8 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
         "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
         "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32"}
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512}, label="bf16-K8")
+                                          "BLOCK_H": 512}, label="bf16-K8",
+                multiples_of_16=("H", "land_offset"))
 register_kernel(ep_combine_kernel, {**_SIG, "y_ptr": "*fp32", "out_ptr": "*fp32"},
                 {"K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 128},
-                label="fp32-K3-unweighted")
+                label="fp32-K3-unweighted", multiples_of_16=("H", "land_offset"))

@@ -149,8 +149,10 @@ _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32
         "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
         "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32"}
+_MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset")  # real hidden sizes; heap offsets
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
-                                           "BLOCK_S": 16, "BLOCK_H": 512}, label="bf16-K8")
+                                           "BLOCK_S": 16, "BLOCK_H": 512}, label="bf16-K8",
+                multiples_of_16=_MULT16)
 register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
                 {"K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16, "BLOCK_H": 128},
-                label="fp32-K2-scaled")
+                label="fp32-K2-scaled", multiples_of_16=_MULT16)

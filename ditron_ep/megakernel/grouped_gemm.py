@@ -228,18 +228,20 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     dims = {} if shape is None else {"H": shape[0], "I": shape[1]}
     ints = {name: "i32" for name in ("rows_cap", "m_tiles_cap", "E_local", "H", "I") if name not in dims}
     block_e = triton.next_power_of_2(num_local_experts)
+    mult16 = [n for n in ("H", "I") if n not in dims]  # real hidden sizes are multiples of 16
     register_kernel(grouped_swiglu_kernel,
                     {"a_ptr": ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "h_ptr": ptr, "tile_start_ptr": "*i32",
                      "expert_off_ptr": "*i32", **ints},
                     {**dims, "HAS_IDX": has_idx, "BM": gate_up.block_m, "BN": gate_up.block_n,
                      "BK": gate_up.block_k, "BLOCK_E": block_e, "INPUT_PRECISION": input_precision},
-                    label=f"{label}{'-gather' if has_idx else ''} {gate_up}", options=gate_up.launch_options())
+                    label=f"{label}{'-gather' if has_idx else ''} {gate_up}", options=gate_up.launch_options(),
+                    multiples_of_16=mult16)
     register_kernel(grouped_down_kernel,
                     {"h_ptr": ptr, "w2_ptr": ptr, "y_ptr": ptr, "tile_start_ptr": "*i32", "expert_off_ptr": "*i32",
                      **ints},
                     {**dims, "BM": down.block_m, "BN": down.block_n, "BK": down.block_k, "BLOCK_E": block_e,
                      "INPUT_PRECISION": input_precision},
-                    label=f"{label} {down}", options=down.launch_options())
+                    label=f"{label} {down}", options=down.launch_options(), multiples_of_16=mult16)
 
 
 # Every signature is compiled for sm_90 and gfx942, so these are AMD's defaults (64 KiB LDS);

@@ -203,8 +203,8 @@ def moe_fused_kernel(
                         p_rows = heap_ptr(table_ptr, rank, rows_off, tl.int32) + (row0 + o_m).to(tl.int64) * 4
                         i_src = tl.load(p_rows + 1, mask=m_m, other=0)
                         i_tk = (tl.load(p_rows + 2, mask=m_m, other=0) * K + tl.load(p_rows + 3, mask=m_m, other=0)).to(tl.int64)
-                        base = tl.load(table_ptr + i_src, mask=m_m, other=0)  # [BM] peer arena bases
-                        p_land = (base + land_off).to(tl.pointer_type(DT)) + i_tk * H  # [BM]
+                        # [BM] row pointers on each row's token rank (masked rows: i_src = 0, a real rank)
+                        p_land = heap_ptr(table_ptr, i_src, land_off, DT) + i_tk * H
                         o_n = i_n * BN2 + tl.arange(0, BN2)
                         tl.store(p_land[:, None] + o_n[None, :], acc.to(DT), mask=m_m[:, None] & (o_n < H)[None, :])
                         tl.debug_barrier()
@@ -253,7 +253,8 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
 _CONST = {"K": 8, "BLOCK_K": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
           "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "ROW_MAJOR": True, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}
-register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap")
+_MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")
+register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multiples_of_16=_MULT16)
 register_kernel(moe_fused_kernel, {**_SIG, "x_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out_ptr": "*fp32"},
                 {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "ROW_MAJOR": False, "REVERSE_RING": True,
-                 "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential")
+                 "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential", multiples_of_16=_MULT16)

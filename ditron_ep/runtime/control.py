@@ -22,6 +22,7 @@ BARRIER = 512                # BARRIER + p: epoch at which rank p last entered t
 MAX_WORLD = CTRL_WORDS - BARRIER
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
+ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

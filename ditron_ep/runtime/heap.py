@@ -120,6 +120,11 @@ class SymmetricHeap:
             from .backends.emulated import create_arena
 
             self._arena = create_arena(size_bytes, self.group, self.rank, self.world_size)
+        misaligned = [b for b in self._arena.peer_bases if b % C.ARENA_ALIGN]
+        if misaligned:  # kernels are compiled assuming aligned bases (primitives.arena_base)
+            self._arena.release()
+            raise DitronConfigError(f"the {self.backend} backend returned arena bases {misaligned} that are not "
+                                    f"{C.ARENA_ALIGN}-byte aligned; this is a backend bug, please report it")
         self.ptr_table = torch.tensor(self._arena.peer_bases, dtype=torch.int64, device=self.device)
         self.signal_table = self.ptr_table + self.signal_offset
         self._ctrl = self._arena.local[:C.CTRL_BYTES].view(torch.int32)
