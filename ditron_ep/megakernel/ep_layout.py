@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..compiler.portability import register_kernel
+from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import SymmetricHeap, register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, notify, wait
 
@@ -24,6 +24,8 @@ LAYOUT_EXTRA = 3
 # Bits of a rank's input flags (exchanged with the counts, so every rank sees every rank's).
 FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
+_FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
+_FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 
 
 @dataclass
@@ -48,46 +50,141 @@ class SendLayout:
     flags: torch.Tensor
 
 
+# Tokens per program of the sender-side layout kernels. The place kernel compares every pair of
+# its block with every other ([BT*K]^2 booleans: 16K for K=8), so blocks stay small.
+SEND_LAYOUT_BLOCK_T = 16
+
+
 def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
                       max_tokens: int) -> SendLayout:
-    """Sender-side layout from `topk_idx` [T, K] (device ops only; graph-capturable).
+    """Sender-side layout from `topk_idx` [T, K] (int32 or int64; device only, graph-capturable).
 
-    Out-of-range expert ids and tokens beyond `max_tokens` are treated as dropped and flagged.
+    Three launches: per-block counts (`send_layout_count_kernel`), their prefix over blocks
+    (torch.cumsum), and the placement of every pair and token (`send_layout_place_kernel`).
+    Every position is a count of earlier pairs/tokens: no atomic decides one. Out-of-range expert
+    ids and tokens beyond `max_tokens` are treated as dropped and flagged.
+    send_idx entries past tokens_to[d] are left unwritten (kernels read j < tokens_to[d] only).
     """
+    if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_idx must be an int32/int64 [T, K] tensor, got {tuple(topk_idx.shape)} {topk_idx.dtype}")
     dev = topk_idx.device
     T, K = topk_idx.shape
     E, W = num_experts, world_size
-    e_local = E // W
-    idx = topk_idx.to(torch.int64)
-    in_range = (idx >= 0) & (idx < E)
-    flags = ((idx < -1) | (idx >= E)).any().to(torch.int32).reshape(1) * FLAG_BAD_EXPERT
-    if T > max_tokens:
-        in_range &= (torch.arange(T, device=dev) < max_tokens)[:, None]
-        flags = flags | FLAG_TOO_MANY_TOKENS
-    e = torch.where(in_range, idx, torch.full_like(idx, E))            # E = "dropped" bin
-    flat = e.reshape(-1)
-    # Stable sort by expert keeps (t, k) order inside each expert: position = rank in segment.
-    sorted_e, order = torch.sort(flat, stable=True)
-    bounds = torch.searchsorted(sorted_e, torch.arange(E + 2, device=dev, dtype=sorted_e.dtype))
-    counts = (bounds[1:E + 1] - bounds[:E]).to(torch.int32)
-    pos_sorted = torch.arange(T * K, device=dev) - bounds[sorted_e]
-    pos = torch.empty_like(flat).scatter_(0, order, pos_sorted).reshape(T, K)
-    dest = torch.where(in_range, e // e_local, torch.full_like(e, W))   # W = "no rank" column
-    hit = torch.zeros((T, W + 1), dtype=torch.int32, device=dev).scatter_(1, dest, 1)[:, :W]
-    slot = torch.cumsum(hit, dim=0, dtype=torch.int32) - 1
-    slot = torch.where(hit.bool(), slot, torch.full_like(slot, -1))
-    tokens_to = hit.sum(dim=0, dtype=torch.int32)
-    # send_idx[d, slot[t, d]] = t. Tokens not going to d write scratch column max_tokens + t: one
-    # scratch column for all of them made ~T*W writes collide on one address (measured: the
-    # layout took ~0.6 ms at T=4096 on H200, mostly this scatter).
-    scratch = torch.arange(max_tokens, max_tokens + T, device=dev, dtype=slot.dtype)[:, None]
-    col = torch.where(hit.bool(), slot, scratch).t().to(torch.int64)
-    send_idx = torch.zeros((W, max_tokens + T), dtype=torch.int32, device=dev)
-    send_idx.scatter_(1, col, torch.arange(T, dtype=torch.int32, device=dev).expand(W, T).contiguous())
-    return SendLayout(
-        topk_idx=torch.where(in_range, idx, torch.full_like(idx, -1)).to(torch.int32),
-        pos=pos.to(torch.int32), slot=slot.contiguous(), send_idx=send_idx[:, :max_tokens].contiguous(),
-        counts=counts, tokens_to=tokens_to, flags=flags)
+    topk_idx = topk_idx.contiguous()
+    bt = SEND_LAYOUT_BLOCK_T
+    n_blk = triton.cdiv(T, bt)
+    n_col = E + W + 1  # per block: pairs per expert | tokens per rank | bad expert ids
+    counts = torch.empty((n_blk + 1, n_col), dtype=torch.int32, device=dev)
+    consts = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BT=bt, BLOCK_E=triton.next_power_of_2(E + 1),
+                  BLOCK_W=triton.next_power_of_2(W))
+    if n_blk:
+        send_layout_count_kernel[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
+    else:
+        counts.zero_()
+    prefix = torch.cumsum(counts, dim=0, dtype=torch.int32)  # row b: totals of blocks < b
+    out_idx = torch.empty((T, K), dtype=torch.int32, device=dev)
+    pos = torch.empty((T, K), dtype=torch.int32, device=dev)
+    slot = torch.empty((T, W), dtype=torch.int32, device=dev)
+    send_idx = torch.empty((W, max_tokens), dtype=torch.int32, device=dev)
+    flags = torch.empty(1, dtype=torch.int32, device=dev)
+    send_layout_place_kernel[(max(n_blk, 1),)](topk_idx, prefix, out_idx, pos, slot, send_idx, flags, T, E, E // W,
+                                               W, max_tokens, n_blk, **consts)
+    return SendLayout(topk_idx=out_idx, pos=pos, slot=slot, send_idx=send_idx, counts=prefix[n_blk, :E],
+                      tokens_to=prefix[n_blk, E:E + W], flags=flags)
+
+
+@register_device_function
+@triton.jit
+def _route_bins(topk_ptr, o_pair, o_t, m, E, MAXT):
+    """Pairs at offsets o_pair of tokens o_t (mask m) -> (bin, valid, bad): bin = the expert id of
+    a routed pair, E for a dropped one (id -1, an id out of range, or a token at or past MAXT).
+    Compared in the input's own integer type, so an int64 id cannot wrap into range."""
+    e = tl.load(topk_ptr + o_pair, mask=m, other=-1)
+    valid = m & (e >= 0) & (e < E) & (o_t < MAXT)
+    bad = m & ((e < -1) | (e >= E))
+    return tl.where(valid, e, E).to(tl.int32), valid, bad
+
+
+@register_device_function
+@triton.jit
+def _token_hits(topk_ptr, o_t, m_t, E, E_local, MAXT, K: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[BT, BLOCK_W] int32: 1 where token o_t has a routed pair on rank d."""
+    o_w = tl.arange(0, BLOCK_W)
+    hit = tl.zeros((o_t.shape[0], BLOCK_W), dtype=tl.int32)
+    for k in tl.static_range(K):
+        e, valid, bad = _route_bins(topk_ptr, o_t * K + k, o_t, m_t, E, MAXT)
+        d = tl.where(valid, e // E_local, -1)
+        hit = tl.maximum(hit, (d[:, None] == o_w[None, :]).to(tl.int32))
+    return hit
+
+
+@triton.jit
+def send_layout_count_kernel(
+    topk_ptr,    # int32/int64 (T, K) expert ids
+    counts_ptr,  # out int32 (n_blk + 1, E + W + 1): row b + 1 = block b's counts, row 0 = zeros
+    T, E, E_local, W, MAXT,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program b counts its BT tokens: pairs per expert, tokens per destination rank, bad ids."""
+    b = tl.program_id(0)
+    n_col = E + W + 1
+    o_p = tl.arange(0, BT * BLOCK_K)  # pairs in (t, k) order; lanes with k >= K are padding
+    o_t = b * BT + o_p // BLOCK_K
+    o_k = o_p % BLOCK_K
+    m = (o_t < T) & (o_k < K)
+    e, valid, bad = _route_bins(topk_ptr, o_t * K + o_k, o_t, m, E, MAXT)
+    per_expert = tl.histogram(e, BLOCK_E)  # bin E (and above) collects the dropped pairs
+    o_e = tl.arange(0, BLOCK_E)
+    p_row = counts_ptr + (b + 1) * n_col
+    tl.store(p_row + o_e, per_expert, mask=o_e < E)
+    o_tt = b * BT + tl.arange(0, BT)
+    hit = _token_hits(topk_ptr, o_tt, o_tt < T, E, E_local, MAXT, K, BLOCK_W)
+    o_w = tl.arange(0, BLOCK_W)
+    tl.store(p_row + E + o_w, tl.sum(hit, axis=0), mask=o_w < W)
+    tl.store(p_row + E + W, tl.sum(bad.to(tl.int32), axis=0))
+    if b == 0:
+        for c0 in range(0, n_col, BLOCK_E):
+            tl.store(counts_ptr + c0 + o_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=c0 + o_e < n_col)
+
+
+@triton.jit
+def send_layout_place_kernel(
+    topk_ptr,      # int32/int64 (T, K) expert ids
+    prefix_ptr,    # int32 (n_blk + 1, E + W + 1): row b = counts of the blocks before b
+    topk_out_ptr,  # out int32 (T, K): the id of a routed pair, -1 for a dropped one
+    pos_ptr,       # out int32 (T, K): index of the pair among this rank's pairs of its expert
+    slot_ptr,      # out int32 (T, W): index of token t among the tokens sent to rank d, or -1
+    send_idx_ptr,  # out int32 (W, MAXT): send_idx[d, slot[t, d]] = t
+    flags_ptr,     # out int32 (1,): FLAG_* bits
+    T, E, E_local, W, MAXT, n_blk,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program b places its BT tokens: position = the blocks-before prefix + earlier pairs
+    (tokens) of the same expert (rank) inside the block, in (t, k) order."""
+    b = tl.program_id(0)
+    n_col = E + W + 1
+    p_pre = prefix_ptr + b * n_col
+    o_p = tl.arange(0, BT * BLOCK_K)
+    o_t = b * BT + o_p // BLOCK_K
+    o_k = o_p % BLOCK_K
+    m = (o_t < T) & (o_k < K)
+    e, valid, bad = _route_bins(topk_ptr, o_t * K + o_k, o_t, m, E, MAXT)
+    earlier = (e[None, :] == e[:, None]) & (o_p[None, :] < o_p[:, None]) & valid[None, :]  # [P, P]
+    pos = tl.load(p_pre + e, mask=valid, other=0) + tl.sum(earlier.to(tl.int32), axis=1)
+    tl.store(pos_ptr + o_t * K + o_k, tl.where(valid, pos, 0), mask=m)
+    tl.store(topk_out_ptr + o_t * K + o_k, tl.where(valid, e, -1), mask=m)
+
+    o_tt = b * BT + tl.arange(0, BT)
+    m_tt = o_tt < T
+    o_w = tl.arange(0, BLOCK_W)
+    hit = _token_hits(topk_ptr, o_tt, m_tt, E, E_local, MAXT, K, BLOCK_W)  # [BT, BLOCK_W]
+    slot = tl.load(p_pre + E + o_w, mask=o_w < W, other=0)[None, :] + tl.cumsum(hit, axis=0) - hit
+    slot = tl.where(hit > 0, slot, -1)
+    tl.store(slot_ptr + o_tt[:, None] * W + o_w[None, :], slot, mask=m_tt[:, None] & (o_w < W)[None, :])
+    tl.store(send_idx_ptr + o_w[None, :] * MAXT + slot, o_tt[:, None] + 0 * slot, mask=hit > 0)
+    if b == 0:
+        n_bad = tl.load(prefix_ptr + n_blk * n_col + E + W)
+        tl.store(flags_ptr, tl.where(n_bad > 0, _FLAG_BAD_EXPERT, 0) | tl.where(T > MAXT, _FLAG_TOO_MANY_TOKENS, 0))
 
 
 @triton.jit
@@ -148,6 +245,17 @@ def ep_layout_kernel(
             tl.store(src_info_ptr + o_w * 2 + 1, tl.load(p_in + o_w * row + E_local + 2, mask=m_w), mask=m_w)
     call_end(table_ptr, rank)
 
+
+for _idx_ty in ("*i32", "*i64"):
+    _consts = {"K": 8, "BLOCK_K": 8, "BT": SEND_LAYOUT_BLOCK_T, "BLOCK_E": 512, "BLOCK_W": 8}
+    register_kernel(send_layout_count_kernel,
+                    {"topk_ptr": _idx_ty, "counts_ptr": "*i32", **{n: "i32" for n in ("T", "E", "E_local", "W", "MAXT")}},
+                    _consts, label=f"{_idx_ty[1:]}-K8-E256")
+    register_kernel(send_layout_place_kernel,
+                    {"topk_ptr": _idx_ty, "prefix_ptr": "*i32", "topk_out_ptr": "*i32", "pos_ptr": "*i32",
+                     "slot_ptr": "*i32", "send_idx_ptr": "*i32", "flags_ptr": "*i32",
+                     **{n: "i32" for n in ("T", "E", "E_local", "W", "MAXT", "n_blk")}},
+                    _consts, label=f"{_idx_ty[1:]}-K8-E256")
 
 register_kernel(
     ep_layout_kernel,

@@ -24,6 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import globaltimer as _cuda_globaltimer
+from triton.language.extra.hip import memrealtime as _hip_memrealtime
+
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .ep_combine import reduce_landed
@@ -52,6 +55,20 @@ def _gemm_tile(q, n_cols, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR: tl.conste
         i_m = q % n_rt
     p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
     return i_m, i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
+
+
+# DEVICE_TIMER values: which clock a traced launch stamps (none under the interpreter).
+TIMER_NONE, TIMER_CUDA, TIMER_HIP = 0, 1, 2
+
+
+@register_device_function
+@triton.jit
+def _stamp_timer(p, DEVICE_TIMER: tl.constexpr):
+    """Store the device's global nanosecond timer at p (a constexpr picks the vendor's clock)."""
+    if DEVICE_TIMER == 1:
+        tl.store(p, _cuda_globaltimer())
+    elif DEVICE_TIMER == 2:
+        tl.store(p, _hip_memrealtime().to(tl.int64))
 
 
 @register_device_function
@@ -98,6 +115,7 @@ def moe_fused_kernel(
     w2_ptr,           # (E_local, I, H)
     out_ptr,          # out (T, H)
     trace_ptr,        # out int32 (NT, 2): logical start / end clock of every ticket (TRACE)
+    timer_ptr,        # out int64 (NT, 2): device timer (ns) at start / end of every ticket (DEVICE_TIMER)
     clock_ptr,        # int32 (1,) logical clock, zero at launch
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
@@ -108,7 +126,7 @@ def moe_fused_kernel(
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, ROW_MAJOR: tl.constexpr, REVERSE_RING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
 ):
     epoch, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
@@ -120,6 +138,7 @@ def moe_fused_kernel(
     while t < NT:
         if TRACE:
             tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+            _stamp_timer(timer_ptr + t * 2, DEVICE_TIMER)
         if ok:
             if t < F1:
                 # ---- S0 dispatch_send: chunk c of the tokens going to rank d
@@ -238,6 +257,7 @@ def moe_fused_kernel(
                         tl.store(p_sig + sig_land + o_tk, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32), mask=valid)
         if TRACE:
             tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+            _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank)
 
@@ -245,7 +265,7 @@ def moe_fused_kernel(
 _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
-        "clock_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64",
+        "timer_ptr": "*i64", "clock_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",

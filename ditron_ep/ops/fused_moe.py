@@ -15,7 +15,7 @@ from ..compiler.lowering import lower
 from ..compiler.plan import MoEPlan, MoESpec
 from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_layout
 from ..megakernel.grouped_gemm import build_tile_map
-from ..megakernel.moe_fused import moe_fused_kernel
+from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
 from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, sync_after_layout
@@ -81,6 +81,9 @@ class FusedMoE:
         self._local_counters = [f for f in dev.signals if f.kind == "counter" and f.scope == "local"]
         self._clock = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.last_trace: torch.Tensor | None = None
+        self.last_timer: torch.Tensor | None = None
+        self._timer_dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._timer_ns_per_tick = 1.0
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
@@ -89,7 +92,8 @@ class FusedMoE:
         sync=True: one device-to-host read after the layout (bad input raises on every rank,
         before any token moves) and one after the launch (timeouts). sync=False: no host sync
         (CUDA-graph capturable); input problems are recorded for `check()`.
-        trace=True records the logical start/end clock of every task in `last_trace` [NT, 2].
+        trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
+        and, on a GPU, the device timer in `last_timer` (see `timeline`).
         """
         self._validate(x, topk_idx, topk_weights, w1, w2)
         plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
@@ -108,6 +112,9 @@ class FusedMoE:
         self._clock.zero_()
         nt = dev.num_tasks
         trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
+        timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
+            TIMER_HIP if torch.version.hip else TIMER_CUDA)
+        timer_buf = torch.zeros((nt, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
         st = {s.name: s for s in dev.stages}
         firsts = [st[n].first_task for n in STAGES[1:]]
@@ -116,7 +123,7 @@ class FusedMoE:
         interp = self.device.type != "cuda"
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, topk_weights.to(torch.float32).contiguous(), send.send_idx, send.tokens_to,
-            recv.expert_off, recv.src_off, recv.tokens_from, tile_start, w1, w2, out, trace_buf, self._clock,
+            recv.expert_off, recv.src_off, recv.tokens_from, tile_start, w1, w2, out, trace_buf, timer_buf, self._clock,
             h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
@@ -130,10 +137,12 @@ class FusedMoE:
             BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
             BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
             REVERSE_RING=dev.source_order == "reverse_ring",
-            INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace,
+            INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace, DEVICE_TIMER=timer,
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
         if trace:
             self.last_trace = trace_buf
+            self.last_timer = timer_buf if timer else None
+            self._timer_ns_per_tick = 10.0 if timer == TIMER_HIP else 1.0  # gfx942 realtime: 100 MHz
         if sync:
             h.check_error()
         return out
@@ -148,7 +157,7 @@ class FusedMoE:
         tr = self.last_trace.cpu()
         st = {s.name: s for s in self.plan.device.stages}
         recv, gu = st["dispatch_recv"], st["gemm_gate_up"]
-        rank, W, n_chunks = self.heap.rank, self.world_size, self.plan.routing.n_chunks
+        rank, n_chunks = self.heap.rank, self.plan.routing.n_chunks
         remote = [recv.first_task + q for q in range(recv.num_tasks)
                   if self.plan.source_of(rank, q // n_chunks) != rank]
         last_remote = max((int(tr[t, 1]) for t in remote), default=-1)
@@ -163,6 +172,24 @@ class FusedMoE:
                 started += int(int(tr[gu.first_task + q, 0]) < last_remote)
         return {"gate_up_tiles": worked, "started_before_last_remote_chunk": started,
                 "last_remote_chunk_clock": last_remote}
+
+    def timeline(self) -> list[dict[str, float | int | str]]:
+        """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
+        last ended (µs after the launch's first task started), and how busy it kept the grid
+        (sum of its task durations / programs, µs). Empty tasks (no rows) count too."""
+        if self.last_timer is None:
+            raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")
+        tm = self.last_timer.cpu().double() * self._timer_ns_per_tick / 1e3  # µs
+        t0 = float(tm[:, 0].min())
+        rows = []
+        for s in self.plan.device.stages:
+            if not s.num_tasks:
+                continue
+            seg = tm[s.first_task:s.first_task + s.num_tasks]
+            rows.append({"stage": s.name, "tasks": s.num_tasks, "first_start_us": float(seg[:, 0].min()) - t0,
+                         "last_end_us": float(seg[:, 1].max()) - t0,
+                         "busy_us_per_program": float((seg[:, 1] - seg[:, 0]).sum()) / self.plan.device.num_programs})
+        return rows
 
     def check(self) -> None:
         """Raise input problems recorded by sync=False calls."""

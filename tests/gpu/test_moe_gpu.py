@@ -130,3 +130,24 @@ def test_fused_overlap_is_measured(dist_env, layers):
     rep = layer.overlap_report()
     print(f"[rank {rank}] overlap report: {rep}")
     assert rep["gate_up_tiles"] > 0 and rep["last_remote_chunk_clock"] >= 0, rep
+
+
+def test_fused_timeline_from_the_device_timer(dist_env, layers):
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    xs, idxs, ws, w1s, w2s = _inputs(world, [512] * world, E, seed=5)
+    layer = FusedMoE(None, E, H, I, 512, K, torch.bfloat16)
+    layers.append(layer)
+    args = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    plain = layer(*args)
+    traced = layer(*args, trace=True)
+    rows = layer.timeline()
+    print(f"[rank {rank}] timeline: {rows}")
+    assert torch.equal(plain, traced)  # tracing changes no result bit
+    assert [r["stage"] for r in rows] == [s.name for s in layer.plan.device.stages if s.num_tasks]
+    assert min(r["first_start_us"] for r in rows) == 0.0
+    for r in rows:
+        assert 0.0 <= r["first_start_us"] <= r["last_end_us"] < 1e6, r  # a launch of well under a second
+        assert r["busy_us_per_program"] >= 0.0, r
+    gemm = next(r for r in rows if r["stage"] == "gemm_gate_up")
+    assert gemm["busy_us_per_program"] > 0.0, gemm

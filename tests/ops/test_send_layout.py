@@ -1,0 +1,74 @@
+"""The sender-side layout kernels (`build_send_layout`) against a plain Python walk of the routing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditron_ep.megakernel.ep_layout import FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, build_send_layout
+
+
+def reference_layout(idx: torch.Tensor, E: int, W: int, max_tokens: int) -> dict:
+    """Pairs in (t, k) order, tokens in t order: every position counts the earlier ones."""
+    T, K = idx.shape
+    e_local = E // W
+    topk = idx.clone().long()
+    pos = torch.zeros(T, K, dtype=torch.long)
+    slot = torch.full((T, W), -1, dtype=torch.long)
+    counts, tokens_to, send = [0] * E, [0] * W, {}
+    for t in range(T):
+        ranks = set()
+        for k in range(K):
+            e = int(idx[t, k])
+            if 0 <= e < E and t < max_tokens:
+                pos[t, k] = counts[e]
+                counts[e] += 1
+                ranks.add(e // e_local)
+            else:
+                topk[t, k] = -1
+        for d in sorted(ranks):
+            slot[t, d] = tokens_to[d]
+            send[(d, tokens_to[d])] = t
+            tokens_to[d] += 1
+    flags = (FLAG_BAD_EXPERT if bool(((idx < -1) | (idx >= E)).any()) else 0) | \
+        (FLAG_TOO_MANY_TOKENS if T > max_tokens else 0)
+    return {"topk": topk, "pos": pos, "slot": slot, "counts": counts, "tokens_to": tokens_to, "send": send,
+            "flags": flags}
+
+
+CASES = [  # T, K, E, W, max_tokens, dtype
+    (37, 3, 12, 3, 40, torch.int64),    # T not a multiple of the block, K not a power of two
+    (50, 8, 256, 4, 64, torch.int32),   # E = 256, top-8
+    (0, 2, 8, 2, 4, torch.int32),       # no tokens
+    (20, 1, 4, 2, 8, torch.int64),      # top-1, more tokens than max_tokens: the tail is dropped
+    (33, 5, 10, 5, 40, torch.int32),    # world size 5
+]
+
+
+@pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing) -> None:
+    g = torch.Generator().manual_seed(T * 131 + K * 7 + E)
+    if routing == "random":
+        idx = torch.randint(-1, E, (T, K), generator=g, dtype=dtype)
+    else:  # every pair to expert E - 1 (only top-1 is a valid distinct routing, but ids may repeat here)
+        idx = torch.full((T, K), E - 1, dtype=dtype)
+    if T > 4:
+        idx[2, 0] = E + 5            # out of range: dropped and flagged
+        idx[3, -1] = -7              # below -1: dropped and flagged
+        if dtype == torch.int64:
+            idx[4, 0] = 2**40 + 1    # would wrap into range if narrowed to int32 before the check
+    ref = reference_layout(idx, E, W, max_tokens)
+    got = build_send_layout(idx, E, W, max_tokens)
+    assert torch.equal(got.topk_idx.long(), ref["topk"])
+    routed = ref["topk"] >= 0
+    assert torch.equal(got.pos.long()[routed], ref["pos"][routed])
+    assert torch.equal(got.slot.long(), ref["slot"])
+    assert got.counts.tolist() == ref["counts"]
+    assert got.tokens_to.tolist() == ref["tokens_to"]
+    assert {(d, j): int(got.send_idx[d, j]) for (d, j) in ref["send"]} == ref["send"]
+    assert int(got.flags) == ref["flags"]
+
+
+def test_send_layout_rejects_a_bad_index_tensor() -> None:
+    with pytest.raises(ValueError, match="int32/int64"):
+        build_send_layout(torch.zeros(4, 2), 8, 2, 8)
