@@ -9,8 +9,15 @@
   run vs run bitwise, vs the float64 oracle) for several routings. `--against MODULE:FN` checks
   the user's own MoE forward instead (see ditron_ep/determinism/against.py for the contract).
   Prints a table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
+* `bench` — the benchmarks of `ditron_ep.bench` (dispatch, combine, moe), each with its baselines
+  timed in the same run and its output checked against theirs, on emulated CPU ranks (tiny shapes,
+  not performance figures) or, under torchrun, on the launched GPU ranks
+  (`torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch`). Prints a table per
+  benchmark, optionally writes JSON (`--json PATH`, schema in ditron_ep/bench/report.py) and a
+  plot (`--plot PATH`, needs matplotlib: `pip install 'ditron_ep[plot]'`).
 
-Exit status: 0 success, 1 a check failed, 2 bad arguments or a backend that cannot run here.
+Exit status: 0 success, 1 a check or benchmark failed, 2 bad arguments or a backend that cannot
+run here.
 """
 from __future__ import annotations
 
@@ -24,6 +31,8 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
@@ -38,9 +47,16 @@ from ditron_ep.runtime import DitronConfigError, RankError, kernels_interpreted
 from ditron_ep.runtime.mode import BACKENDS
 
 if TYPE_CHECKING:
+    from ditron_ep.bench.spec import BenchRequest, Row
     from ditron_ep.determinism.selfcheck import CheckReport
 
 DEFAULT_WORLD_SIZE = 4
+# bench on emulated ranks: 2 ranks (each a Triton interpreter process) keep the default run of
+# every benchmark well under a minute on 2 CPU cores.
+DEFAULT_BENCH_WORLD_SIZE = 2
+# Per backend: (dtype, timed iterations, warm-up calls) unless given.
+BENCH_DEFAULTS = {"emulated": ("fp32", 3, 1), "torch": ("bf16", 20, 5)}
+BENCH_TIMEOUT_S = 3600.0  # one emulated run of every request; waits inside kernels are bounded anyway
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -55,12 +71,22 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m ditron_ep",
         description="ditron_ep: expert-parallel MoE megakernels in stock Triton.")
     parser.add_argument("--version", action="version", version=f"ditron_ep {ditron_ep.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
     sub.add_parser("info", help="versions, execution mode, backends, devices and GPU topology",
                    description="Print versions, execution mode, backends, devices and GPU topology.")
     check = sub.add_parser(
@@ -99,7 +125,50 @@ def build_parser() -> argparse.ArgumentParser:
                             "overlap output must equal its sequential output and every rerun bit "
                             "for bit, and match the float64 oracle. MODULE must be importable "
                             "from sys.path on every rank")
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from ditron_ep.bench.registry import BENCHMARKS
+
+    names = list(BENCHMARKS)
+    bench = sub.add_parser(
+        "bench", help="benchmarks against baselines measured in the same run",
+        description="Time ditron_ep's dispatch, combine and MoE layer against their baselines, measured "
+                    "in the same run (median, p20, p80 of the slowest rank per iteration; GB/s or "
+                    "TFLOP/s; speedup), after checking every output against the baseline's. On "
+                    "emulated CPU ranks (default; tiny shapes, not performance figures) or, under "
+                    "torchrun, on the launched GPU ranks (default shapes: dispatch/combine H=7168 "
+                    "E=256 top-8, moe H=7168 I=2048 E=64 top-8, T in 128 4096). Exits 1 if a "
+                    "benchmark or a check failed.",
+        epilog="GPU: torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch --json out.json --plot out.png")
+    bench.add_argument("--bench", nargs="+", choices=names, default=names, metavar="NAME",
+                       help=f"benchmarks to run, from {' '.join(names)} (default: all)")
+    bench.add_argument("--tokens", nargs="+", type=_positive_int, default=None, metavar="T",
+                       help="tokens per rank, one config each (default: each benchmark's, per backend)")
+    for flag, what in (("--hidden", "hidden size H"), ("--experts", "experts E in all, a multiple of the ranks"),
+                       ("--topk", "experts per token K"), ("--inter", "expert FFN width I (moe)")):
+        bench.add_argument(flag, type=_positive_int, default=None, metavar=flag[2].upper(),
+                           help=f"{what} (default: each benchmark's, per backend)")
+    bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                       help="token and weight dtype (default fp32 on emulated ranks, bf16 on GPUs; moe "
+                            "runs on emulated ranks in fp32 only, the Triton interpreter's bf16 math is wrong)")
+    bench.add_argument("--iters", type=_positive_int, default=None, metavar="N",
+                       help="timed iterations (default 3 on emulated ranks, 20 on GPUs)")
+    bench.add_argument("--warmup", type=_non_negative_int, default=None, metavar="N",
+                       help="untimed calls before timing (default 1 on emulated ranks, 5 on GPUs)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of every input (default 0)")
+    bench.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
+                       help=f"ranks (default {DEFAULT_BENCH_WORLD_SIZE} emulated ranks; under torchrun the "
+                            f"launched WORLD_SIZE, which N must then equal)")
+    bench.add_argument("--backend", choices=BACKENDS, default="emulated",
+                       help="emulated (CPU ranks, default), torch (GPU ranks under torchrun), or auto")
+    bench.add_argument("--json", type=Path, default=None, metavar="PATH",
+                       help="also write the results as JSON (schema: ditron_ep/bench/report.py)")
+    bench.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                       help="also plot time against tokens per rank to PATH (PNG; needs matplotlib: "
+                            "pip install 'ditron_ep[plot]')")
 
 
 def _routing_names() -> list[str]:
@@ -182,6 +251,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "info":
             return cmd_info(Console())
+        if args.command == "bench":
+            return cmd_bench(args)
         return cmd_check(args)
     except DitronConfigError as exc:
         Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
@@ -344,20 +415,58 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    if _under_torchrun():
-        return _check_launched_ranks(args)
+def _emulated_world_size(args: argparse.Namespace, default: int) -> int:
+    """Ranks to emulate for `args.command` outside torchrun; DitronConfigError if it cannot run here."""
     if args.backend == "torch":
         raise DitronConfigError(
             "backend 'torch' runs on GPU ranks that are already launched; start them with "
-            "torchrun --nproc-per-node N -m ditron_ep check --backend torch")
+            f"torchrun --nproc-per-node N -m ditron_ep {args.command} --backend torch")
     if not os.path.isdir("/dev/shm"):
         raise DitronConfigError("the emulated backend needs POSIX shared memory (/dev/shm), "
                                 "which this machine lacks")
-    world_size = args.world_size or DEFAULT_WORLD_SIZE
     problem = interpreter_numpy_problem()
     if problem:  # the run goes on (its failures show where), but say why first
         Console(stderr=True).print(f"[bold yellow]warning:[/] {problem}", highlight=False)
+    return args.world_size or default
+
+
+def _launched_ranks(args: argparse.Namespace) -> tuple[int, int, str]:
+    """Under torchrun: (world size, rank, backend); DitronConfigError if the arguments disagree."""
+    from ditron_ep.runtime import resolve_backend
+
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if args.world_size is not None and args.world_size != world_size:
+        raise DitronConfigError(f"--world-size {args.world_size} but torchrun launched {world_size} "
+                                f"ranks; drop --world-size or launch {args.world_size} ranks")
+    return world_size, rank, resolve_backend(args.backend)
+
+
+@contextmanager
+def _process_group(backend: str) -> Iterator[None]:
+    """The default process group of the launched ranks (NCCL on GPUs, gloo on emulated ranks),
+    initialised here unless it already is, and then destroyed here too."""
+    import torch
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        if backend == "torch":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        return _check_launched_ranks(args)
+    world_size = _emulated_world_size(args, DEFAULT_WORLD_SIZE)
     options = _plan_options(args, world_size, "emulated")
     report = run_emulated_check(world_size, seed=args.seed, quick=args.quick, **options)
     if report is None:
@@ -391,27 +500,11 @@ def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) ->
 
 def _check_launched_ranks(args: argparse.Namespace) -> int:
     """Under torchrun: every process is one rank; all run the cases, rank 0 reports."""
-    import torch
-    import torch.distributed as dist
-
     from ditron_ep.determinism.selfcheck import count_rows, exit_status, local_runner, plan_cases, run_check
-    from ditron_ep.runtime import resolve_backend
 
-    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    if args.world_size is not None and args.world_size != world_size:
-        raise DitronConfigError(f"--world-size {args.world_size} but torchrun launched {world_size} "
-                                f"ranks; drop --world-size or launch {args.world_size} ranks")
-    backend = resolve_backend(args.backend)
+    world_size, rank, backend = _launched_ranks(args)
     options = _plan_options(args, world_size, backend)
-    created = not dist.is_initialized()
-    if created:
-        if backend == "torch":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
-    try:
+    with _process_group(backend):
         cases = plan_cases(world_size, quick=args.quick, **options)
         if rank == 0:
             with _case_progress(count_rows(cases), "") as hooks:
@@ -419,21 +512,33 @@ def _check_launched_ranks(args: argparse.Namespace) -> int:
             return emit_report(report, Console(width=_table_width()), args.json)
         # Every rank evaluates the same gathered results, so every rank exits alike.
         return exit_status(run_check(local_runner, backend, world_size, cases, seed=args.seed))
-    finally:
-        if created:
-            dist.destroy_process_group()
+
+
+@contextmanager
+def _progress_bar(total: int, first: str, width: int) -> Iterator[Callable[[str | None, int], None]]:
+    """A transient progress bar on stderr over `total` steps, showing `first` until the first
+    update; yields update(description or None to keep it, steps done since the last update)."""
+    bar = Progress(TextColumn(f"{{task.description:<{width}}}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task(first, total=total)
+
+    def update(description: str | None, done: int) -> None:
+        if description is None:
+            bar.advance(task, done)
+        else:
+            bar.update(task, description=description, advance=done)
+
+    with bar:
+        yield update
 
 
 @contextmanager
 def _case_progress(total: int, first: str) -> Iterator[dict[str, Callable[..., None]]]:
-    """A transient progress bar on stderr over `total` cases, showing `first` until the first
-    case starts; yields run_check's `on_case_start` / `on_case_done` hooks."""
-    bar = Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
-    task = bar.add_task(first, total=total)
-    with bar:
-        yield {"on_case_start": lambda case: bar.update(task, description=case.name),
-               "on_case_done": lambda result: bar.advance(task)}
+    """A progress bar over `total` check cases; yields run_check's `on_case_start` /
+    `on_case_done` hooks."""
+    with _progress_bar(total, first, 36) as update:
+        yield {"on_case_start": lambda case: update(case.name, 0),
+               "on_case_done": lambda result: update(None, 1)}
 
 
 def _table_width() -> int | None:
@@ -489,3 +594,104 @@ def emit_report(report: "CheckReport", console: Console, json_path: Path | None)
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return exit_status(report)
+
+
+# ============================================================================ bench
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ditron_ep.bench.environment import device_info
+    from ditron_ep.bench.report import make_meta, require_matplotlib
+
+    if args.plot is not None:
+        require_matplotlib()  # a missing optional extra is a usage error, before anything runs
+    if _under_torchrun():
+        return _bench_launched_ranks(args)
+    world_size = _emulated_world_size(args, DEFAULT_BENCH_WORLD_SIZE)
+    requests = bench_requests(args, world_size, "emulated")
+    start = time.perf_counter()
+    rows = run_emulated_bench(world_size, requests)
+    if rows is None:
+        return EXIT_FAILED
+    meta = make_meta("emulated", "gloo", world_size, device_info("cpu"), time.perf_counter() - start)
+    return emit_bench(meta, requests, rows, args, Console(width=_table_width()))
+
+
+def bench_requests(args: argparse.Namespace, world_size: int, backend: str) -> list["BenchRequest"]:
+    """One request per selected benchmark from the command line and the backend's defaults;
+    DitronConfigError for one that cannot run."""
+    from ditron_ep.bench.registry import BENCHMARKS
+    from ditron_ep.bench.spec import BenchRequest, Shape
+
+    dtype, iters, warmup = BENCH_DEFAULTS[backend]
+    dtype = args.dtype or dtype
+    iters = args.iters or iters
+    warmup = warmup if args.warmup is None else args.warmup
+    requests = []
+    for name in dict.fromkeys(args.bench):
+        bench = BENCHMARKS[name]
+        d = bench.shapes[backend]
+        shape = Shape(hidden=args.hidden or d.hidden, experts=args.experts or d.experts, topk=args.topk or d.topk,
+                      inter=None if d.inter is None else (args.inter or d.inter))
+        bench.check_request(shape, world_size, backend, dtype)
+        tokens = tuple(sorted(set(args.tokens))) if args.tokens else bench.tokens[backend]
+        requests.append(BenchRequest(name, shape, tokens, dtype, iters, warmup, args.seed))
+    return requests
+
+
+def run_emulated_bench(world_size: int, requests: Sequence["BenchRequest"]) -> "list[Row] | None":
+    """Run `requests` on one pool of emulated ranks, with a progress bar on stderr fed by rank 0.
+    Returns rank 0's rows, or None (after printing why) if the ranks failed."""
+    from ditron_ep.bench.progress import FileSink, follow
+    from ditron_ep.bench.runner import iterations, run_requests
+    from ditron_ep.runtime import EmulatedCluster
+
+    cluster = EmulatedCluster(world_size, timeout_s=BENCH_TIMEOUT_S)
+    with tempfile.TemporaryDirectory(prefix="ditron_bench_") as tmp, \
+            _progress_bar(iterations(requests), f"starting {world_size} emulated ranks", 52) as update:
+        events = Path(tmp) / "progress.jsonl"
+        try:
+            cluster.start()
+            with follow(events, update):
+                return cluster.run(run_requests, requests, "emulated", FileSink(events))[0]
+        except RankError as exc:
+            Console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {exc}", highlight=False)
+            return None
+        finally:
+            cluster.shutdown()
+
+
+def _bench_launched_ranks(args: argparse.Namespace) -> int:
+    """Under torchrun: every process is one rank; all run the benchmarks, rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    from ditron_ep.bench.environment import device_info
+    from ditron_ep.bench.report import exit_status, make_meta
+    from ditron_ep.bench.runner import iterations, run_requests
+
+    world_size, rank, backend = _launched_ranks(args)
+    requests = bench_requests(args, world_size, backend)
+    with _process_group(backend):
+        start = time.perf_counter()
+        if rank != 0:  # the rows agree on every rank, so every rank exits alike
+            return exit_status(run_requests(requests, backend))
+        with _progress_bar(iterations(requests), "", 52) as update:
+            rows = run_requests(requests, backend, update)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else torch.device("cpu")
+        meta = make_meta(backend, dist.get_backend(), world_size, device_info(device), time.perf_counter() - start)
+        return emit_bench(meta, requests, rows, args, Console(width=_table_width()))
+
+
+def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["Row"], args: argparse.Namespace,
+               console: Console) -> int:
+    """Print the tables, write the JSON and the plot if asked; return the exit status."""
+    from ditron_ep.bench.report import build_document, exit_status, plot, print_report, write_json
+
+    doc = build_document(meta, requests, rows)
+    print_report(doc, console)
+    if args.json is not None:
+        write_json(doc, args.json)
+        console.print(f"wrote {args.json}", highlight=False)
+    if args.plot is not None:
+        plot(doc, args.plot)
+        console.print(f"wrote {args.plot}", highlight=False)
+    return exit_status(rows)

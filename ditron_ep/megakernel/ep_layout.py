@@ -60,7 +60,8 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     """Sender-side layout from `topk_idx` [T, K] (int32 or int64; device only, graph-capturable).
 
     Three launches: per-block counts (`send_layout_count_kernel`), their prefix over blocks
-    (torch.cumsum), and the placement of every pair and token (`send_layout_place_kernel`).
+    (`column_prefix_kernel`; torch.cumsum's outer-dim scan took 50 µs at T=4096 on an H200), and
+    the placement of every pair and token (`send_layout_place_kernel`).
     Every position is a count of earlier pairs/tokens: no atomic decides one. Out-of-range expert
     ids and tokens beyond `max_tokens` are treated as dropped and flagged.
     send_idx entries past tokens_to[d] are left unwritten (kernels read j < tokens_to[d] only).
@@ -81,7 +82,9 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
         send_layout_count_kernel[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
     else:
         counts.zero_()
-    prefix = torch.cumsum(counts, dim=0, dtype=torch.int32)  # row b: totals of blocks < b
+    prefix = torch.empty_like(counts)  # row b: totals of the blocks before b
+    bc = 128
+    column_prefix_kernel[(triton.cdiv(n_col, bc),)](counts, prefix, n_blk + 1, n_col, BR=16, BC=bc)
     out_idx = torch.empty((T, K), dtype=torch.int32, device=dev)
     pos = torch.empty((T, K), dtype=torch.int32, device=dev)
     slot = torch.empty((T, W), dtype=torch.int32, device=dev)
@@ -145,6 +148,21 @@ def send_layout_count_kernel(
     if b == 0:
         for c0 in range(0, n_col, BLOCK_E):
             tl.store(counts_ptr + c0 + o_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=c0 + o_e < n_col)
+
+
+@triton.jit
+def column_prefix_kernel(x_ptr, out_ptr, n_rows, n_col, BR: tl.constexpr, BC: tl.constexpr):
+    """out = cumsum(x, axis=0) of an int32 (n_rows, n_col) matrix; program c owns BC columns."""
+    o_c = tl.program_id(0) * BC + tl.arange(0, BC)
+    o_r = tl.arange(0, BR)
+    m_c = o_c < n_col
+    carry = tl.zeros((BC,), dtype=tl.int32)
+    for r0 in range(0, n_rows, BR):
+        m = ((r0 + o_r) < n_rows)[:, None] & m_c[None, :]
+        offs = (r0 + o_r)[:, None] * n_col + o_c[None, :]
+        b_x = tl.load(x_ptr + offs, mask=m, other=0)
+        tl.store(out_ptr + offs, carry[None, :] + tl.cumsum(b_x, axis=0), mask=m)
+        carry += tl.sum(b_x, axis=0)
 
 
 @triton.jit
@@ -246,6 +264,8 @@ def ep_layout_kernel(
     call_end(table_ptr, rank)
 
 
+register_kernel(column_prefix_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "n_rows": "i32", "n_col": "i32"},
+                {"BR": 16, "BC": 128})
 for _idx_ty in ("*i32", "*i64"):
     _consts = {"K": 8, "BLOCK_K": 8, "BT": SEND_LAYOUT_BLOCK_T, "BLOCK_E": 512, "BLOCK_W": 8}
     register_kernel(send_layout_count_kernel,

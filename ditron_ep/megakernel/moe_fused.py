@@ -9,7 +9,11 @@ Programs take tasks from one ordered queue (an atomic ticket counter). Stages, i
   S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU
   S3 gemm_down       (row tile i, col tile j): wait for all gate-up tiles of row tile i; down
                      GEMM; the tile's rows go straight to their token's rank, landing at
-                     [token, k] (+1 on that (token, k)'s counter there)
+                     [token, k] (+1 on that (token, k)'s counter there). The +1s are published
+                     one down tile later (or before the program's next wait): the system-scope
+                     release waits until the rows have crossed NVLink, and by then they have
+                     had a whole tile of compute to do so (measured: down stage 2.7 -> see
+                     bench/results; publishing at once left every SM idle ~20 us per tile).
   S4 combine_reduce  (token block): wait until every routed (token, k) has all its column
                      tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once
 A task only waits on earlier tasks of its own rank or on other ranks' tasks of earlier stages,
@@ -69,6 +73,15 @@ def _stamp_timer(p, DEVICE_TIMER: tl.constexpr):
         tl.store(p, _cuda_globaltimer())
     elif DEVICE_TIMER == 2:
         tl.store(p, _hip_memrealtime().to(tl.int64))
+
+
+@register_device_function
+@triton.jit
+def _publish_landed(cnt_addr, m):
+    """+1 (release, system scope) on the landing counters at int64 addresses cnt_addr where m:
+    every row this program stored before is visible on its rank first."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_addr.to(tl.pointer_type(tl.int32)), 1, mask=m, sem="release", scope="sys")
 
 
 @register_device_function
@@ -134,6 +147,9 @@ def moe_fused_kernel(
     DT = x_ptr.dtype.element_ty
     META: tl.constexpr = 1 + 2 * K
     o_s = tl.arange(0, BLOCK_S)
+    # the last down tile's landing counters (int64 addresses) and rows, not yet published
+    pend_cnt = tl.zeros((BM,), dtype=tl.int64)
+    pend_m = tl.zeros((BM,), dtype=tl.int1)
     t = next_task(my_ctrl)
     while t < NT:
         if TRACE:
@@ -225,15 +241,17 @@ def moe_fused_kernel(
                         # [BM] row pointers on each row's token rank (masked rows: i_src = 0, a real rank)
                         p_land = heap_ptr(table_ptr, i_src, land_off, DT) + i_tk * H
                         o_n = i_n * BN2 + tl.arange(0, BN2)
+                        # the previous tile's rows had this tile's compute time to land: publish them
+                        _publish_landed(pend_cnt, pend_m)
                         tl.store(p_land[:, None] + o_n[None, :], acc.to(DT), mask=m_m[:, None] & (o_n < H)[None, :])
-                        tl.debug_barrier()
-                        p_cnt = (tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4).to(
-                            tl.pointer_type(tl.int32)) + i_tk
-                        tl.atomic_add(p_cnt, 1, mask=m_m, sem="release", scope="sys")
+                        pend_cnt = tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4 + i_tk * 4
+                        pend_m = m_m
                 if SEQUENTIAL:
                     _stage_done(sig_table_ptr, rank, world, done_down, F4 - F3, bar_down, epoch, True)
             else:
                 # ---- S4 combine_reduce: tokens whose every (t, k) has all its column tiles
+                _publish_landed(pend_cnt, pend_m)  # before waiting: peers (and we) may wait on them
+                pend_m = tl.zeros((BM,), dtype=tl.int1)
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, F4 - F3, bar_down,
                                              epoch, budget, True)
@@ -259,6 +277,7 @@ def moe_fused_kernel(
             tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
             _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
         t = next_task(my_ctrl)
+    _publish_landed(pend_cnt, pend_m)
     call_end(table_ptr, rank)
 
 

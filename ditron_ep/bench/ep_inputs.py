@@ -1,0 +1,83 @@
+"""Inputs of the EP benchmarks (tokens, routing) and the traffic they cause between ranks.
+
+Seeds: rank r's routing comes from `torch.Generator().manual_seed(seed * 1000 + r)` and its tokens
+from a generator on its device seeded `seed * 1000 + 500 + r`, so a (seed, T, E, K, H) config
+is the same in every benchmark and every run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..determinism import make_routing
+from .ranks import RankContext
+
+BYTE_RULE = (
+    "bytes = tokens this rank receives from OTHER ranks, one copy per (token, destination rank), "
+    "x hidden x element size; combine: the same count in the reverse direction. Reported bytes are "
+    "the mean over ranks (bytes_max in JSON is the busiest rank); GB/s = mean bytes / median of "
+    "the slowest rank's per-iteration time (1 GB = 1e9 B). Local (same-rank) tokens are not "
+    "counted (DeepEP's rule counts them). 'wire' bytes of our combine = (token, k) pairs received "
+    "from other ranks x hidden x element size: it returns one row per pair, not per (token, rank). "
+    "Baseline NCCL all_to_all_single moves exactly the rule's bytes.")
+
+
+@dataclass
+class Inputs:
+    x: torch.Tensor            # [T, H] dtype, device
+    idx: torch.Tensor          # int64 [T, K], device
+    w: torch.Tensor            # fp32 [T, K], device
+    tokens_sent: list[list[int]]  # [src][dst] tokens (one copy per (token, destination rank))
+    pairs_sent: list[list[int]]   # [src][dst] (token, k) pairs
+
+    def recv_remote_tokens(self, r: int) -> int:
+        return sum(self.tokens_sent[s][r] for s in range(len(self.tokens_sent)) if s != r)
+
+    def recv_remote_pairs(self, r: int) -> int:
+        return sum(self.pairs_sent[s][r] for s in range(len(self.pairs_sent)) if s != r)
+
+    def rows_received(self, r: int) -> int:
+        return sum(self.pairs_sent[s][r] for s in range(len(self.pairs_sent)))
+
+
+def make_inputs(ctx: RankContext, tokens: int, experts: int, topk: int, hidden: int, routing: str) -> Inputs:
+    """This rank's tokens and routing, and every rank's traffic (collective: one all_gather)."""
+    W = ctx.world
+    g = torch.Generator().manual_seed(ctx.seed * 1000 + ctx.rank)
+    idx, w = make_routing(tokens, experts, topk, routing, generator=g, num_ranks=W)
+    gx = torch.Generator(device=ctx.device).manual_seed(ctx.seed * 1000 + 500 + ctx.rank)
+    x = torch.randn(tokens, hidden, generator=gx, device=ctx.device).to(ctx.dtype)
+    e_local = experts // W
+    dest = torch.where(idx >= 0, idx // e_local, torch.full_like(idx, W))   # W = dropped
+    hit = torch.zeros((tokens, W + 1), dtype=torch.int64).scatter_(1, dest, 1)[:, :W]
+    mine = torch.cat([hit.sum(0), torch.bincount(dest.reshape(-1), minlength=W + 1)[:W]]).to(torch.float64)
+    vec = ctx.coll_tensor(mine.tolist())
+    parts = [torch.empty_like(vec) for _ in range(W)]
+    dist.all_gather(parts, vec, group=ctx.group)
+    rows = [[int(v) for v in p.tolist()] for p in parts]
+    return Inputs(x=x, idx=idx.to(ctx.device), w=w.to(ctx.device),
+                  tokens_sent=[r[:W] for r in rows], pairs_sent=[r[W:] for r in rows])
+
+
+@dataclass
+class Bytes:
+    rule: float | None        # mean over ranks
+    rule_max: float | None
+    wire: float | None        # mean over ranks
+
+
+def traffic_bytes(ctx: RankContext, inp: Inputs, kind: str | None, hidden: int) -> Bytes:
+    """Bytes of one `kind` ("dispatch", "combine", "roundtrip") call by BYTE_RULE."""
+    if kind is None:
+        return Bytes(None, None, None)
+    rb = hidden * ctx.elt
+    tok = [inp.recv_remote_tokens(r) * rb for r in range(ctx.world)]
+    pairs = [inp.recv_remote_pairs(r) * rb for r in range(ctx.world)]
+    mean_t, max_t, mean_p = sum(tok) / ctx.world, max(tok), sum(pairs) / ctx.world
+    if kind == "dispatch":
+        return Bytes(mean_t, max_t, mean_t)
+    if kind == "combine":
+        return Bytes(mean_t, max_t, mean_p)
+    return Bytes(2 * mean_t, 2 * max_t, mean_t + mean_p)  # roundtrip

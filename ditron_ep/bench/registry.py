@@ -1,0 +1,9 @@
+"""The benchmarks `python -m ditron_ep bench` runs, by name. A new benchmark is a `Benchmark`
+(spec.py) in a module of its own, listed here."""
+from __future__ import annotations
+
+from .dispatch_combine import COMBINE, DISPATCH
+from .moe_layer import MOE
+from .spec import Benchmark
+
+BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (DISPATCH, COMBINE, MOE)}

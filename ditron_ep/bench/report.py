@@ -1,0 +1,204 @@
+"""The report of a benchmark run: the JSON document, the rich tables, the plot, the exit status.
+
+JSON document (`build_document`, schema "ditron_ep.bench/1"):
+
+    schema      "ditron_ep.bench/1"
+    ok          bool: every row ok (exit status 0)
+    meta        {ditron_ep, date, commit, commit_dirty, backend ("emulated"|"torch"),
+                 collectives ("gloo"|"nccl"), world_size, device, device_kind ("cpu"|"cuda"),
+                 torch, triton, python, host, timer, not_performance (str|null: set on CPU runs),
+                 wall_s}
+    benchmarks  {name: {description, ours [impl], baselines [impl] (the first is `speedup`'s),
+                 metric, work_rule, check_rule, shape {hidden, experts, topk, inter}, tokens [int],
+                 dtype, iters, warmup, routing}}
+    rows        one per (bench, impl, tokens), in run order: spec.Row's fields — bench, impl,
+                 kind ("ours"|"baseline"), tokens, hidden, experts, topk, inter (int|null), dtype,
+                 routing, world_size, iters, median_us / p20_us / p80_us (float|null: slowest rank
+                 per iteration), metric ("GB/s"|"TFLOP/s"), metric_value (float|null), baseline
+                 (str|null), speedup (float|null: baseline median / this median, ours rows only),
+                 speedups ({baseline: float}), check (str), ok (bool), error (str|null)
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any, Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+import ditron_ep
+
+from ..runtime import DitronConfigError
+from .environment import git_commit, git_dirty
+from .registry import BENCHMARKS
+from .spec import BenchRequest, Row
+
+SCHEMA = "ditron_ep.bench/1"
+CPU_NOTE = "CPU (Triton interpreter, emulated ranks) — not performance figures"
+PLOT_INSTALL = "pip install 'ditron_ep[plot]'"
+
+
+# ============================================================================ document
+def make_meta(backend: str, collectives: str, world_size: int, device: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    """`meta` of the document; `device` is environment.device_info() of rank 0's device."""
+    cpu = device["kind"] == "cpu"
+    return {
+        "ditron_ep": ditron_ep.__version__, "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        "commit": git_commit(), "commit_dirty": git_dirty(), "backend": backend, "collectives": collectives,
+        "world_size": world_size, "device": device["name"], "device_kind": device["kind"],
+        "torch": device["torch"], "triton": device["triton"], "python": platform.python_version(),
+        "host": device["host"], "timer": "cpu_perf_counter" if cpu else "cuda_events",
+        "not_performance": CPU_NOTE if cpu else None, "wall_s": round(wall_s, 1),
+    }
+
+
+def build_document(meta: dict[str, Any], requests: Sequence[BenchRequest], rows: Sequence[Row]) -> dict[str, Any]:
+    benchmarks = {}
+    for req in requests:
+        b = BENCHMARKS[req.bench]
+        benchmarks[b.name] = {
+            "description": b.description, "ours": list(b.ours), "baselines": list(b.baselines),
+            "metric": b.metric, "work_rule": b.work_rule, "check_rule": b.check_rule,
+            "shape": {"hidden": req.shape.hidden, "experts": req.shape.experts, "topk": req.shape.topk,
+                      "inter": req.shape.inter},
+            "tokens": list(req.tokens), "dtype": req.dtype, "iters": req.iters, "warmup": req.warmup,
+            "routing": req.routing}
+    return {"schema": SCHEMA, "ok": exit_status(rows) == 0, "meta": meta, "benchmarks": benchmarks,
+            "rows": [_finite(r.to_json()) for r in rows]}
+
+
+def _finite(row: dict[str, Any]) -> dict[str, Any]:
+    # Strict JSON has no NaN / Infinity: a non-finite figure is reported as missing.
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")
+
+
+def exit_status(rows: Sequence[Row]) -> int:
+    """0 if there are rows and every one is ok (measured, and its check passed), else 1."""
+    return 0 if rows and all(r.ok for r in rows) else 1
+
+
+# ============================================================================ tables
+def _num(v: float | None) -> str:
+    if v is None:
+        return "—"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+
+
+def header(meta: dict[str, Any]) -> Text:
+    dirty = " (dirty)" if meta["commit_dirty"] else ""
+    text = Text.from_markup(
+        f"[bold]ditron_ep bench[/] — device {meta['device']} · world size {meta['world_size']} · backend "
+        f"{meta['backend']} ({meta['collectives']})\ncommit {meta['commit'][:12]}{dirty} · torch {meta['torch']} · "
+        f"triton {meta['triton']} · ditron_ep {meta['ditron_ep']} · {meta['date']}")
+    if meta["not_performance"]:
+        text.append("\n" + meta["not_performance"], style="bold yellow")
+    return text
+
+
+def build_tables(doc: dict[str, Any]) -> Group:
+    """One table per benchmark: a row per (tokens, impl), its baselines' speedups as columns."""
+    parts: list[Any] = [header(doc["meta"])]
+    for name, b in doc["benchmarks"].items():
+        s = b["shape"]
+        shape = f"H={s['hidden']} E={s['experts']} K={s['topk']}" + (f" I={s['inter']}" if s["inter"] else "")
+        table = Table(title=f"{name} — {b['description']}; {shape}, {b['dtype']}, {b['iters']} iterations "
+                            f"after {b['warmup']} warm-up", title_justify="left")
+        table.add_column("tokens", justify="right")
+        table.add_column("impl", no_wrap=True)
+        table.add_column("kind")
+        for col in ("median µs", "p20 µs", "p80 µs", b["metric"]):
+            table.add_column(col, justify="right")
+        for base in b["baselines"]:
+            table.add_column(f"vs {base}", justify="right")
+        table.add_column("check", overflow="fold")
+        rows = [r for r in doc["rows"] if r["bench"] == name]
+        for i, r in enumerate(rows):
+            speedups = [(_num(r["speedups"][base]) + "×" if base in r["speedups"] else "—") for base in b["baselines"]]
+            if r["error"]:
+                check = f"[bold red]ERROR[/] {r['error']}"
+            elif not r["ok"]:
+                check = f"[bold red]{r['check'] or 'FAIL'}[/]"
+            else:
+                check = f"[green]{r['check']}[/]" if r["kind"] == "ours" else r["check"]
+            last = i + 1 == len(rows) or rows[i + 1]["tokens"] != r["tokens"]
+            table.add_row(str(r["tokens"]), r["impl"], r["kind"], _num(r["median_us"]), _num(r["p20_us"]),
+                          _num(r["p80_us"]), _num(r["metric_value"]), *speedups, check, end_section=last)
+        parts.append(table)
+    failed = sum(not r["ok"] for r in doc["rows"])
+    status = "[bold green]OK[/]" if doc["ok"] else "[bold red]FAILED[/]"
+    notes = [f"{status}: {len(doc['rows']) - failed}/{len(doc['rows'])} rows measured and checked in "
+             f"{doc['meta']['wall_s']} s. Times: slowest rank per iteration; vs X = X's median / this median."]
+    for metric, rule in {b["metric"]: b["work_rule"] for b in doc["benchmarks"].values()}.items():
+        notes.append(f"{metric}: {rule}")
+    parts.append(Text.from_markup("\n".join(notes)))
+    return Group(*parts)
+
+
+def print_report(doc: dict[str, Any], console: Console) -> None:
+    console.print(build_tables(doc))
+    for r in doc["rows"]:
+        if not r["ok"]:
+            console.print(f"[bold red]FAIL[/] {r['bench']} T={r['tokens']} {r['impl']}: {r['error'] or r['check']}",
+                          highlight=False)
+
+
+# ============================================================================ plot
+def require_matplotlib() -> None:
+    """DitronConfigError unless matplotlib can be imported (checked before any benchmark runs)."""
+    try:
+        importlib.import_module("matplotlib.figure")
+    except ImportError as exc:
+        raise DitronConfigError(f"--plot needs matplotlib, which is not installed here: {PLOT_INSTALL}") from exc
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """One panel per benchmark: median time (bars p20–p80) against tokens per rank, log-log, ours
+    (solid) against each baseline (dashed)."""
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    names = list(doc["benchmarks"])
+    fig = Figure(figsize=(5.5 * len(names), 4.6), layout="constrained")
+    axes = fig.subplots(1, len(names), squeeze=False)[0]
+    for ax, name in zip(axes, names):
+        b = doc["benchmarks"][name]
+        for impl in (*b["ours"], *b["baselines"]):
+            pts = sorted((r for r in doc["rows"] if r["bench"] == name and r["impl"] == impl
+                          and r["median_us"] is not None), key=lambda r: r["tokens"])
+            if not pts:
+                continue
+            med = [r["median_us"] for r in pts]
+            err = [[m - r["p20_us"] for m, r in zip(med, pts)], [r["p80_us"] - m for m, r in zip(med, pts)]]
+            ours = impl in b["ours"]
+            ax.errorbar([r["tokens"] for r in pts], med, yerr=err, marker="o" if ours else "s",
+                        linestyle="-" if ours else "--", capsize=3, label=impl + ("" if ours else " (baseline)"))
+        s = b["shape"]
+        ax.set_title(f"{name}: H={s['hidden']} E={s['experts']} K={s['topk']}"
+                     + (f" I={s['inter']}" if s["inter"] else "") + f", {b['dtype']}", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("time per call, µs (median, bars p20–p80)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    m = doc["meta"]
+    title = (f"ditron_ep bench — {m['device']} ×{m['world_size']} ({m['collectives']}), commit {m['commit'][:12]}, "
+             f"{m['date'][:10]}")
+    if m["not_performance"]:
+        title += "\n" + m["not_performance"]
+    fig.suptitle(title, fontsize=11)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
