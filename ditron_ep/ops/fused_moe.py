@@ -100,10 +100,8 @@ class FusedMoE:
         W, T = self.world_size, x.shape[0]
         send = build_send_layout(topk_idx, self.num_experts, W, self.max_tokens)
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout)
-        if sync:
-            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
-        else:
-            torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
+        # Everything the launch needs is queued before the host read below, so that after it the
+        # host only launches the kernel (the GPU would otherwise idle through a dozen launches).
         bm = core.gate_up.block_m
         tile_start = build_tile_map(recv.expert_off, bm)
         self._fill_tiles(h.local_view("gemm/tiles"), tile_start, recv.expert_off, bm)
@@ -116,13 +114,18 @@ class FusedMoE:
             TIMER_HIP if torch.version.hip else TIMER_CUDA)
         timer_buf = torch.zeros((nt, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
+        weights = topk_weights.to(torch.float32).contiguous()
+        if sync:
+            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+        else:
+            torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
         st = {s.name: s for s in dev.stages}
         firsts = [st[n].first_task for n in STAGES[1:]]
         seq = dev.schedule == "sequential"
         word = (lambda name: dev.signal(name).first) if seq else (lambda name: 0)
         interp = self.device.type != "cuda"
         moe_fused_kernel[(dev.num_programs,)](
-            x, send.topk_idx, send.pos, topk_weights.to(torch.float32).contiguous(), send.send_idx, send.tokens_to,
+            x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, tile_start, w1, w2, out, trace_buf, timer_buf, self._clock,
             h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
