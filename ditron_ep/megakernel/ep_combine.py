@@ -118,6 +118,8 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
                                           "BLOCK_H": 512}, label="bf16-K8",
                 multiples_of_16=("H", "land_offset"))
-register_kernel(ep_combine_kernel, {**_SIG, "y_ptr": "*fp32", "out_ptr": "*fp32"},
-                {"K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 128},
+# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, rank 1)
+register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in ("n_chunks", "rank")},
+                                    "y_ptr": "*fp32", "out_ptr": "*fp32"},
+                {"n_chunks": 1, "rank": 1, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 128},
                 label="fp32-K3-unweighted", multiples_of_16=("H", "land_offset"))

@@ -153,6 +153,8 @@ _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset")  # real hidden s
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
                                            "BLOCK_S": 16, "BLOCK_H": 512}, label="bf16-K8",
                 multiples_of_16=_MULT16)
-register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
-                {"K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16, "BLOCK_H": 128},
+# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, rank 1)
+register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not in ("n_chunks", "rank")},
+                                     "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
+                {"n_chunks": 1, "rank": 1, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16, "BLOCK_H": 128},
                 label="fp32-K2-scaled", multiples_of_16=_MULT16)

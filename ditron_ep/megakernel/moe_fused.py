@@ -294,6 +294,11 @@ _CONST = {"K": 8, "BLOCK_K": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2"
           "INPUT_PRECISION": "tf32", "TRACE": True}
 _MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")
 register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multiples_of_16=_MULT16)
+# Triton specialises integer arguments equal to 1 into constants (a plain int inside the kernel):
+# a layer with I <= BN1 has one column tile, a small max_tokens one chunk, and rank 1 is 1.
+_ONES = ("n_chunks", "n_t1", "n_t2", "rank")
+register_kernel(moe_fused_kernel, {n: v for n, v in _SIG.items() if n not in _ONES},
+                {**_CONST, **{n: 1 for n in _ONES}}, label="bf16-K8-overlap-ones", multiples_of_16=_MULT16)
 register_kernel(moe_fused_kernel, {**_SIG, "x_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out_ptr": "*fp32"},
                 {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "ROW_MAJOR": False, "REVERSE_RING": True,
                  "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential", multiples_of_16=_MULT16)

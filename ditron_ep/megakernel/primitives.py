@@ -106,7 +106,7 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     (rank, stage, signal_id, observed, target) in the error slot of `my_ctrl`; once a rank has
     failed, its other waits give up at once so the launch drains quickly.
     """
-    target = target.to(tl.int32)
+    target = tl.cast(target, tl.int32)  # (a plain int when Triton specialises an argument to 1)
     v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
     failed = read_error_flag(my_ctrl)
     n = 0
@@ -130,7 +130,7 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
     Each lane polls its own word with an acquire atomic (no CAS: masked atomics are fine), lanes
     drop out once satisfied. On timeout records `signal_id` (the caller's id for the vector).
     """
-    target = target.to(tl.int32)
+    target = tl.cast(target, tl.int32)
     v = tl.atomic_add(p_sig, 0, mask=mask, sem="acquire", scope="sys")
     pending = mask & ((v - target) < 0)
     failed = read_error_flag(my_ctrl)
