@@ -205,6 +205,34 @@ def send_layout_place_kernel(
         tl.store(flags_ptr, tl.where(n_bad > 0, _FLAG_BAD_EXPERT, 0) | tl.where(T > MAXT, _FLAG_TOO_MANY_TOKENS, 0))
 
 
+@register_device_function
+@triton.jit
+def _row_tile_map(b_num, b_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr, BLOCK_M: tl.constexpr,
+                  BLOCK_I: tl.constexpr):
+    """Row tiles of BLOCK_M rows per expert (an expert's last tile may be partial; an expert
+    without rows owns none): tile_start = exclusive prefix of cdiv(rows, BLOCK_M), and for every
+    tile i < n_tiles its (expert, first row, rows); rows = 0 past the last tile."""
+    n_t = tl.where(m_e, (b_num + BLOCK_M - 1) // BLOCK_M, 0)  # [BLOCK_E]
+    t_incl = tl.cumsum(n_t, axis=0)
+    t_excl = t_incl - n_t
+    o_e = tl.arange(0, b_num.shape[0])
+    tl.store(tile_start_ptr + o_e, t_excl, mask=m_e)
+    n_used = tl.sum(n_t, axis=0)
+    tl.store(tile_start_ptr + E_local, n_used)
+    for i0 in range(0, n_tiles, BLOCK_I):
+        o_i = i0 + tl.arange(0, BLOCK_I)
+        # expert of tile i: the number of experts whose tiles all come before i
+        e = tl.minimum(tl.sum(((t_incl[None, :] <= o_i[:, None]) & m_e[None, :]).to(tl.int32), axis=1), E_local - 1)
+        sel = (o_e[None, :] == e[:, None]).to(tl.int32)  # one-hot gathers of per-expert values
+        row0 = tl.sum(sel * b_off[None, :], axis=1) + (o_i - tl.sum(sel * t_excl[None, :], axis=1)) * BLOCK_M
+        n = tl.minimum(tl.sum(sel * (b_off + b_num)[None, :], axis=1) - row0, BLOCK_M)
+        n = tl.where(o_i < n_used, tl.maximum(n, 0), 0)
+        m_i = o_i < n_tiles
+        tl.store(tiles_ptr + o_i * 3, e, mask=m_i)
+        tl.store(tiles_ptr + o_i * 3 + 1, row0, mask=m_i)
+        tl.store(tiles_ptr + o_i * 3 + 2, n, mask=m_i)
+
+
 @triton.jit
 def ep_layout_kernel(
     counts_ptr,      # int32 (E,) pairs per expert on this rank
@@ -220,8 +248,10 @@ def ep_layout_kernel(
     src_off_ptr,     # out int32 (W, E_local) row offset of source s inside expert e's segment
     tokens_from_ptr, # out int32 (W,) tokens each source sends here
     src_info_ptr,    # out int32 (W, 2): (FLAG_* bits, T) of every source rank
-    rank, world, E_local, budget,
-    BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr,
+    tile_start_ptr,  # out int32 (E_local + 1,) first row tile of each expert (BLOCK_M > 0)
+    tiles_ptr,       # out int32 (n_tiles, 3): (expert, first row, rows) of every row tile (BLOCK_M > 0)
+    rank, world, E_local, budget, n_tiles,
+    BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
 ):
     epoch, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
@@ -261,6 +291,9 @@ def ep_layout_kernel(
             tl.store(tokens_from_ptr + o_w, tl.load(p_in + o_w * row + E_local, mask=m_w, other=0), mask=m_w)
             tl.store(src_info_ptr + o_w * 2, tl.load(p_in + o_w * row + E_local + 1, mask=m_w), mask=m_w)
             tl.store(src_info_ptr + o_w * 2 + 1, tl.load(p_in + o_w * row + E_local + 2, mask=m_w), mask=m_w)
+            if BLOCK_M > 0:
+                _row_tile_map(b_num, b_incl - b_num, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr, BLOCK_M,
+                              BLOCK_I)
     call_end(table_ptr, rank)
 
 
@@ -282,8 +315,9 @@ register_kernel(
     {"counts_ptr": "*i32", "tokens_to_ptr": "*i32", "flags_ptr": "*i32", "T": "i32", "table_ptr": "*i64",
      "sig_table_ptr": "*i64", "layout_offset": "i64", "sig_first": "i32", "num_recv_ptr": "*i32",
      "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32", "src_info_ptr": "*i32",
-     "rank": "i32", "world": "i32", "E_local": "i32", "budget": "i32"},
-    {"BLOCK_W": 8, "BLOCK_E": 64}, label="W8-E64")
+     "tile_start_ptr": "*i32", "tiles_ptr": "*i32", "rank": "i32", "world": "i32", "E_local": "i32",
+     "budget": "i32", "n_tiles": "i32"},
+    {"BLOCK_W": 8, "BLOCK_E": 64, "BLOCK_M": 128}, label="W8-E64-tiles")
 
 
 @dataclass
@@ -295,6 +329,7 @@ class RecvLayout:
     src_off:     int32 [W, E_local]   start of source s inside expert e's rows
     tokens_from: int32 [W]            tokens each source stages here
     src_info:    int32 [W, 2]         (FLAG_* bits, T) of every source rank
+    tile_start:  int32 [E_local + 1]  first GEMM row tile of each expert (when asked for)
     """
 
     num_recv: torch.Tensor
@@ -302,11 +337,17 @@ class RecvLayout:
     src_off: torch.Tensor
     tokens_from: torch.Tensor
     src_info: torch.Tensor
+    tile_start: torch.Tensor | None = None
 
 
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
-                    layout_name: str, sig_first: int) -> RecvLayout:
-    """Launch the counts exchange (one program); returns the receive layout (no host sync)."""
+                    layout_name: str, sig_first: int, *, tile_rows: int = 0,
+                    tiles: torch.Tensor | None = None) -> RecvLayout:
+    """Launch the counts exchange (one program); returns the receive layout (no host sync).
+
+    tile_rows > 0 also builds the GEMM row-tile map in the same launch: `tile_start`
+    [E_local + 1] in the result and `tiles` [n_tiles, 3] (expert, first row, rows) filled in place.
+    """
     W = heap.world_size
     e_local = num_experts // W
     dev = heap.device
@@ -315,10 +356,15 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
         expert_off=torch.empty(e_local + 1, dtype=torch.int32, device=dev),
         src_off=torch.empty((W, e_local), dtype=torch.int32, device=dev),
         tokens_from=torch.empty(W, dtype=torch.int32, device=dev),
-        src_info=torch.empty((W, 2), dtype=torch.int32, device=dev))
+        src_info=torch.empty((W, 2), dtype=torch.int32, device=dev),
+        tile_start=torch.empty(e_local + 1, dtype=torch.int32, device=dev) if tile_rows else None)
+    if tile_rows and (tiles is None or tiles.dim() != 2 or tiles.shape[1] != 3 or tiles.dtype != torch.int32):
+        raise ValueError("tile_rows > 0 needs `tiles`, an int32 [n_tiles, 3] tensor")
     ep_layout_kernel[(1,)](
         send.counts, send.tokens_to, send.flags, send.topk_idx.shape[0], heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,
-        out.tokens_from, out.src_info, heap.rank, W, e_local, heap.wait_budget,
-        BLOCK_W=triton.next_power_of_2(W), BLOCK_E=triton.next_power_of_2(e_local))
+        out.tokens_from, out.src_info, out.tile_start if tile_rows else out.num_recv,
+        tiles if tile_rows else out.num_recv, heap.rank, W, e_local, heap.wait_budget,
+        tiles.shape[0] if tile_rows else 0,
+        BLOCK_W=triton.next_power_of_2(W), BLOCK_E=triton.next_power_of_2(e_local), BLOCK_M=tile_rows)
     return out

@@ -128,8 +128,10 @@ def moe_fused_kernel(
     w2_ptr,           # (E_local, I, H)
     out_ptr,          # out (T, H)
     trace_ptr,        # out int32 (NT, 2): logical start / end clock of every ticket (TRACE)
-    timer_ptr,        # out int64 (NT, 2): device timer (ns) at start / end of every ticket (DEVICE_TIMER)
+    timer_ptr,        # out int64 (NT + 1, 2): device timer at start / end of every ticket (DEVICE_TIMER)
     clock_ptr,        # int32 (1,) logical clock, zero at launch
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
+    refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises afterwards)
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
     sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)
@@ -139,9 +141,18 @@ def moe_fused_kernel(
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, ROW_MAJOR: tl.constexpr, REVERSE_RING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
+    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
 ):
+    if TRACE:  # row NT of the timer: program 0's entry and its exit from the call barrier
+        if tl.program_id(0) == 0:
+            _stamp_timer(timer_ptr + NT * 2, DEVICE_TIMER)
     epoch, ok = call_begin(table_ptr, rank, world, budget)
+    if TRACE:
+        if tl.program_id(0) == 0:
+            _stamp_timer(timer_ptr + NT * 2 + 1, DEVICE_TIMER)
+    if refuse_flagged != 0:  # every rank sees every rank's flags: all refuse together, no data moves
+        o_w = tl.arange(0, BLOCK_W)
+        ok = ok & (tl.max(tl.load(src_info_ptr + o_w * 2, mask=o_w < world, other=0), axis=0) == 0)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     DT = x_ptr.dtype.element_ty
@@ -284,12 +295,13 @@ def moe_fused_kernel(
 _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
-        "timer_ptr": "*i64", "clock_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64",
+        "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
+        "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
                               "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget")}}
-_CONST = {"K": 8, "BLOCK_K": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
+_CONST = {"K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
           "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "ROW_MAJOR": True, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}
 _MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")

@@ -14,7 +14,6 @@ import triton
 from ..compiler.lowering import lower
 from ..compiler.plan import MoEPlan, MoESpec
 from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_layout
-from ..megakernel.grouped_gemm import build_tile_map
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
@@ -89,8 +88,9 @@ class FusedMoE:
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
         """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
 
-        sync=True: one device-to-host read after the layout (bad input raises on every rank,
-        before any token moves) and one after the launch (timeouts). sync=False: no host sync
+        sync=True: one device-to-host read, after the launch: bad input (on any rank) makes every
+        rank's kernel refuse all work, so no token moves, and raises here on every rank; so do
+        timeouts. sync=False: no host sync
         (CUDA-graph capturable); input problems are recorded for `check()`.
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
@@ -99,12 +99,10 @@ class FusedMoE:
         plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
         W, T = self.world_size, x.shape[0]
         send = build_send_layout(topk_idx, self.num_experts, W, self.max_tokens)
-        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout)
-        # Everything the launch needs is queued before the host read below, so that after it the
-        # host only launches the kernel (the GPU would otherwise idle through a dozen launches).
         bm = core.gate_up.block_m
-        tile_start = build_tile_map(recv.expert_off, bm)
-        self._fill_tiles(h.local_view("gemm/tiles"), tile_start, recv.expert_off, bm)
+        # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
+        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout, tile_rows=bm,
+                               tiles=h.local_view("gemm/tiles"))
         for fam in self._local_counters:
             h.signals[fam.first:fam.first + fam.count].zero_()
         self._clock.zero_()
@@ -112,12 +110,10 @@ class FusedMoE:
         trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
         timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
             TIMER_HIP if torch.version.hip else TIMER_CUDA)
-        timer_buf = torch.zeros((nt, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
+        timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
         weights = topk_weights.to(torch.float32).contiguous()
-        if sync:
-            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
-        else:
+        if not sync:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
         st = {s.name: s for s in dev.stages}
         firsts = [st[n].first_task for n in STAGES[1:]]
@@ -126,8 +122,8 @@ class FusedMoE:
         interp = self.device.type != "cuda"
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
-            recv.expert_off, recv.src_off, recv.tokens_from, tile_start, w1, w2, out, trace_buf, timer_buf, self._clock,
-            h.ptr_table, h.signal_table,
+            recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
+            self._clock, recv.src_info, int(sync), h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
             dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
@@ -139,7 +135,7 @@ class FusedMoE:
             K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=bm, BN1=core.gate_up.block_n,
             BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
             BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
-            REVERSE_RING=dev.source_order == "reverse_ring",
+            REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(W),
             INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace, DEVICE_TIMER=timer,
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
         if trace:
@@ -147,7 +143,9 @@ class FusedMoE:
             self.last_timer = timer_buf if timer else None
             self._timer_ns_per_tick = 10.0 if timer == TIMER_HIP else 1.0  # gfx942 realtime: 100 MHz
         if sync:
-            h.check_error()
+            # The one host read of default mode, after the launch: bad input on any rank made
+            # every rank's kernel refuse all work (no token moved), and raises here on every rank.
+            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
         return out
 
     __call__ = forward
@@ -178,13 +176,16 @@ class FusedMoE:
 
     def timeline(self) -> list[dict[str, float | int | str]]:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
-        last ended (µs after the launch's first task started), and how busy it kept the grid
-        (sum of its task durations / programs, µs). Empty tasks (no rows) count too."""
+        last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
+        its task durations / programs, µs); empty tasks (no rows) count too. The first row,
+        "call_barrier", is program 0's wait for every rank to enter the launch."""
         if self.last_timer is None:
             raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")
         tm = self.last_timer.cpu().double() * self._timer_ns_per_tick / 1e3  # µs
-        t0 = float(tm[:, 0].min())
-        rows = []
+        t0 = float(tm[-1, 0])  # program 0 entered the kernel
+        rows = [{"stage": "call_barrier", "tasks": 1, "first_start_us": 0.0, "last_end_us": float(tm[-1, 1]) - t0,
+                 "busy_us_per_program": float(tm[-1, 1]) - t0}]
+        tm = tm[:-1]
         for s in self.plan.device.stages:
             if not s.num_tasks:
                 continue
@@ -202,15 +203,6 @@ class FusedMoE:
         self.heap.free()
 
     # ------------------------------------------------------------------ helpers
-    def _fill_tiles(self, tiles: torch.Tensor, tile_start: torch.Tensor, expert_off: torch.Tensor, bm: int) -> None:
-        """tiles[i] = (local expert, first row, rows) of row tile i; rows = 0 past the last tile."""
-        i = torch.arange(tiles.shape[0], device=tiles.device, dtype=torch.int32)
-        e = torch.searchsorted(tile_start[1:].contiguous(), i, right=True).clamp_(max=self.num_local_experts - 1)
-        row0 = expert_off[e] + (i - tile_start[e]) * bm
-        n = torch.minimum(expert_off[e + 1] - row0, torch.full_like(row0, bm)).clamp_(min=0)
-        n = torch.where(i < tile_start[-1], n, torch.zeros_like(n))
-        tiles.copy_(torch.stack([e.to(torch.int32), row0.to(torch.int32), n.to(torch.int32)], dim=1))
-
     def _validate(self, x, topk_idx, topk_weights, w1, w2) -> None:
         H, I, El, K = self.hidden, self.ffn_hidden, self.num_local_experts, self.topk
         for name, t, shape in (("x", x, (None, H)), ("topk_idx", topk_idx, (x.shape[0], K)),

@@ -78,7 +78,16 @@ def fused_refusals() -> dict:
     catch("w1_shape", lambda: layer(x, idx, w, w1[:, :, :I], w2))
     catch("dtype", lambda: layer(x.double(), idx, w, w1, w2))
     catch("idx_dtype", lambda: layer(x, idx.float(), w, w1, w2))
-    idx[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
-    catch("bad_expert", lambda: layer(x, idx, w, w1, w2))
+    good_out = layer(x, idx, w, w1, w2)
+    staged = layer.heap.local_view("dispatch/x").clone()
+    land = layer.heap.local_view("combine/land").clone()
+    idx_bad = idx.clone()
+    idx_bad[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
+    x_new = torch.randn(T, H)
+    catch("bad_expert", lambda: layer(x_new, idx_bad, w, w1, w2))
+    # every rank refused the whole launch: no token was staged, no expert output landed
+    res["no_data_moved"] = bool(torch.equal(layer.heap.local_view("dispatch/x"), staged)
+                                and torch.equal(layer.heap.local_view("combine/land"), land))
+    res["recovers"] = bool(torch.equal(layer(x, idx, w, w1, w2), good_out))
     layer.free()
     return res

@@ -38,3 +38,4 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
         for key in ("x_shape", "w1_shape", "dtype", "idx_dtype"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
+        assert res["no_data_moved"] and res["recovers"], res
