@@ -18,7 +18,7 @@ A config is (tokens T per rank, experts E, routing); every config runs every sta
          dispatch = each rank sends every other rank one row per (token, destination rank) it would
          dispatch; combine = the reverse exchange. Rows are pre-packed (no gather, no expansion) and
          nothing is sent to self. Timed eagerly in both modes.
-Timing (bench/common.py): barrier + device sync before every iteration, CUDA events around it,
+Timing (ditron_ep/bench/timing.py): barrier + device sync before every iteration, CUDA events around it,
 the slowest rank's time per iteration (all_reduce MAX), then median / p20 / p80.
 One EPBuffer per (E, max T): by default max T is the config's T (`--buffer-per config`); with
 `--buffer-per sweep` one buffer per E sized for the largest --tokens serves every T.
@@ -33,7 +33,6 @@ import gc
 import os
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -50,22 +49,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import (default_json_path, device_info, gbps, git_commit, git_dirty, log,  # noqa: E402
-                          print_table, summarize, time_fn, write_json)
-from ditron_ep.determinism import ROUTING_KINDS, make_routing  # noqa: E402
+from bench.common import default_json_path, log, print_table, write_json  # noqa: E402
+from ditron_ep.bench.alltoall import AllToAll, gather_routing  # noqa: E402
+from ditron_ep.bench.dispatch_combine import dispatch_kernel_call  # noqa: E402
+from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from ditron_ep.bench.ep_inputs import BYTE_RULE, Bytes, Inputs, make_inputs, traffic_bytes  # noqa: E402
+from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded  # noqa: E402
+from ditron_ep.bench.spec import DTYPES  # noqa: E402
+from ditron_ep.bench.timing import gbps, summarize, time_fn  # noqa: E402
+from ditron_ep.determinism import ROUTING_KINDS  # noqa: E402
 from ditron_ep.ops import EPBuffer  # noqa: E402
 from ditron_ep.runtime import kernels_interpreted  # noqa: E402
 
 BENCH = "dispatch_combine"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-BYTE_RULE = (
-    "bytes = tokens this rank receives from OTHER ranks, one copy per (token, destination rank), "
-    "x hidden x element size; combine: the same count in the reverse direction. Reported bytes are "
-    "the mean over ranks (bytes_max in JSON is the busiest rank); GB/s = mean bytes / median of "
-    "the slowest rank's per-iteration time (1 GB = 1e9 B). Local (same-rank) tokens are not "
-    "counted (DeepEP's rule counts them). 'wire' bytes of our combine = (token, k) pairs received "
-    "from other ranks x hidden x element size: it returns one row per pair, not per (token, rank). "
-    "Baseline NCCL all_to_all_single moves exactly the rule's bytes.")
 # Issue targets (printed beside, never asserted): (T, E or None = any) -> stage kind -> µs.
 TARGETS = {(4096, 256): {"dispatch": 450.0, "combine": 500.0}, (128, None): {"dispatch": 50.0, "combine": 50.0}}
 DEEPEP_US = {(4096, 256): {"dispatch": 527.0, "combine": 597.0}}  # DeepEP v1 intranode, same machine
@@ -125,142 +121,20 @@ def validate_args(args: argparse.Namespace, world: int) -> None:
 
 
 # ============================================================================ context
-@dataclass
-class Ctx:
+@dataclass(kw_only=True)
+class Ctx(RankContext):
     args: argparse.Namespace
-    device: torch.device
-    rank: int
-    world: int
-    dtype: torch.dtype
     t0: float
     payload: dict[str, Any]
     json_path: Path | None
     rows: list[dict[str, Any]] = field(default_factory=list)  # table rows (rank 0 prints)
-
-    @property
-    def on_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
-    @property
-    def elt(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    def coll_tensor(self, values: list[float], dtype: torch.dtype = torch.float64) -> torch.Tensor:
-        """A tensor on the device the process group's collectives need (NCCL: GPU, gloo: CPU)."""
-        return torch.tensor(values, dtype=dtype, device=self.device if self.on_cuda else "cpu")
 
     def save(self) -> None:
         if self.rank == 0 and self.json_path is not None:
             write_json(self.json_path, self.payload)
 
 
-class StageFailed(Exception):
-    """A stage failed on at least one rank; every rank raises it together."""
-
-
-class Fatal(Exception):
-    """The ranks can no longer agree (a collective failed): stop the sweep."""
-
-
-def agree(ctx: Ctx, err: str | None) -> None:
-    """Collective: raise StageFailed on every rank if `err` is set on any rank."""
-    try:
-        flag = ctx.coll_tensor([1.0 if err else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() == 0:
-            return
-        msgs: list[Any] = [None] * ctx.world
-        dist.all_gather_object(msgs, err)
-    except Exception as exc:  # the group itself is broken: nothing collective can follow
-        raise Fatal(f"collective failed while agreeing on a stage result: {type(exc).__name__}: {exc}") from exc
-    raise StageFailed("; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m))
-
-
-def guarded(ctx: Ctx, what: str, body: Callable[[], Any], buf: EPBuffer | None = None) -> Any:
-    """Run `body` on every rank; if it failed anywhere, reset the heap and raise StageFailed everywhere."""
-    err, out = None, None
-    try:
-        out = body()
-    except Exception as exc:  # noqa: BLE001 - recorded, agreed on, and re-raised as StageFailed
-        err = f"{what}: {type(exc).__name__}: {str(exc)[:400]}"
-        print(f"[rank {ctx.rank}] {what} failed:\n{traceback.format_exc(limit=6)}", file=sys.stderr, flush=True)
-    try:
-        agree(ctx, err)
-    except StageFailed:
-        if buf is not None:
-            reset_heap(ctx, buf)
-        raise
-    return out
-
-
-def reset_heap(ctx: Ctx, buf: EPBuffer) -> None:
-    """After a failed stage: clear signals, error slot and epochs on every rank (collective)."""
-    try:
-        buf.heap.reset()
-        buf._pending_flags.zero_()
-    except Exception as exc:
-        raise Fatal(f"heap reset after a failed stage failed: {type(exc).__name__}: {exc}") from exc
-
-
-# ============================================================================ inputs and traffic
-@dataclass
-class Inputs:
-    x: torch.Tensor            # [T, H] dtype, device
-    idx: torch.Tensor          # int64 [T, K], device
-    w: torch.Tensor            # fp32 [T, K], device
-    tokens_sent: list[list[int]]  # [src][dst] tokens (one copy per (token, destination rank))
-    pairs_sent: list[list[int]]   # [src][dst] (token, k) pairs
-
-    def recv_remote_tokens(self, r: int) -> int:
-        return sum(self.tokens_sent[s][r] for s in range(len(self.tokens_sent)) if s != r)
-
-    def recv_remote_pairs(self, r: int) -> int:
-        return sum(self.pairs_sent[s][r] for s in range(len(self.pairs_sent)) if s != r)
-
-    def rows_received(self, r: int) -> int:
-        return sum(self.pairs_sent[s][r] for s in range(len(self.pairs_sent)))
-
-
-def make_inputs(ctx: Ctx, T: int, E: int, routing: str) -> Inputs:
-    args, W = ctx.args, ctx.world
-    g = torch.Generator().manual_seed(args.seed * 1000 + ctx.rank)
-    idx, w = make_routing(T, E, args.topk, routing, generator=g, num_ranks=W)
-    gx = torch.Generator(device=ctx.device).manual_seed(args.seed * 1000 + 500 + ctx.rank)
-    x = torch.randn(T, args.hidden, generator=gx, device=ctx.device).to(ctx.dtype)
-    e_local = E // W
-    dest = torch.where(idx >= 0, idx // e_local, torch.full_like(idx, W))   # W = dropped
-    hit = torch.zeros((T, W + 1), dtype=torch.int64).scatter_(1, dest, 1)[:, :W]
-    mine = torch.cat([hit.sum(0), torch.bincount(dest.reshape(-1), minlength=W + 1)[:W]]).to(torch.float64)
-    vec = ctx.coll_tensor(mine.tolist())
-    parts = [torch.empty_like(vec) for _ in range(W)]
-    dist.all_gather(parts, vec)
-    rows = [[int(v) for v in p.tolist()] for p in parts]
-    return Inputs(x=x, idx=idx.to(ctx.device), w=w.to(ctx.device),
-                  tokens_sent=[r[:W] for r in rows], pairs_sent=[r[W:] for r in rows])
-
-
 # ============================================================================ results
-@dataclass
-class Bytes:
-    rule: float | None        # mean over ranks
-    rule_max: float | None
-    wire: float | None        # mean over ranks
-
-
-def traffic_bytes(ctx: Ctx, inp: Inputs, kind: str | None) -> Bytes:
-    if kind is None:
-        return Bytes(None, None, None)
-    rb = ctx.args.hidden * ctx.elt
-    tok = [inp.recv_remote_tokens(r) * rb for r in range(ctx.world)]
-    pairs = [inp.recv_remote_pairs(r) * rb for r in range(ctx.world)]
-    mean_t, max_t, mean_p = sum(tok) / ctx.world, max(tok), sum(pairs) / ctx.world
-    if kind == "dispatch":
-        return Bytes(mean_t, max_t, mean_t)
-    if kind == "combine":
-        return Bytes(mean_t, max_t, mean_p)
-    return Bytes(2 * mean_t, 2 * max_t, mean_t + mean_p)  # roundtrip
-
-
 def target_for(ctx: Ctx, T: int, E: int, routing: str, kind: str | None) -> tuple[float | None, float | None]:
     a = ctx.args
     if kind not in ("dispatch", "combine") or routing != "uniform" or ctx.dtype != torch.bfloat16 \
@@ -276,7 +150,7 @@ def record(ctx: Ctx, cfg: dict[str, Any], label: str, stage: str, mode: str, kin
            inp: Inputs | None, times: list[float] | None, error: str | None = None,
            baseline: dict[str, Any] | None = None, check: str | None = None) -> dict[str, Any]:
     s = summarize(times) if times else None
-    by = traffic_bytes(ctx, inp, kind) if inp is not None else Bytes(None, None, None)
+    by = traffic_bytes(ctx, inp, kind, ctx.args.hidden) if inp is not None else Bytes(None, None, None)
     med = s["median"] if s else None
     target, deepep = target_for(ctx, cfg["tokens"], cfg["experts"], cfg["routing"], kind)
     entry = {
@@ -357,7 +231,7 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
         except StageFailed as exc:
             return record(ctx, cfg, label, name, mode, kind, inp, None, error=str(exc))
 
-    inp = guarded(ctx, "inputs", lambda: make_inputs(ctx, T, E, routing))
+    inp = guarded(ctx, "inputs", lambda: make_inputs(ctx, T, E, a.topk, a.hidden, routing))
     ctx.payload["traffic"].append({
         "label": label, "config": cfg,
         "recv_remote_tokens": [inp.recv_remote_tokens(r) for r in range(ctx.world)],
@@ -369,20 +243,18 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
     x, idx, w = inp.x, inp.idx, inp.w
     w32 = w.to(torch.float32).contiguous()
 
-    # ---- baseline: NCCL all_to_all_single of pre-packed rows (bytes as uint8: dtype-agnostic)
-    row_bytes = a.hidden * ctx.elt
-    send_splits = [0 if d == ctx.rank else inp.tokens_sent[ctx.rank][d] for d in range(ctx.world)]
-    recv_splits = [0 if s == ctx.rank else inp.tokens_sent[s][ctx.rank] for s in range(ctx.world)]
-    nccl: dict[str, Any] = {}
+    # ---- baseline: NCCL all_to_all_single of pre-packed rows (ditron_ep/bench/alltoall.py)
+    plan: dict[str, AllToAll] = {}
 
     def a2a_setup(reverse: bool) -> Callable[[], object]:
-        if "send" not in nccl:
-            nccl["send"] = torch.randint(0, 255, (sum(send_splits), row_bytes), dtype=torch.uint8, device=dev)
-            nccl["recv"] = torch.empty((sum(recv_splits), row_bytes), dtype=torch.uint8, device=dev)
-        s, r = nccl["send"], nccl["recv"]
-        if reverse:
-            return lambda: dist.all_to_all_single(s, r, send_splits, recv_splits)
-        return lambda: dist.all_to_all_single(r, s, recv_splits, send_splits)
+        if "a2a" not in plan:
+            plan["a2a"] = AllToAll(ctx, x, *gather_routing(ctx, idx, w), E)
+        a2a = plan["a2a"]
+        if not reverse:
+            return a2a.dispatch
+        a2a.dispatch()       # the received rows, whose pre-reduced sums the combine sends back
+        a2a.pack_combine()
+        return a2a.combine
 
     backend = dist.get_backend()
     base_d = baseline_ref(stage(f"{backend} a2a dispatch", "baseline", "dispatch", lambda: a2a_setup(False)))
@@ -391,8 +263,9 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
     if base_d and base_c:
         base_rt = {"stage": f"{backend} a2a dispatch + combine (sum of medians)",
                    "median_us": base_d["median_us"] + base_c["median_us"], "p20_us": None, "p80_us": None,
-                   "gbps": gbps(traffic_bytes(ctx, inp, "roundtrip").rule, base_d["median_us"] + base_c["median_us"])}
-    nccl.clear()
+                   "gbps": gbps(traffic_bytes(ctx, inp, "roundtrip", a.hidden).rule,
+                                base_d["median_us"] + base_c["median_us"])}
+    plan.clear()
 
     # ---- sanity: identity experts, so combine(dispatch(x)) = x * sum_k w = x (weights sum to 1)
     state: dict[str, Any] = {}
@@ -409,9 +282,7 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
 
     try:
         mine = guarded(ctx, "round-trip check", eager_roundtrip, buf)
-        flag = ctx.coll_tensor([0.0 if mine == "ok" else 1.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        check = "ok" if flag.item() == 0 else "FAIL"
+        check = "ok" if all_ranks(ctx, mine == "ok") else "FAIL"
         if mine != "ok":
             print(f"[rank {ctx.rank}] round-trip check: {mine}", file=sys.stderr, flush=True)
     except StageFailed as exc:
@@ -424,17 +295,8 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
     if "eager" in a.mode:
         stage("layout", "eager", None, lambda: (lambda: buf._launch_layout(idx)), check=check)
 
-        def dispatch_kernel_setup() -> Callable[[], object]:
-            # Mirrors EPBuffer._dispatch_raw up to the data kernel, so only that kernel is timed.
-            send, recv = buf._launch_layout(idx)
-            rows = buf._sync_after_layout(recv)
-            recv_x = torch.empty((rows, a.hidden), dtype=ctx.dtype, device=dev)
-            recv_w = torch.empty(rows, dtype=torch.float32, device=dev)
-            recv_rows = torch.empty((ctx.world, buf.max_tokens, a.topk), dtype=torch.int32, device=dev)
-            recv_tok = torch.empty((ctx.world, buf.max_tokens), dtype=torch.int32, device=dev)
-            return lambda: buf._launch_dispatch(x, w32, send, recv, rows, False, recv_x, recv_w, recv_rows, recv_tok)
-
-        stage("dispatch", "eager", "dispatch", dispatch_kernel_setup, base_d, check)
+        # Only the data kernel is timed (ditron_ep/bench/dispatch_combine.py: dispatch_kernel_call).
+        stage("dispatch", "eager", "dispatch", lambda: dispatch_kernel_call(buf, x, idx, w32)[0], base_d, check)
         stage("dispatch total", "eager", "dispatch", lambda: (lambda: buf.dispatch(x, idx, w, sync=True)),
               base_d, check)
 
@@ -640,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit_dirty": git_dirty(), "timer": timer, "interpreted": interpreted, "byte_rule": BYTE_RULE,
         "targets": TARGET_NOTE, "args": vars(args), "status": "running",
         "results": [], "traffic": [], "graph_bitwise": [], "skipped": []}
-    ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=DTYPES[args.dtype], t0=t0,
+    ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=DTYPES[args.dtype], seed=args.seed, t0=t0,
               payload=payload, json_path=json_path)
     log(f"ditron_ep {BENCH}: {world} ranks on {info['name']} ({device.type}), torch {info['torch']}, "
         f"triton {info['triton']}, commit {payload['commit'][:12]}{' (dirty)' if payload['commit_dirty'] else ''}")

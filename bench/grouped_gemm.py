@@ -16,7 +16,7 @@ The sweep times every gate-up and down tile config (GATE_UP_CONFIGS / DOWN_CONFI
 persistent grid (one program per SM) and a one-tile-per-program grid; ffn then runs the best
 of each. torch._grouped_mm runs with W [E, K, N] row-major and column-major; the faster is the
 baseline. FLOPs = 2·rows·H·2I (gate-up) + 2·rows·I·H (down), rows = routed rows.
-Timing (bench/common.py): device sync before every iteration, CUDA events around it, median
+Timing (ditron_ep/bench/timing.py): device sync before every iteration, CUDA events around it, median
 (p20, p80). Every measurement that fails is recorded and the run goes on; with --json the file
 is rewritten after every shape.
 """
@@ -36,8 +36,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import (default_json_path, device_info, git_commit, git_dirty, log, print_table,  # noqa: E402
-                          summarize, time_fn, write_json)
+from bench.common import default_json_path, log, print_table, write_json  # noqa: E402
+from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
 from ditron_ep.determinism import make_routing  # noqa: E402
 from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402

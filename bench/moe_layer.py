@@ -33,7 +33,7 @@ rank, routing); per config, in this order (everything under torch.no_grad):
                 at the start of this run. Communication is not part of the floor.
 Check (once per config): every schedule's output against torch-native's on every rank,
 max |ours - torch| / max |torch| over all ranks, within the dtype's rtol (determinism/tolerances).
-Timing (bench/common.py): barrier + device sync before every iteration, CUDA events around it,
+Timing (ditron_ep/bench/timing.py): barrier + device sync before every iteration, CUDA events around it,
 the slowest rank's time per iteration (all_reduce MAX), then median / p20 / p80.
 Every stage's failure is agreed on by all ranks, recorded, and the sweep goes on; --time-budget
 skips configs not started in time; with --json the file is rewritten after every config.
@@ -52,16 +52,20 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `bench.common`, `ditron_ep`
 
 # Also sets the NCCL / symmetric-memory environment (no NVLink multicast) before NCCL starts.
-from bench.dispatch_combine import (Ctx, Fatal, StageFailed, guarded, init_distributed, make_inputs,  # noqa: E402
-                                    synced_elapsed)
+from bench.dispatch_combine import Ctx, init_distributed, synced_elapsed  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import (default_json_path, device_info, git_commit, git_dirty, log, print_table,  # noqa: E402
-                          summarize, time_fn)
+from bench.common import default_json_path, log, print_table  # noqa: E402
+from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
+from ditron_ep.bench.moe_layer import FLOP_RULE, Weights, gemm_flops, make_weights, probe_grouped_mm  # noqa: E402
+from ditron_ep.bench.ranks import Fatal, StageFailed, guarded, relative_errors  # noqa: E402
+from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
+from ditron_ep.bench.torch_moe import BASELINE_NOTE, torch_native_moe  # noqa: E402
 from ditron_ep.determinism.tolerances import TOLERANCES  # noqa: E402
 from ditron_ep.ops import EPBuffer, clear_cache, dispatch, get_buffer, grouped_swiglu_ffn, moe  # noqa: E402
 from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
@@ -70,17 +74,10 @@ from ditron_ep.runtime import kernels_interpreted  # noqa: E402
 
 BENCH = "moe_layer"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down) with rows = the (token, k) rows of the busiest "
-             "rank (most received rows); TFLOP/s = those FLOPs / median of the slowest rank's per-iteration "
-             "time, per GPU (SwiGLU, permutes and communication are not counted).")
 FLOOR_RULE = ("floor = max(compute, memory); compute = fastest gate-up + fastest down among the gemm refs "
               "(slowest rank, its own rows); memory = (E_local*(H*2I + I*H) weight elements + 2*rows*H "
               "activation elements (expert input rows read, output rows written; busiest rank)) * element size "
               "/ HBM bandwidth of a device-to-device copy (read + write bytes) measured in this run.")
-BASELINE_NOTE = ("torch-native: sort (token, k) by expert, per-expert counts all_to_all_single + one host read "
-                 "(INSIDE the timed region), NCCL all_to_all_single, expert-major permute, torch._grouped_mm "
-                 "gate-up, silu*up, torch._grouped_mm down, permute back, reverse all_to_all_single, "
-                 "index_select + bmm combine.")
 # Issue targets (printed beside, never asserted): T -> (min speedup vs torch-native, max ratio to standalone).
 TARGETS: dict[int, tuple[float, float | None]] = {4096: (1.8, 1.15), 128: (2.5, None)}
 TARGET_NOTE = ("targets (issue; bf16, H=7168, I=2048, E=64, top-8, uniform): T=4096 ours >= 1.8x faster than "
@@ -150,108 +147,14 @@ class Config:
         return max(self.rows)
 
 
-@dataclass
-class Weights:
-    w1: torch.Tensor           # [E_local, H, 2I] row-major
-    w2: torch.Tensor           # [E_local, I, H] row-major
-    col_major: dict[str, torch.Tensor] = field(default_factory=dict)  # same values, column-major views
-
-    def layout(self, name: str, col: bool) -> torch.Tensor:
-        """`name` ("w1" or "w2") row-major, or column-major (a transposed view of [E, N, K] storage)."""
-        w = getattr(self, name)
-        if not col:
-            return w
-        if name not in self.col_major:
-            self.col_major[name] = w.transpose(1, 2).contiguous().transpose(1, 2)
-        return self.col_major[name]
-
-
-def make_weights(ctx: Ctx) -> Weights:
-    a = ctx.args
-    e_local = a.experts // ctx.world
-    gen = torch.Generator(device=ctx.device).manual_seed(a.seed * 1000 + 700 + ctx.rank)
-
-    def randn(*shape: int, scale: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=ctx.device) * scale).to(ctx.dtype)
-
-    return Weights(w1=randn(e_local, a.hidden, 2 * a.inter, scale=a.hidden**-0.5),
-                   w2=randn(e_local, a.inter, a.hidden, scale=a.inter**-0.5))
-
-
 def make_config(ctx: Ctx, T: int, routing: str) -> Config:
     """This rank's tokens and routing (dispatch_combine's seeds), and every rank's received row count."""
     a, W = ctx.args, ctx.world
-    inp = make_inputs(ctx, T, a.experts, routing)
+    inp = make_inputs(ctx, T, a.experts, a.topk, a.hidden, routing)
     spec = {"tokens": T, "hidden": a.hidden, "inter": a.inter, "experts": a.experts, "topk": a.topk,
             "routing": routing, "dtype": str(ctx.dtype).removeprefix("torch."), "world": W}
     return Config(label=f"T{T} {routing}", spec=spec, x=inp.x, idx=inp.idx, w=inp.w,
                   rows=[inp.rows_received(r) for r in range(W)])
-
-
-def gemm_flops(ctx: Ctx, rows: int) -> tuple[float, float]:
-    """(gate-up, down) FLOPs of `rows` expert rows."""
-    a = ctx.args
-    return 2.0 * rows * a.hidden * 2 * a.inter, 2.0 * rows * a.inter * a.hidden
-
-
-# ============================================================================ torch-native pipeline
-def torch_experts(x_rows: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  loop_offsets: list[int] | None) -> torch.Tensor:
-    """SwiGLU FFN of every local expert over expert-major rows [rows, H] -> [rows, H].
-
-    offs: int32 [E_local] cumulative row ends (torch._grouped_mm). loop_offsets: None to use
-    torch._grouped_mm; else the host row offsets [E_local + 1] of a per-expert torch.matmul loop
-    (the fallback where torch._grouped_mm is unsupported).
-    """
-    inter = w2.shape[1]
-    if loop_offsets is None:
-        g = torch._grouped_mm(x_rows, w1, offs=offs)                  # [rows, 2I]
-        return torch._grouped_mm(F.silu(g[:, :inter]) * g[:, inter:], w2, offs=offs)   # [rows, H]
-    y = x_rows.new_empty(x_rows.shape[0], w2.shape[2])
-    for e in range(w1.shape[0]):
-        lo, hi = loop_offsets[e], loop_offsets[e + 1]
-        if hi > lo:
-            g = x_rows[lo:hi] @ w1[e]
-            torch.matmul(F.silu(g[:, :inter]) * g[:, inter:], w2[e], out=y[lo:hi])
-    return y
-
-
-def torch_native_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     grouped: bool) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * FFN_{idx[t,k]}(x[t]) with NCCL all_to_all_single and torch ops only.
-
-    x [T, H]; idx int64 [T, K] (no dropped slots); w fp32 [T, K]; w1 / w2 this rank's experts.
-    """
-    T, K = idx.shape
-    H, e_local = x.shape[1], w1.shape[0]
-    W = dist.get_world_size()
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)                  # (token, k) pairs by destination expert
-    send_x = x.index_select(0, order // K)                    # [T*K, H], one copy per (token, expert)
-    counts = torch.zeros(e_local * W, dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))                       # [W * E_local] rows per destination expert (no sync)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts)               # [W * E_local]: source rank s, local expert e
-    host = torch.stack([counts, recv_counts]).view(2, W, e_local).cpu()   # the one host read
-    send_splits, recv_splits = host[0].sum(1).tolist(), host[1].sum(1).tolist()
-    rows = sum(recv_splits)
-    recv_x = x.new_empty(rows, H)
-    dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits)
-    # Source-major -> expert-major; stable, so within an expert rows stay in (source rank, token) order.
-    expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=x.device).repeat(W), recv_counts,
-                                            output_size=rows)
-    perm = torch.argsort(expert_of_row, stable=True)
-    per_expert = recv_counts.view(W, e_local).sum(0)
-    offs = per_expert.cumsum(0).to(torch.int32)
-    loop_offsets = None if grouped else [0, *host[1].sum(0).cumsum(0).tolist()]
-    y_e = torch_experts(recv_x.index_select(0, perm), offs, w1, w2, loop_offsets)
-    y_r = torch.empty_like(y_e).index_copy_(0, perm, y_e)    # back to the received (source-major) order
-    back = x.new_empty(T * K, H)
-    dist.all_to_all_single(back, y_r, send_splits, recv_splits)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(T * K, device=x.device)
-    rows_tk = back.index_select(0, inv).view(T, K, H)          # [T, K, H] in (token, k) order
-    return torch.bmm(w.to(x.dtype).unsqueeze(1), rows_tk).squeeze(1)   # [T, H]
 
 
 # ============================================================================ results
@@ -367,26 +270,12 @@ def measure_hbm(ctx: Ctx) -> float | None:
     return bw
 
 
-def probe_grouped_mm(ctx: Ctx, recv_x: torch.Tensor, offs: torch.Tensor, wts: Weights) -> str | None:
-    """None if torch._grouped_mm runs on this data on every rank, else why not (agreed by all ranks)."""
-    def run() -> None:
-        torch_experts(recv_x, offs, wts.w1, wts.w2, None)
-        if ctx.on_cuda:
-            torch.cuda.synchronize(ctx.device)
-
-    try:
-        guarded(ctx, "torch._grouped_mm probe", run)
-        return None
-    except StageFailed as exc:
-        return str(exc)
-
-
 def gemm_refs(ctx: Ctx, cfg: Config, recv_x: torch.Tensor, offs: torch.Tensor, host_off: list[int], wts: Weights,
               grouped: bool) -> tuple[dict[str, dict[str, Any]], dict[str, bool]]:
     """Time gate-up and down alone on this rank's rows; return the best entry per GEMM and, per
     GEMM, whether column-major weights were the faster _grouped_mm layout."""
     inter = ctx.args.inter
-    fl_gu, fl_dn = gemm_flops(ctx, cfg.rows_max)
+    fl_gu, fl_dn = gemm_flops(cfg.rows_max, ctx.args.hidden, ctx.args.inter)
     state: dict[str, torch.Tensor] = {}
 
     def make_h() -> None:
@@ -453,7 +342,7 @@ def compute_floor(ctx: Ctx, cfg: Config, best: dict[str, dict[str, Any]], hbm: f
     act_bytes = 2 * cfg.rows_max * a.hidden * elt
     memory_ms = (weight_bytes + act_bytes) / hbm * 1e3 if hbm else None
     floor_ms = max(compute_ms, memory_ms or 0.0)
-    fl = sum(gemm_flops(ctx, cfg.rows_max))
+    fl = sum(gemm_flops(cfg.rows_max, ctx.args.hidden, ctx.args.inter))
     floor = {"floor_ms": floor_ms, "compute_ms": compute_ms, "memory_ms": memory_ms, "weight_bytes": weight_bytes,
              "activation_bytes": act_bytes, "hbm_bytes_per_s": hbm, "rows_max": cfg.rows_max,
              "gate_up_impl": best["gate-up"]["impl"], "down_impl": best["down"]["impl"],
@@ -468,7 +357,7 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
     a = ctx.args
     cfg = guarded(ctx, "inputs", lambda: make_config(ctx, T, routing))
     ctx.payload["configs"].append({"label": cfg.label, "spec": cfg.spec, "rows_per_rank": cfg.rows})
-    fl = sum(gemm_flops(ctx, cfg.rows_max))
+    fl = sum(gemm_flops(cfg.rows_max, ctx.args.hidden, ctx.args.inter))
     log(f"  rows per rank {cfg.rows} (busiest {cfg.rows_max}); expert FLOPs of the busiest rank {fl:.3e}")
     E = a.experts
     # A buffer sized for this T (the functional cache's first-use sizing), as a layer of this T would have.
@@ -574,15 +463,9 @@ def check_outputs(ctx: Ctx, outs: dict[str, torch.Tensor]) -> dict[str, str]:
     have = [S for S in SCHEDULES if S in outs]  # the same on every rank: each stage's failure was agreed
     if "torch" not in outs:
         return {S: "n/a (torch-native failed)" for S in SCHEDULES}
-    ref = outs["torch"].float()
-    vals = [(outs[S].float() - ref).abs().max().item() if ref.numel() else 0.0 for S in have]
-    vec = ctx.coll_tensor([ref.abs().max().item() if ref.numel() else 0.0, *vals])
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX)
-    scale = max(vec[0].item(), 1e-30)
     res: dict[str, str] = {}
     worst = 0.0
-    for S, v in zip(have, vec[1:].tolist()):
-        rel = v / scale
+    for S, rel in relative_errors(ctx, outs["torch"], {S: outs[S] for S in have}).items():
         worst = max(worst, rel)
         res[S] = f"{'ok' if rel <= rtol else 'FAIL'} rel {rel:.1e}"
         log(f"  check moe(schedule={S!r}) vs torch-native: max|diff|/max|ref| = {rel:.2e} (rtol {rtol:g}): "
@@ -599,7 +482,7 @@ def sweep(ctx: Ctx) -> None:
     log("  measuring memory bandwidth")
     hbm = measure_hbm(ctx)
     ctx.payload["hbm_bytes_per_s"] = hbm
-    wts = guarded(ctx, "weights", lambda: make_weights(ctx))
+    wts = guarded(ctx, "weights", lambda: make_weights(ctx, a.experts, a.hidden, a.inter))
     log(f"  weights per rank: w1 {tuple(wts.w1.shape)}, w2 {tuple(wts.w2.shape)} "
         f"({(wts.w1.numel() + wts.w2.numel()) * ctx.elt / 2**20:.0f} MiB)")
     ctx.save()
@@ -647,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": str(dtype).removeprefix("torch."), "schedules": list(SCHEDULES), "flop_rule": FLOP_RULE,
         "floor_rule": FLOOR_RULE, "baseline": BASELINE_NOTE, "targets": TARGET_NOTE, "args": vars(args),
         "status": "running", "hbm_bytes_per_s": None, "configs": [], "results": [], "skipped": []}
-    ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=dtype, t0=t0, payload=payload,
+    ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=dtype, seed=args.seed, t0=t0, payload=payload,
               json_path=json_path)
     log(f"ditron_ep {BENCH}: {world} ranks on {info['name']} ({device.type}), torch {info['torch']}, "
         f"triton {info['triton']}, commit {payload['commit'][:12]}{' (dirty)' if payload['commit_dirty'] else ''}, "

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -147,9 +148,11 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                        help=f"benchmarks to run, from {' '.join(names)} (default: all)")
     bench.add_argument("--tokens", nargs="+", type=_positive_int, default=None, metavar="T",
                        help="tokens per rank, one config each (default: each benchmark's, per backend)")
-    for flag, what in (("--hidden", "hidden size H"), ("--experts", "experts E in all, a multiple of the ranks"),
-                       ("--topk", "experts per token K"), ("--inter", "expert FFN width I (moe)")):
-        bench.add_argument(flag, type=_positive_int, default=None, metavar=flag[2].upper(),
+    for flag, metavar, what in (("--hidden", "H", "hidden size"),
+                                ("--experts", "E", "experts in all, a multiple of the ranks"),
+                                ("--topk", "K", "experts per token"),
+                                ("--inter", "I", "expert FFN width (moe)")):
+        bench.add_argument(flag, type=_positive_int, default=None, metavar=metavar,
                            help=f"{what} (default: each benchmark's, per backend)")
     bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                        help="token and weight dtype (default fp32 on emulated ranks, bf16 on GPUs; moe "
@@ -255,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         return cmd_check(args)
     except DitronConfigError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {exc}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_USAGE
 
 
@@ -653,7 +656,8 @@ def run_emulated_bench(world_size: int, requests: Sequence["BenchRequest"]) -> "
             with follow(events, update):
                 return cluster.run(run_requests, requests, "emulated", FileSink(events))[0]
         except RankError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {exc}", highlight=False)
+            Console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {escape(str(exc))}",
+                                       highlight=False)
             return None
         finally:
             cluster.shutdown()
@@ -690,8 +694,8 @@ def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["R
     print_report(doc, console)
     if args.json is not None:
         write_json(doc, args.json)
-        console.print(f"wrote {args.json}", highlight=False)
+        console.print(f"wrote {args.json}", markup=False, highlight=False)
     if args.plot is not None:
         plot(doc, args.plot)
-        console.print(f"wrote {args.plot}", highlight=False)
+        console.print(f"wrote {args.plot}", markup=False, highlight=False)
     return exit_status(rows)

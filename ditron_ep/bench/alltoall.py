@@ -19,7 +19,8 @@ import torch.distributed as dist
 from .ranks import RankContext
 
 
-def gather_routing(ctx: RankContext, idx: torch.Tensor, w: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def gather_routing(ctx: RankContext, idx: torch.Tensor,
+                   w: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every rank's topk_idx and topk_weights, on the CPU (collective; same T on every rank)."""
     idx_all = [torch.empty_like(idx) for _ in range(ctx.world)]
     w_all = [torch.empty_like(w) for _ in range(ctx.world)]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -99,10 +100,10 @@ def _num(v: float | None) -> str:
 
 def header(meta: dict[str, Any]) -> Text:
     dirty = " (dirty)" if meta["commit_dirty"] else ""
-    text = Text.from_markup(
-        f"[bold]ditron_ep bench[/] — device {meta['device']} · world size {meta['world_size']} · backend "
-        f"{meta['backend']} ({meta['collectives']})\ncommit {meta['commit'][:12]}{dirty} · torch {meta['torch']} · "
-        f"triton {meta['triton']} · ditron_ep {meta['ditron_ep']} · {meta['date']}")
+    text = Text("ditron_ep bench", style="bold")
+    text.append(f" — device {meta['device']} · world size {meta['world_size']} · backend {meta['backend']} "
+                f"({meta['collectives']})\ncommit {meta['commit'][:12]}{dirty} · torch {meta['torch']} · "
+                f"triton {meta['triton']} · ditron_ep {meta['ditron_ep']} · {meta['date']}")
     if meta["not_performance"]:
         text.append("\n" + meta["not_performance"], style="bold yellow")
     return text
@@ -114,25 +115,25 @@ def build_tables(doc: dict[str, Any]) -> Group:
     for name, b in doc["benchmarks"].items():
         s = b["shape"]
         shape = f"H={s['hidden']} E={s['experts']} K={s['topk']}" + (f" I={s['inter']}" if s["inter"] else "")
-        table = Table(title=f"{name} — {b['description']}; {shape}, {b['dtype']}, {b['iters']} iterations "
-                            f"after {b['warmup']} warm-up", title_justify="left")
+        table = Table(title=escape(f"{name} — {b['description']}; {shape}, {b['dtype']}, {b['iters']} iterations "
+                                   f"after {b['warmup']} warm-up"), title_justify="left")
         table.add_column("tokens", justify="right")
         table.add_column("impl", no_wrap=True)
         table.add_column("kind")
         for col in ("median µs", "p20 µs", "p80 µs", b["metric"]):
             table.add_column(col, justify="right")
         for base in b["baselines"]:
-            table.add_column(f"vs {base}", justify="right")
-        table.add_column("check", overflow="fold")
+            table.add_column(f"speedup vs\n{base}", justify="right")
+        table.add_column("check", overflow="fold", min_width=24)  # "ok: 3.0e-07 <= rtol 1e-05"
         rows = [r for r in doc["rows"] if r["bench"] == name]
         for i, r in enumerate(rows):
-            speedups = [(_num(r["speedups"][base]) + "×" if base in r["speedups"] else "—") for base in b["baselines"]]
+            speedups = [_num(r["speedups"][b_]) + "×" if b_ in r["speedups"] else "—" for b_ in b["baselines"]]
             if r["error"]:
-                check = f"[bold red]ERROR[/] {r['error']}"
+                check = f"[bold red]ERROR[/] {escape(r['error'])}"
             elif not r["ok"]:
-                check = f"[bold red]{r['check'] or 'FAIL'}[/]"
+                check = f"[bold red]{escape(r['check'] or 'FAIL')}[/]"
             else:
-                check = f"[green]{r['check']}[/]" if r["kind"] == "ours" else r["check"]
+                check = f"[green]{escape(r['check'])}[/]" if r["kind"] == "ours" else escape(r["check"])
             last = i + 1 == len(rows) or rows[i + 1]["tokens"] != r["tokens"]
             table.add_row(str(r["tokens"]), r["impl"], r["kind"], _num(r["median_us"]), _num(r["p20_us"]),
                           _num(r["p80_us"]), _num(r["metric_value"]), *speedups, check, end_section=last)
@@ -140,9 +141,12 @@ def build_tables(doc: dict[str, Any]) -> Group:
     failed = sum(not r["ok"] for r in doc["rows"])
     status = "[bold green]OK[/]" if doc["ok"] else "[bold red]FAILED[/]"
     notes = [f"{status}: {len(doc['rows']) - failed}/{len(doc['rows'])} rows measured and checked in "
-             f"{doc['meta']['wall_s']} s. Times: slowest rank per iteration; vs X = X's median / this median."]
+             f"{doc['meta']['wall_s']} s. Times: slowest rank per iteration; speedup vs X = X's median / this "
+             f"median."]
     for metric, rule in {b["metric"]: b["work_rule"] for b in doc["benchmarks"].values()}.items():
         notes.append(f"{metric}: {rule}")
+    for name, b in doc["benchmarks"].items():
+        notes.append(f"check ({name}): {b['check_rule']}")
     parts.append(Text.from_markup("\n".join(notes)))
     return Group(*parts)
 
@@ -151,7 +155,8 @@ def print_report(doc: dict[str, Any], console: Console) -> None:
     console.print(build_tables(doc))
     for r in doc["rows"]:
         if not r["ok"]:
-            console.print(f"[bold red]FAIL[/] {r['bench']} T={r['tokens']} {r['impl']}: {r['error'] or r['check']}",
+            console.print(f"[bold red]FAIL[/] {r['bench']} T={r['tokens']} {r['impl']}: "
+                          f"{escape(r['error'] or r['check'])}",
                           highlight=False)
 
 
@@ -171,7 +176,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     from matplotlib.figure import Figure
 
     names = list(doc["benchmarks"])
-    fig = Figure(figsize=(5.5 * len(names), 4.6), layout="constrained")
+    fig = Figure(figsize=(max(5.5 * len(names), 7.0), 5.0), layout="constrained")
     axes = fig.subplots(1, len(names), squeeze=False)[0]
     for ax, name in zip(axes, names):
         b = doc["benchmarks"][name]
@@ -189,14 +194,17 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{name}: H={s['hidden']} E={s['experts']} K={s['topk']}"
                      + (f" I={s['inter']}" if s["inter"] else "") + f", {b['dtype']}", fontsize=10)
         ax.set_xscale("log", base=2)
+        tokens = sorted({r["tokens"] for r in doc["rows"] if r["bench"] == name})
+        ax.set_xticks(tokens, labels=[str(t) for t in tokens], minor=False)
+        ax.set_xticks([], minor=True)
         ax.set_yscale("log")
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("time per call, µs (median, bars p20–p80)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     m = doc["meta"]
-    title = (f"ditron_ep bench — {m['device']} ×{m['world_size']} ({m['collectives']}), commit {m['commit'][:12]}, "
-             f"{m['date'][:10]}")
+    title = (f"ditron_ep bench — {m['device']} ×{m['world_size']} ({m['collectives']})\n"
+             f"commit {m['commit'][:12]}, {m['date'][:10]}")
     if m["not_performance"]:
         title += "\n" + m["not_performance"]
     fig.suptitle(title, fontsize=11)

@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .progress import ProgressFn
 from .ranks import Fatal, StageFailed
 from .registry import BENCHMARKS
 from .spec import DTYPES, BenchContext, Benchmark, BenchRequest, Measurement, Row
 from .timing import gbps, summarize, tflops
-from .progress import ProgressFn
 
 
 def iterations(requests: Sequence[BenchRequest]) -> int:

@@ -14,13 +14,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
 from ..runtime import DitronConfigError
 from .ranks import RankContext, StageFailed, guarded
 from .timing import time_fn
+
+if TYPE_CHECKING:
+    from ..ops import EPBuffer
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("ours", "baseline")
@@ -93,10 +96,10 @@ class Row:
         return asdict(self)
 
 
-def tolerance_check(rel: float, rtol: float, against: str) -> tuple[str, bool]:
+def tolerance_check(rel: float, rtol: float) -> tuple[str, bool]:
     """(check text, verdict) of a relative error (ranks.relative_errors) against `rtol`."""
     ok = rel <= rtol
-    return f"{'ok' if ok else 'FAIL'} rel {rel:.1e} vs {against} (rtol {rtol:g})", ok
+    return f"{'ok' if ok else 'FAIL'}: {rel:.1e} {'<=' if ok else '>'} rtol {rtol:g}", ok
 
 
 @dataclass(kw_only=True)
@@ -110,7 +113,7 @@ class BenchContext(RankContext):
     def shape(self) -> Shape:
         return self.request.shape
 
-    def time(self, impl: str, fn: Callable[[], object], buf: Any = None) -> list[float]:
+    def time(self, impl: str, fn: Callable[[], object], buf: "EPBuffer | None" = None) -> list[float]:
         """Time `fn` on every rank (timing.time_fn under torch.no_grad); StageFailed on every rank
         if it failed on any (the EP heap `buf` is reset then)."""
         req = self.request
@@ -128,7 +131,7 @@ class BenchContext(RankContext):
         return guarded(self, impl, timed, buf)
 
     def measure(self, impl: str, fn: Callable[[], object], work: float | None, check: str, ok: bool,
-                buf: Any = None) -> Measurement:
+                buf: "EPBuffer | None" = None) -> Measurement:
         """`time` `impl` into a Measurement with its check verdict, or with the agreed error."""
         try:
             return Measurement(impl, self.time(impl, fn, buf), work, check, ok)
@@ -140,8 +143,8 @@ class BenchContext(RankContext):
 class Benchmark:
     """A registry entry. `run(ctx, tokens)` is called on every rank with the same arguments and
     returns one Measurement per name in `impls` (ours first, then the baselines); the first
-    baseline is the one `speedup` is against. `dtypes`: backend -> the dtypes it runs in, the
-    first being the default."""
+    baseline is the one `speedup` is against. `dtypes`: backend -> the dtypes it can run in (an
+    error for another suggests the first)."""
     name: str
     description: str
     ours: tuple[str, ...]
@@ -167,7 +170,7 @@ class Benchmark:
         ranks of `backend`."""
         if shape.experts % world_size:
             raise DitronConfigError(f"{self.name}: --experts {shape.experts} is not a multiple of the "
-                                    f"world size {world_size}")
+                                    f"world size {world_size}; pass --experts k*{world_size}")
         if shape.topk > shape.experts:
             raise DitronConfigError(f"{self.name}: --topk {shape.topk} exceeds --experts {shape.experts}")
         allowed = self.dtypes[backend]

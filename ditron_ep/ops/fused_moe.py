@@ -77,7 +77,12 @@ class FusedMoE:
         self.device = self.heap.device
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Local counters the kernel expects at zero ("reset: layout launch" in the plan).
-        self._local_counters = [f for f in dev.signals if f.kind == "counter" and f.scope == "local"]
+        self._zero_ranges: list[tuple[int, int]] = []  # adjacent families merged: one fill each
+        for f in sorted((f for f in dev.signals if f.kind == "counter" and f.scope == "local"), key=lambda f: f.first):
+            if self._zero_ranges and self._zero_ranges[-1][1] == f.first:
+                self._zero_ranges[-1] = (self._zero_ranges[-1][0], f.first + f.count)
+            else:
+                self._zero_ranges.append((f.first, f.first + f.count))
         self._clock = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.last_trace: torch.Tensor | None = None
         self.last_timer: torch.Tensor | None = None
@@ -103,9 +108,10 @@ class FusedMoE:
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout, tile_rows=bm,
                                tiles=h.local_view("gemm/tiles"))
-        for fam in self._local_counters:
-            h.signals[fam.first:fam.first + fam.count].zero_()
-        self._clock.zero_()
+        for lo, hi in self._zero_ranges:
+            h.signals[lo:hi].zero_()
+        if trace:
+            self._clock.zero_()
         nt = dev.num_tasks
         trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
         timer = TIMER_NONE if not trace or self.device.type != "cuda" else (

@@ -1,0 +1,275 @@
+"""`python -m ditron_ep bench`: a real run on 2 emulated ranks (exit code, JSON schema, table,
+plot), bad arguments, the missing-matplotlib error, and the verdict logic on fabricated results.
+
+One real run (every benchmark, two token counts, one timed iteration) serves the schema, table
+and plot tests; everything else runs no ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from ditron_ep import cli
+from ditron_ep.bench import report
+from ditron_ep.bench.alltoall import AllToAll
+from ditron_ep.bench.ranks import RankContext
+from ditron_ep.bench.registry import BENCHMARKS
+from ditron_ep.bench.runner import build_rows
+from ditron_ep.bench.spec import BenchRequest, Measurement, Row, Shape
+from ditron_ep.determinism import make_routing
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENS = (3, 8)
+ROW_KEYS = {f.name for f in dataclasses.fields(Row)}
+META_KEYS = {"ditron_ep", "date", "commit", "commit_dirty", "backend", "collectives", "world_size", "device",
+             "device_kind", "torch", "triton", "python", "host", "timer", "not_performance", "wall_s"}
+BENCH_KEYS = {"description", "ours", "baselines", "metric", "work_rule", "check_rule", "shape", "tokens", "dtype",
+              "iters", "warmup", "routing"}
+
+
+def _has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One `bench` of every benchmark on 2 emulated ranks: its exit status, JSON and plot."""
+    out = tmp_path_factory.mktemp("bench")
+    argv = ["bench", "--world-size", "2", "--tokens", *map(str, reversed(TOKENS)), "--iters", "1", "--warmup", "0",
+            "--json", str(out / "sub" / "bench.json")]
+    if _has_matplotlib():
+        argv += ["--plot", str(out / "bench.png")]
+    status = cli.main(argv)
+    return {"status": status, "doc": json.loads((out / "sub" / "bench.json").read_text()), "png": out / "bench.png"}
+
+
+# ----------------------------------------------------------------------------- a real run
+def test_every_benchmark_runs_and_passes(run: dict) -> None:
+    doc = run["doc"]
+    failed = [(r["bench"], r["impl"], r["tokens"], r["error"] or r["check"]) for r in doc["rows"] if not r["ok"]]
+    assert run["status"] == 0 and doc["ok"] is True, failed
+
+
+def test_json_schema(run: dict) -> None:
+    doc = run["doc"]
+    assert set(doc) == {"schema", "ok", "meta", "benchmarks", "rows"} and doc["schema"] == report.SCHEMA
+    json.loads(json.dumps(doc, allow_nan=False))
+    meta = doc["meta"]
+    assert set(meta) == META_KEYS
+    assert meta["backend"] == "emulated" and meta["collectives"] == "gloo" and meta["world_size"] == 2
+    assert meta["device_kind"] == "cpu" and meta["not_performance"] == report.CPU_NOTE
+    assert isinstance(meta["commit"], str) and meta["commit"] and isinstance(meta["wall_s"], float)
+    assert list(doc["benchmarks"]) == list(BENCHMARKS)
+    for name, b in doc["benchmarks"].items():
+        assert set(b) == BENCH_KEYS
+        assert b["ours"] == list(BENCHMARKS[name].ours) and b["baselines"] == list(BENCHMARKS[name].baselines)
+        assert b["tokens"] == list(TOKENS) and b["dtype"] == "fp32" and (b["iters"], b["warmup"]) == (1, 0)
+        assert b["metric"] == ("TFLOP/s" if name == "moe" else "GB/s")
+    keys = [(r["bench"], r["impl"], r["tokens"]) for r in doc["rows"]]
+    assert len(keys) == len(set(keys)) == sum(len(BENCHMARKS[n].impls) * len(TOKENS) for n in BENCHMARKS)
+    assert set(keys) == {(n, i, t) for n, b in BENCHMARKS.items() for i in b.impls for t in TOKENS}
+    for r in doc["rows"]:
+        assert set(r) == ROW_KEYS
+        b = doc["benchmarks"][r["bench"]]
+        assert r["kind"] == ("ours" if r["impl"] in b["ours"] else "baseline")
+        assert (r["hidden"], r["experts"], r["topk"], r["inter"]) == tuple(b["shape"].values())
+        assert r["world_size"] == 2 and r["dtype"] == "fp32" and r["iters"] == 1 and r["metric"] == b["metric"]
+        assert all(isinstance(r[k], float) and r[k] > 0 for k in ("median_us", "p20_us", "p80_us", "metric_value"))
+        assert r["p20_us"] <= r["median_us"] <= r["p80_us"]
+        assert r["ok"] is True and r["error"] is None and isinstance(r["check"], str) and r["check"]
+        if r["kind"] == "ours":
+            assert r["baseline"] == b["baselines"][0] and set(r["speedups"]) == set(b["baselines"])
+            assert r["speedup"] == r["speedups"][r["baseline"]] > 0
+            assert r["speedup"] == pytest.approx(_median(doc, r, r["baseline"]) / r["median_us"])
+        else:
+            assert r["baseline"] is None and r["speedup"] is None and r["speedups"] == {}
+    checks = {(r["bench"], r["impl"]): r["check"] for r in doc["rows"]}
+    assert checks[("dispatch", "dispatch kernel")] == checks[("dispatch", "EPBuffer.dispatch")] == "ok: bit-exact"
+    assert checks[("combine", "EPBuffer.combine")].startswith("ok: ")
+    overlap = checks[("moe", "moe overlap")]
+    assert overlap.startswith("ok: ") and overlap.endswith(" <= rtol 1e-05")
+    assert checks[("dispatch", "all_to_all_single")] == checks[("moe", "torch-native")] == "reference"
+
+
+def _median(doc: dict, row: dict, impl: str) -> float:
+    (other,) = [r for r in doc["rows"] if (r["bench"], r["impl"], r["tokens"]) == (row["bench"], impl, row["tokens"])]
+    return other["median_us"]
+
+
+def test_table(run: dict) -> None:
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(report.build_tables(run["doc"]))
+    text = console.export_text()
+    assert report.CPU_NOTE in text and "world size 2" in text and run["doc"]["meta"]["commit"][:12] in text
+    for name, b in BENCHMARKS.items():
+        assert all(impl in text for impl in b.impls) and b.baselines[0] in text
+    assert "median µs" in text and "p20 µs" in text and "GB/s" in text and "TFLOP/s" in text
+    assert f"OK: {len(run['doc']['rows'])}/{len(run['doc']['rows'])} rows" in text
+
+
+@pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib not installed (pip install 'ditron_ep[plot]')")
+def test_plot_is_written(run: dict) -> None:
+    assert run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_under_torchrun_rank_0_reports(tmp_path: Path) -> None:
+    """The launched-ranks path (as on GPUs), here with gloo ranks that torchrun starts."""
+    path = tmp_path / "torchrun.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "ditron_ep", "bench", "--bench", "dispatch", "--tokens", "4", "--iters", "1",
+                           "--warmup", "0", "--json", str(path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads(path.read_text())
+    assert doc["ok"] is True and doc["meta"]["world_size"] == 2 and doc["meta"]["collectives"] == "gloo"
+    assert [(r["impl"], r["tokens"]) for r in doc["rows"]] == [(i, 4) for i in BENCHMARKS["dispatch"].impls]
+    assert done.stdout.count("ditron_ep bench") == 1, "only rank 0 prints the report"
+
+
+# ----------------------------------------------------------------------------- bad arguments
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "0"], "must be a positive integer, got 0"),
+    (["--iters", "x"], "must be a positive integer, got 'x'"),
+    (["--warmup", "-1"], "must be a non-negative integer, got -1"),
+    (["--bench", "gemm"], "invalid choice: 'gemm'"),
+    (["--backend", "nccl"], "invalid choice: 'nccl'"),
+    (["--world-size", "4", "--experts", "6"], "--experts 6 is not a multiple of the world size 4"),
+    (["--world-size", "3"], "--experts 8 is not a multiple of the world size 3"),
+    (["--topk", "9"], "--topk 9 exceeds --experts 8"),
+    (["--dtype", "bf16"], "moe on emulated ranks runs in fp32 only, not bf16"),
+    (["--backend", "torch"], "torchrun --nproc-per-node N -m ditron_ep bench --backend torch"),
+], ids=["tokens0", "iters-text", "warmup-neg", "bench", "backend", "experts", "world3", "topk", "bf16-moe", "torch"])
+def test_bad_arguments_exit_2_before_any_rank_starts(argv: list[str], message: str, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(cli, "run_emulated_bench", _no_ranks)
+    assert cli.main(["bench", *argv]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())  # rich wraps at 80 columns
+
+
+def _no_ranks(*args, **kwargs):
+    raise AssertionError("ranks started despite bad arguments")
+
+
+def test_requests_from_arguments(monkeypatch) -> None:
+    seen: list[BenchRequest] = []
+
+    def ranks_that_fail(world: int, requests: list[BenchRequest]) -> None:
+        seen.extend(requests)
+        return None  # as when the ranks could not start: exit 1
+
+    monkeypatch.setattr(cli, "run_emulated_bench", ranks_that_fail)
+    assert cli.main(["bench", "--dtype", "bf16", "--bench", "dispatch", "combine", "dispatch", "--tokens", "16", "4",
+                     "16", "--hidden", "32"]) == 1
+    assert [(r.bench, r.dtype, r.tokens, r.shape) for r in seen] == [
+        (name, "bf16", (4, 16), Shape(hidden=32, experts=8, topk=2)) for name in ("dispatch", "combine")]
+    assert (seen[0].iters, seen[0].warmup) == (3, 1)
+
+
+def test_world_size_must_match_torchrun(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert cli.main(["bench", "--world-size", "2"]) == 2
+    assert "torchrun launched 4 ranks" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_exits_2_before_running(monkeypatch, tmp_path: Path, capsys) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
+    monkeypatch.setattr(cli, "run_emulated_bench", _no_ranks)
+    assert cli.main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "--plot needs matplotlib" in err and "pip install 'ditron_ep[plot]'" in err
+    assert not (tmp_path / "p.png").exists()
+
+
+# ----------------------------------------------------------------------------- verdict (pure)
+REQUEST = BenchRequest("moe", Shape(64, 8, 2, 32), (16,), "fp32", iters=3, warmup=1)
+
+
+def _measured(check_ok: bool = True, drop: str | None = None) -> list[Measurement]:
+    times = {"moe overlap": 200.0, "moe sequential": 300.0, "moe staged": 100.0, "torch-native": 400.0,
+             "grouped GEMM alone": 50.0}
+    out = [Measurement(i, [t * 0.9, t, t * 1.2], 1e9, "ok: 1.0e-07 <= rtol 1e-05", True)
+           for i, t in times.items() if i != drop]
+    if not check_ok:
+        out[0] = dataclasses.replace(out[0], check="FAIL: 5.0e-01 > rtol 1e-05", ok=False)
+    return out
+
+
+def test_rows_speedups_and_metric() -> None:
+    rows = build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured())
+    by = {r.impl: r for r in rows}
+    assert [r.impl for r in rows] == list(BENCHMARKS["moe"].impls)
+    assert by["moe overlap"].speedup == pytest.approx(2.0) and by["moe overlap"].baseline == "torch-native"
+    assert by["moe staged"].speedups == pytest.approx({"torch-native": 4.0, "grouped GEMM alone": 0.5})
+    assert by["torch-native"].speedup is None and by["torch-native"].kind == "baseline"
+    assert by["moe overlap"].metric_value == pytest.approx(1e9 / 200e-6 / 1e12)
+    assert (by["moe overlap"].p20_us, by["moe overlap"].p80_us) == pytest.approx((188.0, 224.0))  # interpolated
+    assert report.exit_status(rows) == 0
+
+
+def test_failed_check_and_missing_result_fail_the_run() -> None:
+    rows = build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured(check_ok=False, drop="moe staged"))
+    by = {r.impl: r for r in rows}
+    assert not by["moe overlap"].ok and by["moe overlap"].median_us == 200.0, "measured, but its check failed"
+    assert not by["moe staged"].ok and "returned no result" in by["moe staged"].error
+    assert by["moe sequential"].ok
+    assert report.exit_status(rows) == 1 and report.exit_status([]) == 1
+
+
+def test_main_exits_1_and_reports_a_failed_check(monkeypatch, tmp_path: Path, capsys) -> None:
+    rows = build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured(check_ok=False))
+    monkeypatch.setattr(cli, "run_emulated_bench", lambda world, requests: rows)
+    path = tmp_path / "fail.json"
+    assert cli.main(["bench", "--bench", "moe", "--json", str(path)]) == 1
+    doc = json.loads(path.read_text())
+    assert doc["ok"] is False and [r["ok"] for r in doc["rows"]] == [False, True, True, True, True]
+    out = capsys.readouterr().out
+    assert "FAIL moe T=16 moe overlap: FAIL: 5.0e-01 > rtol 1e-05" in " ".join(out.split())
+    assert "FAILED: 4/5 rows" in out
+
+
+# ----------------------------------------------------------------------------- the baseline's reference
+def _exchange(plans: list[AllToAll], reverse: bool) -> None:
+    """all_to_all_single among `plans` without a process group: rank r receives, in source-rank
+    order, the slice each other rank's send buffer holds for r."""
+    for r, p in enumerate(plans):
+        parts = []
+        for s, q in enumerate(plans):
+            splits, buf = (q.recv_splits, q.back_send) if reverse else (q.send_splits, q.send)
+            start = sum(splits[:r])
+            parts.append(buf[start:start + splits[r]])
+        (p.back_recv if reverse else p.recv).copy_(torch.cat(parts))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_alltoall_reference_is_the_ep_permutation_and_combine(world: int) -> None:
+    T, E, K, H = 7, 3 * world, 2, 5
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    routing = [make_routing(T, E, K, "zipf", generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    idx_all, w_all = [i for i, _ in routing], [w for _, w in routing]
+    plans = [AllToAll(RankContext(rank=r, world=world, device=torch.device("cpu"), dtype=torch.float32),
+                      xs[r], idx_all, w_all, E) for r in range(world)]
+    _exchange(plans, reverse=False)
+    e_local = E // world
+    for r, p in enumerate(plans):
+        want = [xs[s][t] for e in range(r * e_local, (r + 1) * e_local) for s in range(world)
+                for t in range(T) for k in range(K) if idx_all[s][t, k] == e]
+        assert torch.equal(p.expected_dispatch(), torch.stack(want) if want else xs[r][:0])
+        p.pack_combine()
+    _exchange(plans, reverse=True)
+    for r, p in enumerate(plans):
+        torch.testing.assert_close(p.expected_combine(), xs[r] * w_all[r].sum(1, keepdim=True))
