@@ -76,8 +76,8 @@ def test_json_schema(run: dict) -> None:
         assert b["tokens"] == list(TOKENS) and b["dtype"] == "fp32" and (b["iters"], b["warmup"]) == (1, 0)
         assert b["metric"] == ("TFLOP/s" if name == "moe" else "GB/s")
     keys = [(r["bench"], r["impl"], r["tokens"]) for r in doc["rows"]]
-    assert len(keys) == len(set(keys)) == sum(len(BENCHMARKS[n].impls) * len(TOKENS) for n in BENCHMARKS)
-    assert set(keys) == {(n, i, t) for n, b in BENCHMARKS.items() for i in b.impls for t in TOKENS}
+    assert len(keys) == len(set(keys)) == sum(len(BENCHMARKS[n].impls_for(False)) * len(TOKENS) for n in BENCHMARKS)
+    assert set(keys) == {(n, i, t) for n, b in BENCHMARKS.items() for i in b.impls_for(False) for t in TOKENS}
     for r in doc["rows"]:
         assert set(r) == ROW_KEYS
         b = doc["benchmarks"][r["bench"]]
@@ -112,7 +112,7 @@ def test_table(run: dict) -> None:
     text = console.export_text()
     assert report.CPU_NOTE in text and "world size 2" in text and run["doc"]["meta"]["commit"][:12] in text
     for name, b in BENCHMARKS.items():
-        assert all(impl in text for impl in b.impls) and b.baselines[0] in text
+        assert all(impl in text for impl in b.impls_for(False)) and b.baselines[0] in text
     assert "median µs" in text and "p20 µs" in text and "GB/s" in text and "TFLOP/s" in text
     assert f"OK: {len(run['doc']['rows'])}/{len(run['doc']['rows'])} rows" in text
 
@@ -134,7 +134,7 @@ def test_under_torchrun_rank_0_reports(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     doc = json.loads(path.read_text())
     assert doc["ok"] is True and doc["meta"]["world_size"] == 2 and doc["meta"]["collectives"] == "gloo"
-    assert [(r["impl"], r["tokens"]) for r in doc["rows"]] == [(i, 4) for i in BENCHMARKS["dispatch"].impls]
+    assert [(r["impl"], r["tokens"]) for r in doc["rows"]] == [(i, 4) for i in BENCHMARKS["dispatch"].impls_for(False)]
     assert done.stdout.count("ditron_ep bench") == 1, "only rank 0 prints the report"
 
 
@@ -212,7 +212,7 @@ def _measured(check_ok: bool = True, drop: str | None = None) -> list[Measuremen
 def test_rows_speedups_and_metric() -> None:
     rows = build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured())
     by = {r.impl: r for r in rows}
-    assert [r.impl for r in rows] == list(BENCHMARKS["moe"].impls)
+    assert [r.impl for r in rows] == list(BENCHMARKS["moe"].impls_for(False))
     assert by["moe overlap"].speedup == pytest.approx(2.0) and by["moe overlap"].baseline == "torch-native"
     assert by["moe staged"].speedups == pytest.approx({"torch-native": 4.0, "grouped GEMM alone": 0.5})
     assert by["torch-native"].speedup is None and by["torch-native"].kind == "baseline"
@@ -273,3 +273,14 @@ def test_alltoall_reference_is_the_ep_permutation_and_combine(world: int) -> Non
     _exchange(plans, reverse=True)
     for r, p in enumerate(plans):
         torch.testing.assert_close(p.expected_combine(), xs[r] * w_all[r].sum(1, keepdim=True))
+
+
+def test_gpu_only_rows_appear_on_gpus_only() -> None:
+    graph = next(i for i in BENCHMARKS["moe"].gpu_only)
+    on_cpu = build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured())
+    assert graph not in {r.impl for r in on_cpu}
+    with_graph = _measured() + [Measurement(graph, [90.0, 100.0, 110.0], 1e9, "ok: bitwise == eager overlap", True)]
+    by = {r.impl: r for r in build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, with_graph, on_gpu=True)}
+    assert by[graph].ok and by[graph].kind == "ours" and by[graph].speedup == pytest.approx(4.0)
+    missing = {r.impl: r for r in build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured(), on_gpu=True)}
+    assert not missing[graph].ok and "returned no result" in missing[graph].error

@@ -9,6 +9,10 @@ everything under torch.no_grad. Implementations:
                       `ditron_ep.ops.moe.SCHEDULES`;
   torch-native        `torch_moe.torch_native_moe`, all of it timed (row-major weights; a
                       per-expert torch.matmul loop where torch._grouped_mm is unsupported);
+  moe overlap, CUDA graph   (GPUs only) `moe(..., schedule="overlap", sync=False)` captured
+                      once in a CUDA graph and replayed: no host work or host synchronisation
+                      per call, as an inference engine runs it; checked bit for bit against the
+                      eager overlap call.
   grouped GEMM alone  `grouped_swiglu_ffn` on this rank's real received rows (one untimed
                       dispatch beforehand): the expert work inside the layer, no communication.
 Check, once per T before timing: every schedule's output against torch-native's, and the grouped
@@ -35,6 +39,7 @@ FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down) with rows = the 
              "time, per GPU (SwiGLU, permutes and communication are not counted).")
 TORCH_NATIVE = "torch-native"
 GEMM_ALONE = "grouped GEMM alone"
+GRAPH = "moe overlap, CUDA graph"
 
 
 @dataclass
@@ -125,6 +130,13 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
             experts_ref = guarded(ctx, "torch_experts (check)", lambda: torch_experts(
                 recv_x, off[1:], wts.w1, wts.w2, None if grouped else host_off))
             rel_alone = relative_errors(ctx, experts_ref, {GEMM_ALONE: guarded(ctx, f"{GEMM_ALONE} (check)", alone)})
+            graph = None
+            if ctx.on_cuda and "moe overlap" in outs:
+                graph, graph_out = guarded(ctx, f"{GRAPH} (capture)", lambda: capture_moe_graph(
+                    lambda: moe(inp.x, inp.idx, inp.w, wts.w1, wts.w2, group=ctx.group, schedule="overlap",
+                                sync=False)))
+                guarded(ctx, f"{GRAPH} (check)", graph.replay)
+                rel_graph = relative_errors(ctx, outs["moe overlap"], {GRAPH: graph_out})[GRAPH]
             del ref, outs, experts_ref
 
         out = []
@@ -133,6 +145,14 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
                 out.append(Measurement(impl, None, flops, "", False, error=failed[impl]))
             else:
                 out.append(ctx.measure(impl, fn, flops, *tolerance_check(rel[impl], rtol)))
+        if ctx.on_cuda:
+            if graph is None:
+                out.append(Measurement(GRAPH, None, flops, "", False, error="the eager overlap call failed"))
+            else:
+                same = rel_graph == 0.0
+                out.append(ctx.measure(GRAPH, graph.replay, flops,
+                                       "ok: bitwise == eager overlap" if same else
+                                       f"FAIL: differs from eager overlap ({rel_graph:.1e})", same))
         out.append(ctx.measure(TORCH_NATIVE, native, flops,
                             "reference" if grouped else "reference (per-expert matmul loop: no torch._grouped_mm)",
                             True))
@@ -147,10 +167,26 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
             clear_layers()
 
 
+def capture_moe_graph(fn: Callable[[], torch.Tensor]) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    """Capture `fn` (a sync=False layer call; the layer exists already) in a CUDA graph after two
+    warm-up calls on a side stream; returns (graph, its output tensor, rewritten by each replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 MOE = Benchmark(
     name="moe",
     description="EP MoE layer forward: dispatch, grouped SwiGLU experts, combine (ditron_ep.ops.moe)",
-    ours=tuple(f"moe {S}" for S in SCHEDULES), baselines=(TORCH_NATIVE, GEMM_ALONE), metric="TFLOP/s",
+    ours=(*(f"moe {S}" for S in SCHEDULES), GRAPH), baselines=(TORCH_NATIVE, GEMM_ALONE), metric="TFLOP/s",
+    gpu_only=(GRAPH,),
     work_rule=FLOP_RULE,
     check_rule=f"output vs {TORCH_NATIVE}'s ({GEMM_ALONE}: vs torch_experts on the same rows): max |diff| / "
                f"max |ref| over every rank within the dtype's rtol",

@@ -53,7 +53,7 @@ def run_requests(requests: Sequence[BenchRequest], backend: str, progress: Progr
                            request=req, progress=counter)
         for tokens in req.tokens:
             ctx.label = f"{bench.name} T={tokens}"
-            end = counter.done + len(bench.impls) * (req.warmup + req.iters)
+            end = counter.done + len(bench.impls_for(ctx.on_cuda)) * (req.warmup + req.iters)
             counter(f"{ctx.label} · setup and result check", 0)
             if broken is not None:
                 measured = _failed(bench, f"not run: {broken}")
@@ -65,8 +65,9 @@ def run_requests(requests: Sequence[BenchRequest], backend: str, progress: Progr
                 except Fatal as exc:
                     broken = f"the process group broke earlier ({exc})"
                     measured = _failed(bench, str(exc))
+            measured = [m for m in measured if m.impl in bench.impls_for(ctx.on_cuda)]
             counter(f"{ctx.label} · done", end - counter.done)   # failed stages skip their iterations
-            rows.extend(build_rows(bench, req, tokens, world, measured))
+            rows.extend(build_rows(bench, req, tokens, world, measured, on_gpu=ctx.on_cuda))
     return rows
 
 
@@ -75,16 +76,17 @@ def _failed(bench: Benchmark, error: str) -> list[Measurement]:
 
 
 def build_rows(bench: Benchmark, req: BenchRequest, tokens: int, world: int,
-               measured: Sequence[Measurement]) -> list[Row]:
-    """One Row per implementation of `bench` (in `bench.impls` order): summary, metric, and the
-    speedup of each of ours over each baseline (baseline median / ours median)."""
+               measured: Sequence[Measurement], *, on_gpu: bool = False) -> list[Row]:
+    """One Row per implementation of `bench` measured on this kind of device (in `bench.impls`
+    order): summary, metric, and the speedup of each of ours over each baseline (baseline
+    median / ours median)."""
     by_impl = {m.impl: m for m in measured}
     stats = {m.impl: summarize(m.times_us) for m in measured if m.times_us and m.error is None}
     base = {b: stats[b]["median"] for b in bench.baselines if b in stats and by_impl[b].ok}
     rate = gbps if bench.metric == "GB/s" else tflops
     s = req.shape
     rows = []
-    for impl in bench.impls:
+    for impl in bench.impls_for(on_gpu):
         m = by_impl.get(impl) or Measurement(impl, ok=False, error=f"{bench.name} returned no result for {impl}")
         st = stats.get(impl)
         median = st["median"] if st else None

@@ -157,10 +157,15 @@ class Benchmark:
     run: Callable[[BenchContext, int], list[Measurement]]
     dtypes: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: {"emulated": tuple(DTYPES), "torch": tuple(DTYPES)})
+    gpu_only: tuple[str, ...] = ()              # impls measured on GPUs only (e.g. CUDA-graph replays)
 
     @property
     def impls(self) -> tuple[str, ...]:
         return self.ours + self.baselines
+
+    def impls_for(self, on_gpu: bool) -> tuple[str, ...]:
+        """The impls a run on this kind of device measures (`run` returns exactly these)."""
+        return self.impls if on_gpu else tuple(i for i in self.impls if i not in self.gpu_only)
 
     def kind_of(self, impl: str) -> str:
         return "ours" if impl in self.ours else "baseline"
