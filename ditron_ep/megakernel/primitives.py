@@ -20,7 +20,6 @@ from ..runtime import control as C
 EPOCH = tl.constexpr(C.EPOCH)
 ARRIVALS = tl.constexpr(C.ARRIVALS)
 TASKS = tl.constexpr(C.TASKS)
-TASKS_B = tl.constexpr(C.TASKS_B)
 ERR_FLAG = tl.constexpr(C.ERR_FLAG)
 ERR_RANK = tl.constexpr(C.ERR_RANK)
 ERR_STAGE = tl.constexpr(C.ERR_STAGE)
@@ -180,21 +179,6 @@ def next_task(my_ctrl):
 
 @register_device_function
 @triton.jit
-def next_task_split(my_ctrl, on_comm, split_at):
-    """Role split: a ticket for a program on the communication queue (tickets [0, split_at), the
-    queue's own counter) or on the compute queue (tickets [split_at, ...), a second counter). A
-    communication program that finds its queue empty takes a compute ticket instead.
-    Returns (ticket, still on the communication queue)."""
-    t = split_at
-    if on_comm:
-        t = tl.atomic_add(my_ctrl + TASKS, 1, sem="relaxed", scope="gpu")
-    if t >= split_at:
-        t = split_at + tl.atomic_add(my_ctrl + TASKS_B, 1, sem="relaxed", scope="gpu")
-    return t, t < split_at
-
-
-@register_device_function
-@triton.jit
 def call_end(table_ptr, rank):
     """Leave the launch; the last program out resets the queue and advances the epoch."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
@@ -203,7 +187,6 @@ def call_end(table_ptr, rank):
     if arrived == n_programs - 1:
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")
         tl.atomic_add(my_ctrl + EPOCH, 1, sem="release", scope="gpu")
 
 
