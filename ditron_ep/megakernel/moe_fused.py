@@ -12,8 +12,9 @@ Programs take tasks from one ordered queue (an atomic ticket counter). Stages, i
                      [token, k] (+1 on that (token, k)'s counter there). The +1s are published
                      one down tile later (or before the program's next wait): the system-scope
                      release waits until the rows have crossed NVLink, and by then they have
-                     had a whole tile of compute to do so (measured: down stage 2.7 -> see
-                     bench/results; publishing at once left every SM idle ~20 us per tile).
+                     had a whole tile of compute to do so. Publishing at once left every SM
+                     idle ~20 us per tile: the down stage took 2.68 ms instead of 2.01 ms at
+                     T=4096 on 4xH200 (bench/results/moe_timeline_H200x4_20261122.log).
   S4 combine_reduce  (token block): wait until every routed (token, k) has all its column
                      tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once
 A task only waits on earlier tasks of its own rank or on other ranks' tasks of earlier stages,

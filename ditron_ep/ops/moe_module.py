@@ -72,16 +72,16 @@ class EPMoE(nn.Module):
             x must have this dtype in forward.
         device: device of the parameters.
         schedule: `moe` schedule: "overlap" (fused megakernel), "sequential" (same bits, stage by
-            stage) or "staged" (separate dispatch / grouped GEMM / combine launches). The default
-            is "staged" because on 4xH200 it is currently the fastest (10.7 ms vs 20.2 ms for
-            "overlap" at T=4096, H=7168, I=2048, E=64, top-8: bench/results/moe_layer_*).
+            stage) or "staged" (separate dispatch / grouped GEMM / combine launches). "overlap"
+            is the fastest on 4xH200 (H=7168, I=2048, E=64, top-8: 6.6 ms vs 7.8 ms "staged" at
+            T=4096, 1.3 vs 1.9 ms at T=128; bench/results/bench_H200x4_20261122.*).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int,
                  group: dist.ProcessGroup | None = None, *, score_func: str = "softmax",
                  renormalize: bool = True, aux_loss_coef: float = 0.0,
                  router_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, schedule: str = "staged") -> None:
+                 device: torch.device | str | None = None, schedule: str = "overlap") -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                             ("topk", topk)):

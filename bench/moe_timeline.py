@@ -1,0 +1,87 @@
+"""Where the fused MoE kernel's time goes: a per-stage timeline of one traced launch, per rank.
+
+    torchrun --nproc-per-node 4 bench/moe_timeline.py [--tokens 128 4096] [--hidden 7168] [--inter 2048]
+        [--experts 64] [--topk 8] [--schedules overlap sequential] [--warmup 3]
+    TRITON_INTERPRET=1 GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 bench/moe_timeline.py --smoke
+
+For every (T, schedule): a `FusedMoE` layer is built, run `--warmup` times, then once with
+`trace=True`. Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
+dispatch chunk, from the logical clock) and, on GPUs, `timeline()` from the device timer: per
+stage, when its first task started and its last ended (µs after program 0 entered the kernel,
+"call_barrier" being the wait for every rank to enter) and its busy time per program. The
+interpreter has no device timer: under --smoke only the overlap report is printed.
+Inputs: bf16 on GPUs (fp32 under the interpreter), uniform top-k from softmax scores, weights
+scaled by H^-1/2 and I^-1/2; every rank draws its own from seed 1234 + rank.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `ditron_ep`
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
+from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[128, 4096], help="tokens per rank T")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--schedules", nargs="+", default=["overlap", "sequential"], choices=["overlap", "sequential"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpreter)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if on_gpu:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if args.smoke:
+        args.tokens, args.hidden, args.inter, args.experts, args.topk, args.warmup = [12], 32, 16, 2 * world, 2, 0
+    if args.experts % world:
+        print(f"--experts {args.experts} is not a multiple of the world size {world}", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    H, I, E, K = args.hidden, args.inter, args.experts, args.topk
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    w1 = (torch.randn(E // world, H, 2 * I, device=dev, generator=gen) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E // world, I, H, device=dev, generator=gen) * I ** -0.5).to(dtype)
+    for T in args.tokens:
+        x = torch.randn(T, H, device=dev, generator=gen).to(dtype)
+        w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
+        for schedule in args.schedules:
+            layer = FusedMoE(None, E, H, I, T, K, dtype, schedule=schedule,
+                             backend="torch" if on_gpu else "emulated")
+            for _ in range(args.warmup):
+                layer(x, idx, w, w1, w2)
+            dist.barrier()
+            layer(x, idx, w, w1, w2, trace=True)
+            lines = [f"[rank {rank}] T={T} {schedule}: {layer.overlap_report()}"]
+            if on_gpu:
+                for r in layer.timeline():
+                    lines.append(f"    {r['stage']:16s} tasks {r['tasks']:6d}  start {r['first_start_us']:9.1f}  "
+                                 f"end {r['last_end_us']:9.1f}  busy/program {r['busy_us_per_program']:9.1f} us")
+            for r in range(world):  # one rank at a time, in rank order
+                if r == rank:
+                    print("\n".join(lines), flush=True)
+                dist.barrier()
+            layer.free()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
