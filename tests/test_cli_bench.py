@@ -284,3 +284,9 @@ def test_gpu_only_rows_appear_on_gpus_only() -> None:
     assert by[graph].ok and by[graph].kind == "ours" and by[graph].speedup == pytest.approx(4.0)
     missing = {r.impl: r for r in build_rows(BENCHMARKS["moe"], REQUEST, 16, 2, _measured(), on_gpu=True)}
     assert not missing[graph].ok and "returned no result" in missing[graph].error
+
+
+def test_commit_named_by_the_environment_has_no_dirty_flag(monkeypatch) -> None:
+    from ditron_ep.bench.environment import git_commit, git_dirty
+    monkeypatch.setenv("DITRON_COMMIT", "abc1234")
+    assert git_commit() == "abc1234" and git_dirty() is None

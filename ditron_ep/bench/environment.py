@@ -66,6 +66,9 @@ def git_commit(repo: Path | str = SOURCE_ROOT) -> str:
 
 
 def git_dirty(repo: Path | str = SOURCE_ROOT) -> bool | None:
-    """Whether tracked files differ from HEAD (None when git cannot tell)."""
+    """Whether tracked files differ from HEAD (None when git cannot tell, or when $DITRON_COMMIT
+    names the commit: then the tree is a copy whose own git state, if any, is not that commit's)."""
+    if os.environ.get("DITRON_COMMIT"):
+        return None
     out = _git(["status", "--porcelain", "--untracked-files=no"], Path(repo))
     return None if out is None else bool(out.strip())
