@@ -56,7 +56,7 @@ from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # no
 from ditron_ep.bench.ep_inputs import BYTE_RULE, Bytes, Inputs, make_inputs, traffic_bytes  # noqa: E402
 from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded  # noqa: E402
 from ditron_ep.bench.spec import DTYPES  # noqa: E402
-from ditron_ep.bench.timing import gbps, summarize, time_fn  # noqa: E402
+from ditron_ep.bench.timing import capture_graph, gbps, summarize, time_fn  # noqa: E402
 from ditron_ep.determinism import ROUTING_KINDS  # noqa: E402
 from ditron_ep.ops import EPBuffer  # noqa: E402
 from ditron_ep.runtime import kernels_interpreted  # noqa: E402
@@ -322,19 +322,6 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
             run_graph_stages(ctx, buf, cfg, label, inp, eager_out, base_d, base_c, base_rt, check)
 
 
-def capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
-    g = torch.cuda.CUDAGraph()
-    # No garbage collection during capture: freeing a symmetric arena there would synchronise
-    # the device and invalidate the capture (as tests/gpu does).
-    gc.disable()
-    try:
-        with torch.no_grad(), torch.cuda.graph(g, capture_error_mode="thread_local"):
-            out = fn()
-    finally:
-        gc.enable()
-    return g, out
-
-
 def run_graph_stages(ctx: Ctx, buf: EPBuffer, cfg: dict[str, Any], label: str, inp: Inputs,
                      eager_out: torch.Tensor | None, base_d: Any, base_c: Any, base_rt: Any,
                      check: str | None) -> None:
@@ -347,16 +334,16 @@ def run_graph_stages(ctx: Ctx, buf: EPBuffer, cfg: dict[str, Any], label: str, i
             r, h = buf.dispatch(x, idx, w, sync=False)
             buf.combine(r, h, w)
         torch.cuda.synchronize(ctx.device)
-        graphs["layout"] = capture(lambda: buf._launch_layout(idx))
-        graphs["dispatch"] = capture(lambda: buf.dispatch(x, idx, w, sync=False))
+        graphs["layout"] = capture_graph(lambda: buf._launch_layout(idx))
+        graphs["dispatch"] = capture_graph(lambda: buf.dispatch(x, idx, w, sync=False))
         recv_g, h_g = graphs["dispatch"][1]
-        graphs["combine"] = capture(lambda: buf.combine(recv_g, h_g, w))
+        graphs["combine"] = capture_graph(lambda: buf.combine(recv_g, h_g, w))
 
         def both() -> torch.Tensor:
             r2, h2 = buf.dispatch(x, idx, w, sync=False)
             return buf.combine(r2, h2, w)
 
-        graphs["dispatch+combine"] = capture(both)
+        graphs["dispatch+combine"] = capture_graph(both)
 
     try:
         guarded(ctx, "graph capture", build, buf)

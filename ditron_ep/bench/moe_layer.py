@@ -32,6 +32,7 @@ from ..ops.moe import SCHEDULES
 from .ep_inputs import make_inputs
 from .ranks import Fatal, RankContext, StageFailed, guarded, relative_errors
 from .spec import Benchmark, BenchContext, Measurement, Shape, tolerance_check
+from .timing import capture_graph
 from .torch_moe import torch_experts, torch_native_moe
 
 FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down) with rows = the (token, k) rows of the busiest "
@@ -132,9 +133,9 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
             rel_alone = relative_errors(ctx, experts_ref, {GEMM_ALONE: guarded(ctx, f"{GEMM_ALONE} (check)", alone)})
             graph = None
             if ctx.on_cuda and "moe overlap" in outs:
-                graph, graph_out = guarded(ctx, f"{GRAPH} (capture)", lambda: capture_moe_graph(
+                graph, graph_out = guarded(ctx, f"{GRAPH} (capture)", lambda: capture_graph(
                     lambda: moe(inp.x, inp.idx, inp.w, wts.w1, wts.w2, group=ctx.group, schedule="overlap",
-                                sync=False)))
+                                sync=False), warmup=2))
                 guarded(ctx, f"{GRAPH} (check)", graph.replay)
                 rel_graph = relative_errors(ctx, outs["moe overlap"], {GRAPH: graph_out})[GRAPH]
             del ref, outs, experts_ref
@@ -165,21 +166,6 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
         if group_ok:
             clear_cache()
             clear_layers()
-
-
-def capture_moe_graph(fn: Callable[[], torch.Tensor]) -> tuple["torch.cuda.CUDAGraph", torch.Tensor]:
-    """Capture `fn` (a sync=False layer call; the layer exists already) in a CUDA graph after two
-    warm-up calls on a side stream; returns (graph, its output tensor, rewritten by each replay)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 MOE = Benchmark(

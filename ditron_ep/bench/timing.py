@@ -8,8 +8,9 @@ of an iteration is the slowest rank's (all_reduce MAX); benchmarks report the me
 """
 from __future__ import annotations
 
+import gc
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,3 +108,27 @@ def tflops(flops: float | None, micros: float | None) -> float | None:
     if not flops or not micros:
         return None
     return flops / (micros * 1e-6) / 1e12
+
+
+def capture_graph(fn: Callable[[], Any], warmup: int = 0) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """Capture `fn` in a CUDA graph; returns (graph, fn's output, rewritten by every replay).
+
+    `warmup` calls run first on a side stream (as torch recommends before a capture). No
+    garbage collection during capture: freeing a symmetric arena there would synchronise the
+    device and invalidate the capture.
+    """
+    if warmup:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()
+    try:
+        with torch.no_grad(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            out = fn()
+    finally:
+        gc.enable()
+    return graph, out
