@@ -1,11 +1,15 @@
 """EP combine kernel: expert outputs go back to the token's rank and are summed in k order.
 
-One persistent launch, ordered task queue:
-  1. send-back tasks (source s, chunk c), sources in the order rank, rank-1, ...: every expanded
-     row of the chunk's tokens is written to s's landing buffer at [token, k] (its exact place,
-     so no ordering question arises), then the chunk's signal is stamped with the epoch;
-  2. reduce tasks (block of this rank's tokens): wait for exactly the chunks holding the block's
-     tokens, then out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k), in fp32, cast once.
+One persistent launch whose programs take tasks from an interleaved queue (task_queue.py):
+  - send-back tasks (chunk c, source s, column slice j), sources rank, rank-1, ...: the slice's
+    columns of every expanded row of the chunk's tokens are written to s's landing buffer at
+    [token, k] (its exact place, so no ordering question arises), then the (expert rank, chunk,
+    slice) signal is stamped with the epoch;
+  - reduce tasks (block b of this rank's tokens, slice j), trailing the send-backs by `lag`
+    chunks: wait for exactly the chunks holding the block's tokens, then
+    out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k) for the slice's columns, fp32, cast once.
+A token's staging slot on any rank is at most its index, so block b (BLOCK_T == BLOCK_S) needs
+chunks 0..b only: the queue's producer-before-consumer rule holds.
 """
 from __future__ import annotations
 
@@ -15,20 +19,22 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from .task_queue import interleaved_task
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
 
 @register_device_function
 @triton.jit
-def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, H, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum over k = 0..K-1 of w[t, k] * land[t, k] (routed k only), fp32, k in order, one
-    cast: the combine contract. land is (T, K, H); o_t / m_t are the block's tokens and mask."""
+    cast: the combine contract, for columns [h_lo, h_hi). land is (T, K, H); o_t / m_t are the
+    block's tokens and mask."""
     o_t64 = o_t.to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(h_lo, h_hi, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
-        m = m_t[:, None] & (o_h < H)[None, :]
+        m = m_t[:, None] & (o_h < h_hi)[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for k in tl.static_range(K):
             valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
@@ -55,23 +61,32 @@ def ep_combine_kernel(
     table_ptr,        # int64 (W,)
     sig_table_ptr,    # int64 (W,)
     land_offset,      # bytes: symmetric (MAXT, K, H) landing buffer, y dtype
-    sig_first,        # W * n_chunks signals: (expert rank, chunk)
+    sig_first,        # W * n_chunks * n_slices signals: (expert rank, chunk, column slice)
     T, H, rank, world, MAXT, n_chunks, budget,
+    n_slices,         # column slices per chunk and per token block (task_queue.hidden_slices)
+    slice_cols,       # columns per slice, a multiple of BLOCK_H
+    lag,              # chunks a reduce trails the send-backs by in the queue
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
     epoch, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
-    n_send = world * n_chunks
-    n_tasks = n_send + tl.cdiv(T, BLOCK_T)
+    p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
+    A = world * n_slices   # send-back tasks per chunk: (ring position, column slice)
+    n_blocks = tl.cdiv(T, BLOCK_T)
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
-    while t < n_tasks:
+    while t < n_chunks * A + n_blocks * n_slices:
         if ok:
-            if t < n_send:
-                # ---- send back: rows of chunk c of source s's tokens
-                i_s = (rank - t // n_chunks + world) % world
-                i_c = t % n_chunks
+            is_send, idx = interleaved_task(t, n_chunks, A, n_blocks, n_slices, lag)
+            i_j = idx % n_slices
+            h_lo = i_j * slice_cols
+            h_hi = tl.minimum(h_lo + slice_cols, H)
+            if is_send:
+                # ---- send back: the slice's columns of the rows of chunk c of source s's tokens
+                i_c = idx // A
+                i_s = (rank - (idx % A) // n_slices + world) % world
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
                     o_j = i_c * BLOCK_S + o_s
@@ -82,15 +97,16 @@ def ep_combine_kernel(
                     for k in tl.static_range(K):
                         row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
                         m_r = m_j & (row >= 0)
-                        for h0 in range(0, H, BLOCK_H):
+                        for h0 in range(h_lo, h_hi, BLOCK_H):
                             o_h = h0 + tl.arange(0, BLOCK_H)
-                            m = m_r[:, None] & (o_h < H)[None, :]
+                            m = m_r[:, None] & (o_h < h_hi)[None, :]
                             b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                             tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
-                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_first + rank * n_chunks + i_c, epoch)
+                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_first +
+                           (rank * n_chunks + i_c) * n_slices + i_j, epoch)
             else:
-                # ---- reduce a block of this rank's tokens
-                o_t = (t - n_send) * BLOCK_T + tl.arange(0, BLOCK_T)
+                # ---- reduce the slice's columns of a block of this rank's tokens
+                o_t = (idx // n_slices) * BLOCK_T + tl.arange(0, BLOCK_T)
                 m_t = o_t < T
                 n_bad = 0
                 for d in range(world):
@@ -100,13 +116,12 @@ def ep_combine_kernel(
                     # No token of the block goes to d: an empty range (no signed division of -1).
                     hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
                     for c in range(lo, hi + 1):
-                        i_sig = sig_first + d * n_chunks + c
-                        ok_c = wait(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig, epoch, my_ctrl,
-                                    rank, STAGE_COMBINE_REDUCE, i_sig, budget)
+                        i_sig = sig_first + (d * n_chunks + c) * n_slices + i_j
+                        ok_c = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:
                     reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
-                                  out_ptr, o_t, m_t, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
+                                  out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank)
 
@@ -114,12 +129,15 @@ def ep_combine_kernel(
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",
         "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
         "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
-        "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32"}
+        "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32",
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
+_MULT16 = ("H", "land_offset", "slice_cols")
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512}, label="bf16-K8",
-                multiples_of_16=("H", "land_offset"))
-# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, rank 1)
-register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in ("n_chunks", "rank")},
+                                          "BLOCK_H": 512}, label="bf16-K8", multiples_of_16=_MULT16)
+# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
+# slice, lag 1, rank 1)
+_ONES = ("n_chunks", "rank", "n_slices", "lag")
+register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                     "y_ptr": "*fp32", "out_ptr": "*fp32"},
-                {"n_chunks": 1, "rank": 1, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 128},
-                label="fp32-K3-unweighted", multiples_of_16=("H", "land_offset"))
+                {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
+                 "BLOCK_H": 128}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)

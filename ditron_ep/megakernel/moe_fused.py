@@ -180,7 +180,7 @@ def moe_fused_kernel(
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
                 stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
-                                  xs_off, meta_off, 0, H, E_local, MAXT, K, False, BLOCK_H)
+                                  xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, K, False, BLOCK_H)
                 # every chunk is stamped, empty ones too: the receiver always waits exactly once
                 notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
                 if SEQUENTIAL:
@@ -279,8 +279,8 @@ def moe_fused_kernel(
                     ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
                                        STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
                     if ok:
-                        reduce_landed(heap_ptr(table_ptr, rank, land_off, DT), topk_ptr, w_ptr, out_ptr, o_t, m_t, H,
-                                      K, True, BLOCK_T, BLOCK_H)
+                        reduce_landed(heap_ptr(table_ptr, rank, land_off, DT), topk_ptr, w_ptr, out_ptr, o_t, m_t, 0, H,
+                                      H, K, True, BLOCK_T, BLOCK_H)
                         # counters back to zero for the next call (peers add again only after
                         # the next call barrier, i.e. after this launch has finished)
                         tl.debug_barrier()

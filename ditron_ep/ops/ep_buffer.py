@@ -12,6 +12,7 @@ import torch.distributed as dist
 import triton
 
 from ..megakernel.ep_combine import ep_combine_kernel
+from ..megakernel import task_queue
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
                                     SendLayout, build_send_layout, exchange_layout)
@@ -82,6 +83,8 @@ class EPBuffer:
         num_programs: programs (SMs) dispatch/combine occupy; default: every SM on GPU, 2 on CPU.
         block_rows / block_hidden / num_warps: copy tile shape (rows per signalled chunk, columns
             per step) and warps per program.
+        hidden_slices: column slices a chunk's copy is split into (one task each); default: enough
+            for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
             launch and raise DitronTimeoutError there (one extra device-to-host read).
     """
@@ -90,7 +93,8 @@ class EPBuffer:
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                  backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
                  block_hidden: int | None = None, num_warps: int | None = None,
-                 wait_budget: int | None = None, check_errors: bool = True) -> None:
+                 hidden_slices: int | None = None, wait_budget: int | None = None,
+                 check_errors: bool = True) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
@@ -123,7 +127,15 @@ class EPBuffer:
             ("ep/wstage", (W, T, K), torch.float32),
             ("ep/land", (T, K, H), dtype),
         ]
-        num_signals = W + 2 * W * self.n_chunks
+        if hidden_slices is not None and (not isinstance(hidden_slices, int) or hidden_slices <= 0):
+            raise DitronConfigError(f"hidden_slices must be a positive int or None, got {hidden_slices!r}")
+        # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
+        # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
+        self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
+        self.n_slices, self.slice_cols = task_queue.hidden_slices(
+            max_tokens_per_rank, W, block_rows, H, self.block_hidden, hidden_slices)
+        sig_per_kernel = W * self.n_chunks * self.n_slices  # (rank, chunk, column slice)
+        num_signals = W + 2 * sig_per_kernel
         data = sum(C.align_up(_numel(s) * torch.empty((), dtype=d).element_size()) for _, s, d in self._specs)
         size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
         self.heap = SymmetricHeap(group, backend=backend, size_bytes=size, num_signals=num_signals,
@@ -131,8 +143,8 @@ class EPBuffer:
         for name, shape, dt in self._specs:
             self.heap.alloc(name, shape, dt)
         self._sig_layout = self.heap.alloc_signals("ep/layout", W)
-        self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", W * self.n_chunks)
-        self._sig_combine = self.heap.alloc_signals("ep/combine", W * self.n_chunks)
+        self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", sig_per_kernel)
+        self._sig_combine = self.heap.alloc_signals("ep/combine", sig_per_kernel)
         self.device = self.heap.device
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -140,9 +152,6 @@ class EPBuffer:
         if num_programs <= 0:
             raise DitronConfigError(f"num_programs must be positive, got {num_programs}")
         self.num_programs = num_programs
-        # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
-        # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
-        self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
         self.num_warps = num_warps if num_warps is not None else (8 if self.device.type == "cuda" else 4)
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -255,7 +264,8 @@ class EPBuffer:
             h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
-            K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows,
+            self.n_slices, self.slice_cols,
+            task_queue.default_lag(self.num_programs, 2 * self.world_size * self.n_slices), K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows,
             BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
@@ -266,7 +276,8 @@ class EPBuffer:
             y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.send.slot,
             handle.send.topk_idx, w if w is not None else y.new_empty(1, dtype=torch.float32), out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
-            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget,
+            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
+            self.slice_cols, task_queue.default_lag(self.num_programs, (self.world_size + 1) * self.n_slices),
             K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
             BLOCK_H=self.block_hidden, num_warps=self.num_warps)
         return out

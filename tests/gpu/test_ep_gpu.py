@@ -181,7 +181,8 @@ def _fail(problems: list[str]) -> str:
 def _dispatch_combine_check(dev, buffers: list, tokens: list[int], H: int, E: int, K: int,
                             dtype: torch.dtype, kind: str, seed: int, drop: float = 0.0,
                             max_tokens: int | None = None, num_programs: int | None = None,
-                            block_rows: int = 16) -> tuple[list[str], dict]:
+                            block_rows: int = 16, hidden_slices: int | None = None,
+                            block_hidden: int | None = None) -> tuple[list[str], dict]:
     """One buffer, three dispatch+combine runs (default, default again, graph mode), all checked.
 
     Returns (problems, {"recv_x", "out", "recv_w"}) of the first default-mode run, on the device.
@@ -190,10 +191,12 @@ def _dispatch_combine_check(dev, buffers: list, tokens: list[int], H: int, E: in
     xs, idxs, ws = _make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop)
     ref = _reference(xs, idxs, ws, rank, W, E)
     max_t = max_tokens or max(max(tokens), 1)
-    buf = _new_buffer(buffers, E, H, max_t, K, dtype, num_programs=num_programs, block_rows=block_rows)
+    buf = _new_buffer(buffers, E, H, max_t, K, dtype, num_programs=num_programs, block_rows=block_rows,
+                      hidden_slices=hidden_slices, block_hidden=block_hidden)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
     problems: list[str] = []
-    tag = f"[programs={num_programs or 'default'} block_rows={block_rows}]"
+    tag = (f"[programs={num_programs or 'default'} block_rows={block_rows} slices={buf.n_slices} "
+           f"block_hidden={buf.block_hidden}]")
 
     def run(sync: bool):
         recv_x, handle = buf.dispatch(x, idx, w, sync=sync)
@@ -288,7 +291,9 @@ def test_dispatch_combine(dist_env, ep_buffers, case):
 # ---------------------------------------------------------------------------------------------
 # Determinism across grid sizes (and chunk size)
 
-GRID_CONFIGS = [(None, 16), (1, 16), (7, 16), (5, 4)]  # (num_programs, block_rows); None = every SM
+# (num_programs, block_rows, hidden_slices, block_hidden); None = every SM / the default
+GRID_CONFIGS = [(None, 16, None, None), (1, 16, None, None), (7, 16, None, None), (5, 4, None, None),
+                (None, 16, 3, 32), (7, 4, 2, 64)]
 GRID_CASES = [  # (tokens pattern, H, E, K, dtype, routing, drop)
     ([301, 77, 0, 190], 1000, 64, 8, torch.bfloat16, "zipf", 0.1),
     ([129, 250, 33, 64], 128, 256, 8, torch.float32, "uniform", 0.0),
@@ -298,17 +303,18 @@ GRID_CASES = [  # (tokens pattern, H, E, K, dtype, routing, drop)
 def _grid_check(dev, buffers: list, tokens, H, E, K, dtype, kind, drop, seed) -> list[str]:
     problems: list[str] = []
     base = None
-    for programs, block in GRID_CONFIGS:
+    for programs, block, slices, block_h in GRID_CONFIGS:
         probs, res = _dispatch_combine_check(dev, buffers, tokens, H, E, K, dtype, kind, seed, drop,
-                                             num_programs=programs, block_rows=block)
+                                             num_programs=programs, block_rows=block, hidden_slices=slices,
+                                             block_hidden=block_h)
         problems += probs
         if base is None:
             base = res
             continue
         for key in ("recv_x", "out", "recv_w"):
             if res[key] is None or base[key] is None or not _bits_equal(res[key], base[key]):
-                problems.append(f"{key} with num_programs={programs}, block_rows={block} differs bitwise "
-                                f"from num_programs=default, block_rows=16")
+                problems.append(f"{key} with num_programs={programs}, block_rows={block}, hidden_slices={slices}, "
+                                f"block_hidden={block_h} differs bitwise from the defaults")
     return problems
 
 

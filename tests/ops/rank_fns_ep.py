@@ -45,13 +45,14 @@ def row_scale(e: int) -> float:
 
 def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
                           seed: int = 0, drop_prob: float = 0.0, max_tokens: int | None = None,
-                          num_programs: int | None = None, block_rows: int = 16) -> dict:
+                          num_programs: int | None = None, block_rows: int = 16, block_hidden: int | None = None,
+                          hidden_slices: int | None = None) -> dict:
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
     x, idx, w = xs[rank], idxs[rank], ws[rank]
     buf = EPBuffer(None, E, H, max_tokens or max(max(tokens), 1), K, dtype, num_programs=num_programs,
-                   block_rows=block_rows)
-    report: dict = {}
+                   block_rows=block_rows, block_hidden=block_hidden, hidden_slices=hidden_slices)
+    report: dict = {"n_slices": buf.n_slices}
 
     order = expected_rows(xs, idxs, rank, W, E)
     ref = torch.stack([xs[s][t] for s, t, _ in order]) if order else torch.empty(0, H, dtype=dtype)
@@ -91,6 +92,7 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
     # run-to-run and graph mode: bitwise identical
     recv_x2, _, _, _, out2 = run(True)
     report["rerun_bitwise"] = torch.equal(recv_x2, recv_x) and torch.equal(out2, out)
+    report["out_bytes"] = out.contiguous().view(torch.uint8).flatten().tolist() if out.numel() else []
     recv_g, handle_g, n_g, _, out_g = run(False)
     report["graph_rows_cap"] = recv_g.shape[0]
     report["graph_bitwise"] = n_g == n and torch.equal(recv_g[:n], recv_x) and torch.equal(out_g, out)
@@ -99,11 +101,11 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
 
 
 def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int = 0,
-                  sync: bool = True) -> dict:
+                  sync: bool = True, block_hidden: int | None = None, hidden_slices: int | None = None) -> dict:
     """d(sum(out * R)) / dx and / dw through dispatch -> per-expert scale -> combine, vs float64."""
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob=0.1)
-    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype)
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, block_hidden=block_hidden, hidden_slices=hidden_slices)
     x = xs[rank].clone().requires_grad_(True)
     w = ws[rank].clone().requires_grad_(True)
     idx = idxs[rank]

@@ -32,19 +32,24 @@ def test_dispatch_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, dro
         assert rep["graph_rows_cap"] == W * max(max(tokens), 1) * K
 
 
-def test_grid_and_chunk_sizes_do_not_change_bits(emulated_cluster):
+def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
     base = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf", 3)
-    for programs, block in [(1, 16), (5, 4)]:
+    assert base[0]["n_slices"] == 1
+    # (programs, rows per chunk, columns per step, column slices asked for -> slices used)
+    for programs, block, block_h, slices, used in [(1, 16, None, None, 1), (5, 4, None, None, 1),
+                                                   (3, 4, 16, None, 3), (2, 8, 16, 2, 2)]:
         other = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf",
-                                        3, 0.0, None, programs, block)
+                                        3, 0.0, None, programs, block, block_h, slices)
         for a, b in zip(base, other):
+            assert b["n_slices"] == used
             assert b["dispatch_exact"] and b["combine_ok"] and b["graph_bitwise"]
-            assert a["combine_max_abs"] == b["combine_max_abs"]
+            assert a["out_bytes"] == b["out_bytes"], "combine output bits depend on the grid or the slicing"
 
 
-@pytest.mark.parametrize("dtype,sync", [(torch.float32, True), (torch.bfloat16, False)], ids=["fp32", "bf16-graph"])
-def test_gradients(emulated_cluster, dtype, sync):
-    reports = emulated_cluster(3).run(fns.gradient_case, [9, 4, 0], 32, 6, 2, dtype, "uniform", 2, sync)
+@pytest.mark.parametrize("dtype,sync,block_h", [(torch.float32, True, None), (torch.bfloat16, False, None),
+                                                 (torch.float32, True, 16)], ids=["fp32", "bf16-graph", "fp32-sliced"])
+def test_gradients(emulated_cluster, dtype, sync, block_h):
+    reports = emulated_cluster(3).run(fns.gradient_case, [9, 4, 0], 32, 6, 2, dtype, "uniform", 2, sync, block_h)
     for rank, rep in enumerate(reports):
         assert rep["dx_ok"], f"rank {rank}: dispatch backward off by {rep['dx_max']}"
         assert rep["dw_ok"], f"rank {rank}: combine weight gradient off by {rep['dw_max']}"

@@ -1,0 +1,85 @@
+"""Interleaved producer/consumer task queues for the persistent copy kernels.
+
+A queue holds n_groups producer groups of A tasks each (group g = chunk g of the tokens) and m
+consumer groups of R tasks each, where consumer group g needs producer groups 0..g only (of this
+rank and of its peers). Consumer group g is placed right after producer group g + lag, or at the
+end when there is none:
+
+    P0 .. P(lag-1) | P(lag) C0 | P(lag+1) C1 | ... | remaining P or remaining C
+
+So senders and receivers run at the same time (a receiver starts on chunk g while chunk g + lag
+is still being sent) instead of one after the other. Every consumer sits at a later ticket than
+every producer it needs, on every rank, whatever each rank's m: the peer's producer group g has a
+ticket no later than it would have with m >= n_groups, which is earlier than this rank's consumer
+group g. That is the ordered-queue rule of DESIGN.md, so a GPU with every program resident
+cannot deadlock and the interpreter (one program runs the queue in order) never waits on work
+not yet done. Which task runs where never changes what a task computes: results stay bitwise.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..compiler.portability import register_device_function
+
+
+@register_device_function
+@triton.jit
+def interleaved_task(t, n_groups, A, m, R, lag):
+    """Ticket t -> (is_producer, index); index = group * A + i for producers, group * R + i for
+    consumers. Tickets run from 0 to n_groups * A + m * R."""
+    head_g = tl.minimum(lag, n_groups)
+    head = head_g * A
+    n_mid = tl.maximum(tl.minimum(n_groups - head_g, m), 0)
+    mid_end = head + n_mid * (A + R)
+    rest_p = (n_groups - head_g - n_mid) * A
+    t2 = tl.maximum(t - head, 0)
+    g = t2 // (A + R)
+    r = t2 - g * (A + R)
+    t3 = tl.maximum(t - mid_end, 0)
+    in_head = t < head
+    in_mid = (t >= head) & (t < mid_end)
+    is_producer = in_head | (in_mid & (r < A)) | ((t >= mid_end) & (t3 < rest_p))
+    index = tl.where(in_head, t,
+                     tl.where(in_mid, tl.where(r < A, (head_g + g) * A + r, g * R + r - A),
+                              tl.where(t3 < rest_p, (head_g + n_mid) * A + t3, n_mid * R + t3 - rest_p)))
+    return is_producer, index
+
+
+def interleaved_order(n_groups: int, A: int, m: int, R: int, lag: int) -> list[tuple[bool, int]]:
+    """The queue interleaved_task walks, in ticket order (host mirror, for tests and plans)."""
+    order: list[tuple[bool, int]] = []
+    for g in range(min(lag, n_groups)):
+        order += [(True, g * A + i) for i in range(A)]
+    placed = 0
+    for g in range(min(lag, n_groups), n_groups):
+        order += [(True, g * A + i) for i in range(A)]
+        if placed < m:
+            order += [(False, placed * R + i) for i in range(R)]
+            placed += 1
+    for g in range(placed, m):
+        order += [(False, g * R + i) for i in range(R)]
+    return order
+
+
+def default_lag(num_programs: int, tasks_per_group: int) -> int:
+    """Producer groups a consumer trails by: about one grid of tickets, so the chunk it waits for
+    was handed out a whole wave earlier and has usually landed."""
+    return triton.cdiv(num_programs, max(tasks_per_group, 1))
+
+
+# Send tasks per side a small-T call should have: about one per SM of an H100/H200.
+TARGET_TASKS = 128
+
+
+def hidden_slices(max_tokens: int, world: int, block_rows: int, hidden: int, block_hidden: int,
+                  requested: int | None = None) -> tuple[int, int]:
+    """(slices, columns per slice): split every chunk's hidden columns over several tasks when the
+    chunks alone would leave most programs idle (small T), so one program does not walk a whole
+    row. Depends only on quantities every rank shares (sender and receiver index the signals by
+    it). Columns per slice are a multiple of block_hidden; no slice is empty."""
+    n_hb = triton.cdiv(hidden, block_hidden)
+    if requested is None:
+        requested = TARGET_TASKS // (world * triton.cdiv(max_tokens, block_rows))
+    per = triton.cdiv(n_hb, max(1, min(requested, n_hb)))
+    return triton.cdiv(n_hb, per), per * block_hidden
