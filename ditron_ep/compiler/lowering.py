@@ -27,7 +27,7 @@ from .plan import (CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, BufferPlacement, Core
                    cdiv, index_space_size, numel, row_tiles_bound)
 from .verifier import verify, verify_core, verify_device, verify_routing
 
-__all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "fill_defaults", "lower", "seal"]
+__all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_comm_programs", "fill_defaults", "lower", "seal"]
 
 # Persistent grid when the spec does not say: one program per SM / CU of the lent GPUs (H100 and
 # H200: 132 SMs; MI300X: 304 CUs); 2 under the interpreter (two programs interleave the queue).
@@ -37,7 +37,7 @@ DEFAULT_CHUNK_ROWS = 16
 DEFAULT_BLOCK_T = 16
 
 # Spec fields `lower(spec, **overrides)` accepts: the decisions, not the op's shapes.
-OVERRIDABLE = ("schedule", "chunk_rows", "ranks_per_node", "num_programs", "source_order",
+OVERRIDABLE = ("schedule", "chunk_rows", "ranks_per_node", "num_programs", "comm_programs", "source_order",
                "gemm_tile_order", "combine_fused", "block_t", "heap_bytes", "gate_up_config",
                "down_config", "block_h")
 
@@ -67,7 +67,8 @@ def lower(spec: MoESpec, **overrides) -> MoEPlan:
         stages, families = insert_stage_barriers(stages, families, routing)
     stages, families = number_stages(stages), assign_signal_words(families)
     device = DevicePlan(
-        schedule=spec.schedule, num_programs=spec.num_programs, source_order=spec.source_order,
+        schedule=spec.schedule, num_programs=spec.num_programs, comm_programs=spec.comm_programs,
+        source_order=spec.source_order,
         gemm_tile_order=spec.gemm_tile_order, combine_fused=spec.combine_fused,
         block_t=spec.block_t, n_row_tiles_max=row_tiles_bound(routing, core.gate_up.block_m),
         n_tiles1=cdiv(routing.ffn_hidden, core.gate_up.block_n),
@@ -111,7 +112,17 @@ def fill_defaults(spec: MoESpec) -> MoESpec:
         "gemm_tile_order": "row_major", "combine_fused": True, "block_t": DEFAULT_BLOCK_T,
         "gate_up_config": gate_up, "down_config": down, "block_h": block_h,
     }
-    return dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
+    spec = dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
+    if spec.comm_programs is None:
+        spec = dataclasses.replace(spec, comm_programs=default_comm_programs(spec.num_programs))
+    return spec
+
+
+def default_comm_programs(num_programs: int) -> int:
+    """A quarter of the grid starts on the communication queue (33 of an H200's 132 SMs: enough
+    to keep NVLink busy with sends while the rest runs the GEMM tiles of rows already here); at
+    least one, and none (one shared queue) for a grid of one program."""
+    return 0 if num_programs < 2 else max(1, num_programs // 4)
 
 
 def plan_routing(spec: MoESpec) -> RoutingPlan:
@@ -250,8 +261,9 @@ def place_buffers(routing: RoutingPlan, device: DevicePlan,
          "tokens staged by each source rank, by staging slot (S0 writes on the peer)"),
         ("dispatch/meta", (W, T, 1 + 2 * K), "int32", "symmetric",
          "per staged token: source token, K local experts (-1: not here), K row positions"),
-        ("gemm/tiles", (device.n_row_tiles_max, 3), "int32", "private",
-         "per row tile: local expert, first row, rows (from the layout)"),
+        ("gemm/tiles", (device.n_row_tiles_max, 4), "int32", "private",
+         "row tiles in the order the GEMM stages take them (rows that arrive first, first): local "
+         "expert, first row, rows, natural index (names its signal words); from the layout"),
         ("gemm/rows", (rows, 4), "int32", "private",
          "per GEMM row: source rank, staging slot, source token, k (S1 writes)"),
         ("gemm/h", (rows, I), act, "private", "SwiGLU output (S2 writes, S3 reads)"),

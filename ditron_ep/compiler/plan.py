@@ -58,6 +58,9 @@ ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
 # does not send its tiles itself, i.e. combine_fused=False).
 STAGE_NAMES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_send",
                "combine_reduce")
+# The communication queue of a role split: the first stages of the queue (tickets [0, first
+# ticket of the next stage)); comm programs take these first, every program the rest.
+COMM_STAGES = ("dispatch_send", "dispatch_recv")
 
 # Stages that, under schedule="sequential", also wait for the previous stage on every rank
 # (cross-rank stage barrier); every other stage boundary waits for this rank only.
@@ -303,6 +306,10 @@ class DevicePlan:
 
     schedule: str               # "overlap" | "sequential"
     num_programs: int           # persistent grid size
+    # Role split: programs [0, comm_programs) start on the communication queue (dispatch_send,
+    # dispatch_recv), the others on the compute queue (the GEMM stages, then combine_reduce);
+    # a comm program joins the compute queue once its queue is empty. 0: one queue for all.
+    comm_programs: int
     source_order: str           # order of destinations in dispatch_send: "ring" | "reverse_ring"
     gemm_tile_order: str        # order of (row tile, col tile) in the GEMM stages
     combine_fused: bool         # gemm_down sends its tiles itself (no combine_send stage)
@@ -346,7 +353,8 @@ class DevicePlan:
         d = self
         lines = [
             "Device level (DevicePlan)",
-            f"  schedule={d.schedule}  num_programs={d.num_programs}  source_order={d.source_order}  "
+            f"  schedule={d.schedule}  num_programs={d.num_programs}  comm_programs={d.comm_programs}  "
+            f"source_order={d.source_order}  "
             f"gemm_tile_order={d.gemm_tile_order}  combine_fused={d.combine_fused}  block_t={d.block_t}",
             f"  GEMM tiles per rank: rows <= {d.n_row_tiles_max} (bound)  x  gate-up cols "
             f"{d.n_tiles1}, down cols {d.n_tiles2}",
@@ -489,6 +497,7 @@ class MoESpec:
     ranks_per_node: int | None = None
     # Device level
     num_programs: int | None = None
+    comm_programs: int | None = None
     source_order: str | None = None
     gemm_tile_order: str | None = None
     combine_fused: bool | None = None
@@ -524,6 +533,9 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a power of two, got {v!r}")
         if self.num_programs is not None and not is_positive_int(self.num_programs):
             raise ValueError(f"MoESpec.num_programs must be an int >= 1, got {self.num_programs!r}")
+        if self.comm_programs is not None and (not isinstance(self.comm_programs, int) or self.comm_programs < 0
+                                               or isinstance(self.comm_programs, bool)):
+            raise ValueError(f"MoESpec.comm_programs must be an int >= 0, got {self.comm_programs!r}")
         if self.ranks_per_node is not None and (not is_positive_int(self.ranks_per_node)
                                                 or self.world_size % self.ranks_per_node):
             raise ValueError(f"MoESpec.ranks_per_node must divide world_size={self.world_size}, "

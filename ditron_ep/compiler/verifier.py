@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..runtime import control as C
-from .plan import (CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
+from .plan import (COMM_STAGES, CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
                    INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES,
                    WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv,
                    is_positive_int, is_pow2, numel, row_tiles_bound)
@@ -106,6 +106,14 @@ def _check_device_params(plan: MoEPlan) -> None:
             raise PlanError(f"device.{name} must be one of {allowed}, got {getattr(d, name)!r}")
     if not is_positive_int(d.num_programs):
         raise PlanError(f"device.num_programs must be an int >= 1, got {d.num_programs!r}")
+    first = [s.name for s in sorted(d.stages, key=lambda s: s.first_task)][:len(COMM_STAGES)]
+    if d.comm_programs and tuple(first) != COMM_STAGES:
+        raise PlanError(f"a role split needs the communication stages {COMM_STAGES} first in the queue, "
+                        f"the queue starts with {first}")
+    if not isinstance(d.comm_programs, int) or not 0 <= d.comm_programs < d.num_programs:
+        raise PlanError(f"device.comm_programs must be an int in [0, num_programs={d.num_programs}) (0: one "
+                        f"queue; otherwise at least one program must start on the compute queue), "
+                        f"got {d.comm_programs!r}")
     if not is_pow2(d.block_t):
         raise PlanError(f"device.block_t must be a power of two, got {d.block_t}")
     for name, want in (("n_row_tiles_max", row_tiles_bound(r, core.gate_up.block_m)),
@@ -213,6 +221,10 @@ def _check_waits_and_notifies(plan: MoEPlan) -> None:
             if f.kind == "epoch_flag" and w.expected_count != 1:
                 raise PlanError(f"{where}: an epoch flag is stamped once per call; a wait on it "
                                 f"expects 1 stamp, not {w.expected_count}")
+            if d.comm_programs and s.name in COMM_STAGES and p.name not in COMM_STAGES:
+                raise PlanError(f"{where} notified by {p.name}, which is not on the communication queue: with "
+                                f"a role split (comm_programs={d.comm_programs}) that queue must drain by "
+                                f"itself, or its programs could wait on work no program will take")
             waited.add(w.signal)
         for n in s.notifies:
             where = f"stage {s.name} notifies signal {n.signal}"

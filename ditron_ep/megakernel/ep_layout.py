@@ -207,11 +207,47 @@ def send_layout_place_kernel(
 
 @register_device_function
 @triton.jit
-def _row_tile_map(b_num, b_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr, BLOCK_M: tl.constexpr,
-                  BLOCK_I: tl.constexpr):
-    """Row tiles of BLOCK_M rows per expert (an expert's last tile may be partial; an expert
-    without rows owns none): tile_start = exclusive prefix of cdiv(rows, BLOCK_M), and for every
-    tile i < n_tiles its (expert, first row, rows); rows = 0 past the last tile."""
+def _row_tiles(o_i, t_incl, t_excl, b_num, b_off, m_e, E_local, n_used, BLOCK_M: tl.constexpr):
+    """Natural row tiles o_i of BLOCK_M rows per expert (an expert's last tile may be partial; an
+    expert without rows owns none): (expert, first row, rows, sel) with sel the one-hot [BI, BE]
+    of the expert; rows = 0 past the last tile."""
+    o_e = tl.arange(0, b_num.shape[0])
+    # expert of tile i: the number of experts whose tiles all come before i
+    e = tl.minimum(tl.sum(((t_incl[None, :] <= o_i[:, None]) & m_e[None, :]).to(tl.int32), axis=1), E_local - 1)
+    sel = (o_e[None, :] == e[:, None]).to(tl.int32)  # one-hot gathers of per-expert values
+    row0 = tl.sum(sel * b_off[None, :], axis=1) + (o_i - tl.sum(sel * t_excl[None, :], axis=1)) * BLOCK_M
+    n = tl.minimum(tl.sum(sel * (b_off + b_num)[None, :], axis=1) - row0, BLOCK_M)
+    return e, row0, tl.where(o_i < n_used, tl.maximum(n, 0), 0), sel
+
+
+@register_device_function
+@triton.jit
+def _tile_arrival(o_i, sel, rel0, n, n_used, b_n, b_src_off, rank, world, ring_step, BLOCK_W: tl.constexpr):
+    """Sort key of row tiles: the ring position (0 = this rank's own rows, then the order in which
+    sources are received) of the last-received source any of its rows comes from; world for
+    tiles without rows. b_n / b_src_off: [BLOCK_W, BLOCK_E] rows and first row of each source
+    inside each expert's segment."""
+    o_w = tl.arange(0, BLOCK_W)
+    rel1 = rel0 + n - 1
+    key = tl.zeros_like(o_i)
+    for s in range(world):
+        on_s = (o_w == s)[:, None]
+        n_s = tl.sum(sel * tl.sum(tl.where(on_s, b_n, 0), axis=0)[None, :], axis=1)  # [BI]
+        off_s = tl.sum(sel * tl.sum(tl.where(on_s, b_src_off, 0), axis=0)[None, :], axis=1)
+        has_s = (n_s > 0) & (off_s <= rel1) & (off_s + n_s > rel0)
+        key = tl.maximum(key, tl.where(has_s, ((s - rank) * ring_step + world) % world, 0))
+    return tl.where((o_i < n_used) & (n > 0), key, world)
+
+
+@register_device_function
+@triton.jit
+def _row_tile_map(b_num, b_off, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr, rank, world,
+                  ring_step, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_W: tl.constexpr,
+                  BLOCK_KEY: tl.constexpr):
+    """tile_start = exclusive prefix of the experts' row tiles, and the tile table in the order
+    the GEMM stages take tiles: by arrival (`_tile_arrival`), then by natural index — so tiles of
+    rows already here come first. Entry: (expert, first row, rows, natural index); the natural
+    index names the tile's signal words. A stable counting sort: two passes over the tiles."""
     n_t = tl.where(m_e, (b_num + BLOCK_M - 1) // BLOCK_M, 0)  # [BLOCK_E]
     t_incl = tl.cumsum(n_t, axis=0)
     t_excl = t_incl - n_t
@@ -219,18 +255,30 @@ def _row_tile_map(b_num, b_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr
     tl.store(tile_start_ptr + o_e, t_excl, mask=m_e)
     n_used = tl.sum(n_t, axis=0)
     tl.store(tile_start_ptr + E_local, n_used)
+    o_k = tl.arange(0, BLOCK_KEY)
+    per_key = tl.zeros((BLOCK_KEY,), dtype=tl.int32)
     for i0 in range(0, n_tiles, BLOCK_I):
         o_i = i0 + tl.arange(0, BLOCK_I)
-        # expert of tile i: the number of experts whose tiles all come before i
-        e = tl.minimum(tl.sum(((t_incl[None, :] <= o_i[:, None]) & m_e[None, :]).to(tl.int32), axis=1), E_local - 1)
-        sel = (o_e[None, :] == e[:, None]).to(tl.int32)  # one-hot gathers of per-expert values
-        row0 = tl.sum(sel * b_off[None, :], axis=1) + (o_i - tl.sum(sel * t_excl[None, :], axis=1)) * BLOCK_M
-        n = tl.minimum(tl.sum(sel * (b_off + b_num)[None, :], axis=1) - row0, BLOCK_M)
-        n = tl.where(o_i < n_used, tl.maximum(n, 0), 0)
+        e, row0, n, sel = _row_tiles(o_i, t_incl, t_excl, b_num, b_off, m_e, E_local, n_used, BLOCK_M)
+        rel0 = row0 - tl.sum(sel * b_off[None, :], axis=1)
+        key = _tile_arrival(o_i, sel, rel0, n, n_used, b_n, b_src_off, rank, world, ring_step, BLOCK_W)
+        hot = ((key[:, None] == o_k[None, :]) & (o_i < n_tiles)[:, None]).to(tl.int32)
+        per_key += tl.sum(hot, axis=0)
+    before = tl.cumsum(per_key, axis=0) - per_key  # tiles of smaller keys
+    for i0 in range(0, n_tiles, BLOCK_I):
+        o_i = i0 + tl.arange(0, BLOCK_I)
         m_i = o_i < n_tiles
-        tl.store(tiles_ptr + o_i * 3, e, mask=m_i)
-        tl.store(tiles_ptr + o_i * 3 + 1, row0, mask=m_i)
-        tl.store(tiles_ptr + o_i * 3 + 2, n, mask=m_i)
+        e, row0, n, sel = _row_tiles(o_i, t_incl, t_excl, b_num, b_off, m_e, E_local, n_used, BLOCK_M)
+        rel0 = row0 - tl.sum(sel * b_off[None, :], axis=1)
+        key = _tile_arrival(o_i, sel, rel0, n, n_used, b_n, b_src_off, rank, world, ring_step, BLOCK_W)
+        hot = ((key[:, None] == o_k[None, :]) & m_i[:, None]).to(tl.int32)
+        pos = tl.sum(hot * (before[None, :] + tl.cumsum(hot, axis=0) - hot), axis=1)
+        before += tl.sum(hot, axis=0)
+        p = tiles_ptr + pos * 4
+        tl.store(p, e, mask=m_i)
+        tl.store(p + 1, row0, mask=m_i)
+        tl.store(p + 2, n, mask=m_i)
+        tl.store(p + 3, o_i, mask=m_i)
 
 
 @triton.jit
@@ -249,8 +297,9 @@ def ep_layout_kernel(
     tokens_from_ptr, # out int32 (W,) tokens each source sends here
     src_info_ptr,    # out int32 (W, 2): (FLAG_* bits, T) of every source rank
     tile_start_ptr,  # out int32 (E_local + 1,) first row tile of each expert (BLOCK_M > 0)
-    tiles_ptr,       # out int32 (n_tiles, 3): (expert, first row, rows) of every row tile (BLOCK_M > 0)
+    tiles_ptr,       # out int32 (n_tiles, 4): row tiles in GEMM order (BLOCK_M > 0; see _row_tile_map)
     rank, world, E_local, budget, n_tiles,
+    ring_step,       # +1: sources are received in ring order rank, rank+1, ...; -1: rank, rank-1, ...
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
 ):
     epoch, ok = call_begin(table_ptr, rank, world, budget)
@@ -292,8 +341,8 @@ def ep_layout_kernel(
             tl.store(src_info_ptr + o_w * 2, tl.load(p_in + o_w * row + E_local + 1, mask=m_w), mask=m_w)
             tl.store(src_info_ptr + o_w * 2 + 1, tl.load(p_in + o_w * row + E_local + 2, mask=m_w), mask=m_w)
             if BLOCK_M > 0:
-                _row_tile_map(b_num, b_incl - b_num, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr, BLOCK_M,
-                              BLOCK_I)
+                _row_tile_map(b_num, b_incl - b_num, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr,
+                              rank, world, ring_step, BLOCK_M, BLOCK_I, BLOCK_W, 2 * BLOCK_W)
     call_end(table_ptr, rank)
 
 
@@ -316,7 +365,7 @@ register_kernel(
      "sig_table_ptr": "*i64", "layout_offset": "i64", "sig_first": "i32", "num_recv_ptr": "*i32",
      "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32", "src_info_ptr": "*i32",
      "tile_start_ptr": "*i32", "tiles_ptr": "*i32", "rank": "i32", "world": "i32", "E_local": "i32",
-     "budget": "i32", "n_tiles": "i32"},
+     "budget": "i32", "n_tiles": "i32", "ring_step": "i32"},
     {"BLOCK_W": 8, "BLOCK_E": 64, "BLOCK_M": 128}, label="W8-E64-tiles")
 
 
@@ -342,11 +391,13 @@ class RecvLayout:
 
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
                     layout_name: str, sig_first: int, *, tile_rows: int = 0,
-                    tiles: torch.Tensor | None = None) -> RecvLayout:
+                    tiles: torch.Tensor | None = None, ring_step: int = 1) -> RecvLayout:
     """Launch the counts exchange (one program); returns the receive layout (no host sync).
 
     tile_rows > 0 also builds the GEMM row-tile map in the same launch: `tile_start`
-    [E_local + 1] in the result and `tiles` [n_tiles, 3] (expert, first row, rows) filled in place.
+    [E_local + 1] in the result and `tiles` [n_tiles, 4] filled in place, in the order the GEMM
+    stages take them (rows that arrive first, first; see `_row_tile_map`); ring_step: +1 when
+    sources are received in the order rank, rank + 1, ..., -1 for rank, rank - 1, ...
     """
     W = heap.world_size
     e_local = num_experts // W
@@ -358,13 +409,15 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
         tokens_from=torch.empty(W, dtype=torch.int32, device=dev),
         src_info=torch.empty((W, 2), dtype=torch.int32, device=dev),
         tile_start=torch.empty(e_local + 1, dtype=torch.int32, device=dev) if tile_rows else None)
-    if tile_rows and (tiles is None or tiles.dim() != 2 or tiles.shape[1] != 3 or tiles.dtype != torch.int32):
-        raise ValueError("tile_rows > 0 needs `tiles`, an int32 [n_tiles, 3] tensor")
+    if tile_rows and (tiles is None or tiles.dim() != 2 or tiles.shape[1] != 4 or tiles.dtype != torch.int32):
+        raise ValueError("tile_rows > 0 needs `tiles`, an int32 [n_tiles, 4] tensor")
+    if ring_step not in (1, -1):
+        raise ValueError(f"ring_step must be 1 or -1, got {ring_step}")
     ep_layout_kernel[(1,)](
         send.counts, send.tokens_to, send.flags, send.topk_idx.shape[0], heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,
         out.tokens_from, out.src_info, out.tile_start if tile_rows else out.num_recv,
         tiles if tile_rows else out.num_recv, heap.rank, W, e_local, heap.wait_budget,
-        tiles.shape[0] if tile_rows else 0,
+        tiles.shape[0] if tile_rows else 0, ring_step,
         BLOCK_W=triton.next_power_of_2(W), BLOCK_E=triton.next_power_of_2(e_local), BLOCK_M=tile_rows)
     return out

@@ -37,8 +37,8 @@ from ..runtime.heap import register_stage
 from .ep_combine import reduce_landed
 from .ep_dispatch import stage_token_chunk
 from .grouped_gemm import down_acc, swiglu_tile
-from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, notify_add, wait,
-                         wait_all)
+from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task_split, notify, notify_add,
+                         wait, wait_all)
 
 STAGE_MOE_RECV = tl.constexpr(register_stage(10, "moe: dispatch_recv waits for a chunk"))
 STAGE_MOE_ROWS = tl.constexpr(register_stage(11, "moe: gemm_gate_up waits for its rows"))
@@ -50,16 +50,18 @@ STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barri
 @register_device_function
 @triton.jit
 def _gemm_tile(q, n_cols, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR: tl.constexpr):
-    """q-th task of a GEMM stage -> (row tile, column tile, expert, first row, rows); the plan's
-    gemm_tile_order picks row-major (all column tiles of a row tile together) or column-major."""
+    """q-th task of a GEMM stage -> (row tile's natural index, column tile, expert, first row,
+    rows); the plan's gemm_tile_order picks row-major (all column tiles of a row tile together)
+    or column-major over the row tiles in the layout's arrival order."""
     if ROW_MAJOR:
         i_m = q // n_cols
         i_n = q % n_cols
     else:
         i_n = q // n_rt
         i_m = q % n_rt
-    p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 3
-    return i_m, i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
+    p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 4
+    # the table lists tiles in arrival order; a tile's signal words go by its natural index
+    return tl.load(p_tile + 3), i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
 
 
 # DEVICE_TIMER values: which clock a traced launch stamps (none under the interpreter).
@@ -133,6 +135,7 @@ def moe_fused_kernel(
     clock_ptr,        # int32 (1,) logical clock, zero at launch
     src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
     refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises afterwards)
+    comm_programs,    # role split: programs [0, comm_programs) start on the dispatch stages; 0: one queue
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
     sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)
@@ -162,12 +165,19 @@ def moe_fused_kernel(
     # the last down tile's landing counters (int64 addresses) and rows, not yet published
     pend_cnt = tl.zeros((BM,), dtype=tl.int64)
     pend_m = tl.zeros((BM,), dtype=tl.int1)
-    t = next_task(my_ctrl)
+    # role split (comm_programs > 0): programs below comm_programs start on the dispatch stages
+    # (tickets [0, F2)), the rest on the GEMM and combine stages (tickets from F2 on); without a
+    # split every program takes every ticket from the compute counter (split point 0).
+    split_at = tl.where(comm_programs > 0, F2, 0)
+    on_comm = tl.program_id(0) < comm_programs
+    t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     while t < NT:
+        busy = t >= 0  # -1: a communication program found its queue drained; no task this turn
         if TRACE:
-            tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
-            _stamp_timer(timer_ptr + t * 2, DEVICE_TIMER)
-        if ok:
+            if busy:
+                tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+                _stamp_timer(timer_ptr + t * 2, DEVICE_TIMER)
+        if ok & busy:
             if t < F1:
                 # ---- S0 dispatch_send: chunk c of the tokens going to rank d
                 i_pos = t // n_chunks
@@ -286,9 +296,10 @@ def moe_fused_kernel(
                         tl.debug_barrier()
                         tl.store(p_sig + sig_land + o_tk, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32), mask=valid)
         if TRACE:
-            tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
-            _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
-        t = next_task(my_ctrl)
+            if busy:
+                tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
+                _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
+        t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     _publish_landed(pend_cnt, pend_m)
     call_end(table_ptr, rank)
 
@@ -297,6 +308,7 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
         "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
+        "comm_programs": "i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",

@@ -20,6 +20,7 @@ from ..runtime import control as C
 EPOCH = tl.constexpr(C.EPOCH)
 ARRIVALS = tl.constexpr(C.ARRIVALS)
 TASKS = tl.constexpr(C.TASKS)
+TASKS_B = tl.constexpr(C.TASKS_B)
 ERR_FLAG = tl.constexpr(C.ERR_FLAG)
 ERR_RANK = tl.constexpr(C.ERR_RANK)
 ERR_STAGE = tl.constexpr(C.ERR_STAGE)
@@ -179,6 +180,21 @@ def next_task(my_ctrl):
 
 @register_device_function
 @triton.jit
+def next_task_split(my_ctrl, on_comm, split_at):
+    """Role split: a ticket for a program on the communication queue (tickets [0, split_at), the
+    queue's own counter) or on the compute queue (tickets [split_at, ...), a second counter).
+    Exactly one atomic per call, at a computed address: a version that took the second counter's
+    atomic under a branch compiled into a kernel that died with "illegal instruction" on H200
+    (even when no program took that branch). A communication program that finds its queue
+    drained gets -1, no task, and is a compute program from then on.
+    Returns (ticket or -1, still on the communication queue)."""
+    raw = tl.atomic_add(my_ctrl + tl.where(on_comm, TASKS, TASKS_B), 1, sem="relaxed", scope="gpu")
+    t = tl.where(on_comm, tl.where(raw < split_at, raw, -1), split_at + raw)
+    return t, on_comm & (raw < split_at)
+
+
+@register_device_function
+@triton.jit
 def call_end(table_ptr, rank):
     """Leave the launch; the last program out resets the queue and advances the epoch."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
@@ -187,6 +203,7 @@ def call_end(table_ptr, rank):
     if arrived == n_programs - 1:
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")
         tl.atomic_add(my_ctrl + EPOCH, 1, sem="release", scope="gpu")
 
 

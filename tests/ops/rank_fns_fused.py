@@ -31,9 +31,11 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
     for v in variants:
         layer = FusedMoE(None, E, H, I, max_tokens or max(max(tokens), 1), K, torch.float32, **v)
         out = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], trace=True)
+        tile_order = check_tile_order(layer)
         again = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
         graph = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], sync=False)
         reports.append({"rerun_bitwise": torch.equal(out, again), "nosync_bitwise": torch.equal(out, graph),
+                        "tile_order": tile_order,
                         "overlap": layer.overlap_report()})
         layer.free()
         outs.append(out)
@@ -44,6 +46,22 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
         "variants_bitwise": [torch.equal(o, outs[0]) for o in outs],
         "reports": reports,
     }
+
+
+def check_tile_order(layer: FusedMoE) -> str:
+    """The GEMM tile table after a call: every tile with rows once (natural indices 0..n-1 first),
+    ordered by the ring position of the last-received source among its rows, then by natural
+    index. Returns "ok" or what is wrong."""
+    rank, W = layer.heap.rank, layer.world_size
+    step = -1 if layer.plan.device.source_order == "reverse_ring" else 1
+    tiles = layer.heap.local_view("gemm/tiles").tolist()
+    rows = layer.heap.local_view("gemm/rows")
+    used = [t for t in tiles if t[2] > 0]
+    if sorted(t[3] for t in used) != list(range(len(used))) or any(t[2] > 0 for t in tiles[len(used):]):
+        return f"tiles with rows are not the natural tiles 0..{len(used) - 1} first: {tiles}"
+    keys = [(max(((int(s) - rank) * step) % W for s in rows[r0:r0 + n, 1].tolist()), nat)
+            for _, r0, n, nat in used]
+    return "ok" if keys == sorted(keys) else f"not in arrival order: (key, natural index) = {keys}"
 
 
 def fused_refusals() -> dict:

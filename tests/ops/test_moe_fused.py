@@ -11,12 +11,15 @@ VARIANTS = (
     {"schedule": "sequential"},
     {"num_programs": 3, "chunk_rows": 4, "gemm_tile_order": "column_major", "source_order": "reverse_ring",
      "block_t": 4},
+    {"comm_programs": 0},                       # no role split: one queue
+    {"num_programs": 3, "comm_programs": 2, "source_order": "reverse_ring"},
 )
 CASES = [  # (W, tokens per rank, H, I, E, K, routing)
     (2, [13, 7], 32, 24, 4, 2, "uniform"),
     (3, [9, 0, 17], 40, 16, 6, 3, "zipf"),          # empty rank, H/I not block multiples
     (3, [10, 10, 10], 32, 24, 9, 2, "one_expert"),  # every token to expert 0
     (4, [5, 12, 3, 8], 32, 16, 8, 4, "one_rank"),   # every token to rank 0's experts
+    (3, [24, 30, 27], 32, 16, 3, 2, "uniform"),     # several row tiles per expert, from mixed sources
 ]
 
 
@@ -29,6 +32,7 @@ def test_fused_moe(emulated_cluster, W, tokens, H, I, E, K, kind):
         for v, r in zip(VARIANTS, rep["reports"]):
             assert r["rerun_bitwise"] and r["nosync_bitwise"], f"rank {rank} {v}: runs differ"
             assert r["overlap"]["gate_up_tiles"] >= 0
+            assert r["tile_order"] == "ok", f"rank {rank} {v}: {r['tile_order']}"
 
 
 def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
