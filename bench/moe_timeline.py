@@ -1,11 +1,15 @@
 """Where the fused MoE kernel's time goes: a per-stage timeline of one traced launch, per rank.
 
     torchrun --nproc-per-node 4 bench/moe_timeline.py [--tokens 128 4096] [--hidden 7168] [--inter 2048]
-        [--experts 64] [--topk 8] [--schedules overlap sequential] [--warmup 3]
+        [--experts 64] [--topk 8] [--schedules overlap sequential] [--warmup 3] [--iters 0]
+        [--variant comm_programs=0,recv_lag=0 ...]
     TRITON_INTERPRET=1 GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 bench/moe_timeline.py --smoke
 
-For every (T, schedule): a `FusedMoE` layer is built, run `--warmup` times, then once with
-`trace=True`. Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
+For every (T, schedule, plan variant): a `FusedMoE` layer is built (a variant is a comma-separated
+list of Device-level plan overrides, e.g. `comm_programs=0,recv_lag=1024`; none: the plan's
+defaults), run `--warmup` times, then once with `trace=True`. With --iters N, N more eager calls
+are timed with CUDA events (median of the slowest rank per call) and every variant's output is
+compared bitwise with the first variant's (plan fields must not change a bit). Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
 dispatch chunk, from the logical clock) and, on GPUs, `timeline()` from the device timer: per
 stage, when its first task started and its last ended (µs after program 0 entered the kernel,
 "call_barrier" being the wait for every rank to enter) and its busy time per program. The
@@ -38,7 +42,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", nargs="+", default=["overlap", "sequential"], choices=["overlap", "sequential"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU, interpreter)")
+    p.add_argument("--variant", action="append", default=None, metavar="FIELD=VALUE[,...]",
+                   help="Device-level plan overrides (repeatable); default: one variant, the plan's defaults")
+    p.add_argument("--iters", type=int, default=0, help="timed eager calls per variant (0: trace only)")
     return p
+
+
+def parse_variant(text: str) -> dict[str, int | str]:
+    """'comm_programs=0,recv_lag=8' -> {'comm_programs': 0, 'recv_lag': 8} (ints where they parse)."""
+    out: dict[str, int | str] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--variant: expected FIELD=VALUE, got {item!r}")
+        out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def median_ms(fn, iters: int, on_gpu: bool) -> float:
+    """Median over `iters` calls of the slowest rank's time per call (CUDA events on GPUs)."""
+    import statistics
+    import time
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if on_gpu:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms = a.elapsed_time(b)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        t = torch.tensor([ms], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,14 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     for T in args.tokens:
         x = torch.randn(T, H, device=dev, generator=gen).to(dtype)
         w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
-        for schedule in args.schedules:
+        first_out = None
+        for schedule, variant in [(s, v) for s in args.schedules for v in (args.variant or [""])]:
+            overrides = parse_variant(variant)
             layer = FusedMoE(None, E, H, I, T, K, dtype, schedule=schedule,
-                             backend="torch" if on_gpu else "emulated")
+                             backend="torch" if on_gpu else "emulated", **overrides)
             for _ in range(args.warmup):
                 layer(x, idx, w, w1, w2)
             dist.barrier()
-            layer(x, idx, w, w1, w2, trace=True)
-            lines = [f"[rank {rank}] T={T} {schedule}: {layer.overlap_report()}"]
+            out = layer(x, idx, w, w1, w2, trace=True)
+            if first_out is None:
+                first_out = out
+            d = layer.plan.device
+            name = f"{schedule} comm_programs={d.comm_programs} recv_lag={d.recv_lag}"
+            lines = [f"[rank {rank}] T={T} {name}: {layer.overlap_report()}  "
+                     f"bitwise == first variant: {torch.equal(out, first_out)}"]
+            if args.iters > 0:
+                ms = median_ms(lambda: layer(x, idx, w, w1, w2), args.iters, on_gpu)
+                lines.append(f"    median {ms:.3f} ms per call (slowest rank, {args.iters} eager calls)")
             if on_gpu:
                 for r in layer.timeline():
                     lines.append(f"    {r['stage']:16s} tasks {r['tasks']:6d}  start {r['first_start_us']:9.1f}  "

@@ -37,7 +37,8 @@ DEFAULT_CHUNK_ROWS = 16
 DEFAULT_BLOCK_T = 16
 
 # Spec fields `lower(spec, **overrides)` accepts: the decisions, not the op's shapes.
-OVERRIDABLE = ("schedule", "chunk_rows", "ranks_per_node", "num_programs", "comm_programs", "source_order",
+OVERRIDABLE = ("schedule", "chunk_rows", "ranks_per_node", "num_programs", "comm_programs", "recv_lag",
+               "source_order",
                "gemm_tile_order", "combine_fused", "block_t", "heap_bytes", "gate_up_config",
                "down_config", "block_h")
 
@@ -68,7 +69,7 @@ def lower(spec: MoESpec, **overrides) -> MoEPlan:
     stages, families = number_stages(stages), assign_signal_words(families)
     device = DevicePlan(
         schedule=spec.schedule, num_programs=spec.num_programs, comm_programs=spec.comm_programs,
-        source_order=spec.source_order,
+        recv_lag=spec.recv_lag, source_order=spec.source_order,
         gemm_tile_order=spec.gemm_tile_order, combine_fused=spec.combine_fused,
         block_t=spec.block_t, n_row_tiles_max=row_tiles_bound(routing, core.gate_up.block_m),
         n_tiles1=cdiv(routing.ffn_hidden, core.gate_up.block_n),
@@ -115,7 +116,18 @@ def fill_defaults(spec: MoESpec) -> MoESpec:
     spec = dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
     if spec.comm_programs is None:
         spec = dataclasses.replace(spec, comm_programs=default_comm_programs(spec.num_programs))
+    if spec.recv_lag is None:
+        spec = dataclasses.replace(spec, recv_lag=default_recv_lag(spec))
     return spec
+
+
+def default_recv_lag(spec: MoESpec) -> int:
+    """Overlap: a receive trails its send by one wave of the programs that take dispatch tasks
+    (by then the chunk has usually landed). Sequential: every send first (its stage barrier
+    waits for all of them)."""
+    if spec.schedule == "sequential":
+        return spec.world_size * cdiv(spec.max_tokens, spec.chunk_rows)
+    return spec.comm_programs or spec.num_programs
 
 
 def default_comm_programs(num_programs: int) -> int:

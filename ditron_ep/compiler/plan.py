@@ -310,6 +310,11 @@ class DevicePlan:
     # dispatch_recv), the others on the compute queue (the GEMM stages, then combine_reduce);
     # a comm program joins the compute queue once its queue is empty. 0: one queue for all.
     comm_programs: int
+    # The two dispatch stages share the start of the queue, interleaved (megakernel/task_queue.py):
+    # dispatch_recv task g comes right after dispatch_send task g + recv_lag, so the rows already
+    # here are placed, and their GEMM tiles start, while remote chunks are still being sent.
+    # recv_lag >= the number of send tasks: every send first (what "sequential" needs).
+    recv_lag: int
     source_order: str           # order of destinations in dispatch_send: "ring" | "reverse_ring"
     gemm_tile_order: str        # order of (row tile, col tile) in the GEMM stages
     combine_fused: bool         # gemm_down sends its tiles itself (no combine_send stage)
@@ -354,12 +359,15 @@ class DevicePlan:
         lines = [
             "Device level (DevicePlan)",
             f"  schedule={d.schedule}  num_programs={d.num_programs}  comm_programs={d.comm_programs}  "
-            f"source_order={d.source_order}  "
+            f"recv_lag={d.recv_lag}  source_order={d.source_order}  "
             f"gemm_tile_order={d.gemm_tile_order}  combine_fused={d.combine_fused}  block_t={d.block_t}",
             f"  GEMM tiles per rank: rows <= {d.n_row_tiles_max} (bound)  x  gate-up cols "
             f"{d.n_tiles1}, down cols {d.n_tiles2}",
             f"  queue: {d.num_tasks} tickets per rank (host bound), in this order:",
         ]
+        if d.has_stage("dispatch_send") and d.recv_lag < d.stage("dispatch_send").num_tasks:
+            lines.append(f"    (dispatch_send and dispatch_recv share their tickets, interleaved: recv task g "
+                         f"right after send task g + {d.recv_lag})")
         for s in d.stages:
             grid = " x ".join(f"{n}[{e}]" for n, e in s.grid) or "-"
             barrier = "  [barrier before]" if s.barrier_before else ""
@@ -498,6 +506,7 @@ class MoESpec:
     # Device level
     num_programs: int | None = None
     comm_programs: int | None = None
+    recv_lag: int | None = None
     source_order: str | None = None
     gemm_tile_order: str | None = None
     combine_fused: bool | None = None
@@ -536,6 +545,9 @@ class MoESpec:
         if self.comm_programs is not None and (not isinstance(self.comm_programs, int) or self.comm_programs < 0
                                                or isinstance(self.comm_programs, bool)):
             raise ValueError(f"MoESpec.comm_programs must be an int >= 0, got {self.comm_programs!r}")
+        if self.recv_lag is not None and (not isinstance(self.recv_lag, int) or self.recv_lag < 0
+                                          or isinstance(self.recv_lag, bool)):
+            raise ValueError(f"MoESpec.recv_lag must be an int >= 0, got {self.recv_lag!r}")
         if self.ranks_per_node is not None and (not is_positive_int(self.ranks_per_node)
                                                 or self.world_size % self.ranks_per_node):
             raise ValueError(f"MoESpec.ranks_per_node must divide world_size={self.world_size}, "

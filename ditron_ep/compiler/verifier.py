@@ -114,6 +114,12 @@ def _check_device_params(plan: MoEPlan) -> None:
         raise PlanError(f"device.comm_programs must be an int in [0, num_programs={d.num_programs}) (0: one "
                         f"queue; otherwise at least one program must start on the compute queue), "
                         f"got {d.comm_programs!r}")
+    n_send = d.stage("dispatch_send").num_tasks if d.has_stage("dispatch_send") else 0
+    if not isinstance(d.recv_lag, int) or isinstance(d.recv_lag, bool) or d.recv_lag < 0:
+        raise PlanError(f"device.recv_lag must be an int >= 0, got {d.recv_lag!r}")
+    if d.schedule == "sequential" and d.recv_lag < n_send:
+        raise PlanError(f"schedule='sequential' needs every dispatch_send before the first dispatch_recv "
+                        f"(its stage barrier waits for them): recv_lag={d.recv_lag} < {n_send} send tasks")
     if not is_pow2(d.block_t):
         raise PlanError(f"device.block_t must be a power of two, got {d.block_t}")
     for name, want in (("n_row_tiles_max", row_tiles_bound(r, core.gate_up.block_m)),

@@ -39,6 +39,7 @@ from .ep_dispatch import stage_token_chunk
 from .grouped_gemm import down_acc, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task_split, notify, notify_add,
                          wait, wait_all)
+from .task_queue import interleaved_task
 
 STAGE_MOE_RECV = tl.constexpr(register_stage(10, "moe: dispatch_recv waits for a chunk"))
 STAGE_MOE_ROWS = tl.constexpr(register_stage(11, "moe: gemm_gate_up waits for its rows"))
@@ -136,6 +137,7 @@ def moe_fused_kernel(
     src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
     refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises afterwards)
     comm_programs,    # role split: programs [0, comm_programs) start on the dispatch stages; 0: one queue
+    recv_lag,         # plan: dispatch_recv task g follows dispatch_send task g + recv_lag (>= F1: sends first)
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
     sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)
@@ -173,6 +175,12 @@ def moe_fused_kernel(
     t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     while t < NT:
         busy = t >= 0  # -1: a communication program found its queue drained; no task this turn
+        # Tickets [0, F2) interleave the two dispatch stages (task_queue.py): the receive of
+        # (position, chunk) g comes recv_lag sends after the send of g, so this rank's own rows
+        # are placed, and their GEMM tiles can start, while remote chunks are still being sent.
+        # From here on t names the task (stage-major), not the ticket.
+        is_send, q_comm = interleaved_task(t, F1, 1, F2 - F1, 1, recv_lag)
+        t = tl.where(busy & (t < F2), tl.where(is_send, q_comm, F1 + q_comm), t)
         if TRACE:
             if busy:
                 tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
@@ -308,7 +316,7 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
         "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
-        "comm_programs": "i32",
+        "comm_programs": "i32", "recv_lag": "i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",

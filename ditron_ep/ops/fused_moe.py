@@ -130,7 +130,7 @@ class FusedMoE:
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
-            self._clock, recv.src_info, int(sync), dev.comm_programs, h.ptr_table, h.signal_table,
+            self._clock, recv.src_info, int(sync), dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
             dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,

@@ -107,6 +107,7 @@ FIELD_CHANGES = [  # (override, value, what must hold in the new plan)
      and p.device.stage("combine_send").num_tasks == p.device.n_row_tiles_max),
     ("schedule", "sequential", lambda p: p.device.stage("gemm_down").barrier_before),
     ("block_t", 8, lambda p: p.device.stage("combine_reduce").num_tasks == 5),
+    ("recv_lag", 3, lambda p: p.device.recv_lag == 3 and "right after send task g + 3" in p.describe()),
     ("gate_up_config", GemmTileConfig(32, 32, 32, 4, 1), lambda p: p.core.gate_up.block_m == 32),
 ]
 
@@ -290,6 +291,10 @@ def test_rejects_bad_parameters(base):
     with pytest.raises(PlanError, match="gate_up.block_m=32 != down.block_m=16"):
         verify(dataclasses.replace(base, core=dataclasses.replace(
             base.core, gate_up=GemmTileConfig(32, 16, 32, 4, 1))))
+    with pytest.raises(PlanError, match="recv_lag"):
+        verify(replace_device(base, recv_lag=-1))
+    with pytest.raises(PlanError, match="needs every dispatch_send before the first dispatch_recv"):
+        lower(spec_of(4, 16, 2, 64, 96, 40), schedule="sequential", recv_lag=2)
     with pytest.raises(ValueError, match="chunk_rows must be a power of two"):
         lower(spec_of(4, 16, 2, 64, 96, 40), chunk_rows=12)
     with pytest.raises(ValueError, match="cannot override"):
