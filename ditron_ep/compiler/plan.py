@@ -306,9 +306,10 @@ class DevicePlan:
 
     schedule: str               # "overlap" | "sequential"
     num_programs: int           # persistent grid size
-    # Role split: programs [0, comm_programs) start on the communication queue (dispatch_send,
-    # dispatch_recv), the others on the compute queue (the GEMM stages, then combine_reduce);
-    # a comm program joins the compute queue once its queue is empty. 0: one queue for all.
+    # Role split: the first comm_programs programs to start take the communication queue
+    # (dispatch_send, dispatch_recv), the others the compute queue (the GEMM stages, then
+    # combine_reduce); a comm program joins the compute queue once its queue is empty. 0: one
+    # queue for all.
     comm_programs: int
     # The two dispatch stages share the start of the queue, interleaved (megakernel/task_queue.py):
     # dispatch_recv task g comes right after dispatch_send task g + recv_lag, so the rows already

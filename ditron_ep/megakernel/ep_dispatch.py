@@ -139,9 +139,9 @@ def ep_dispatch_kernel(
                             # every slice stores the same rows (it reads them back below)
                             tl.store(recv_rows_ptr + r_src * K + k, row, mask=m_j)
                             if HAS_WEIGHTS:
-                                b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
-                                              mask=row >= 0, other=0.0)
                                 if i_j == 0:
+                                    b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
+                                                  mask=row >= 0, other=0.0)
                                     tl.store(recv_w_ptr + row, b_w, mask=row >= 0)
                         # recv_rows was just written lane by lane; other warps read it below.
                         tl.debug_barrier()

@@ -1,12 +1,15 @@
 """The fused EP MoE megakernel: dispatch -> grouped SwiGLU GEMM -> down GEMM -> combine in one
 persistent launch, synchronised at tile granularity (the layout stage is a separate launch).
 
-Programs take tasks from one ordered queue (an atomic ticket counter). Stages, in queue order:
+Programs take tasks from an ordered queue of atomic tickets. Stages, in queue order:
   S0 dispatch_send   (dest d, chunk c): stage the chunk's tokens on d, stamp flag (me, c) on d
   S1 dispatch_recv   (source s, chunk c): wait that flag; for every (token, k) of the chunk
                      routed here write the GEMM row's gather index (no data copy) and count the
-                     row into its GEMM row tile (local counter)
-  S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU
+                     row into its GEMM row tile (local counter). S0 and S1 share the first
+                     tickets, interleaved (plan field recv_lag; task_queue.py).
+  S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU.
+                     Row tiles come in arrival order (the layout launch sorts them: tiles of
+                     this rank's own rows first, then by the ring position of their last source)
   S3 gemm_down       (row tile i, col tile j): wait for all gate-up tiles of row tile i; down
                      GEMM; the tile's rows go straight to their token's rank, landing at
                      [token, k] (+1 on that (token, k)'s counter there). The +1s are published
@@ -17,9 +20,12 @@ Programs take tasks from one ordered queue (an atomic ticket counter). Stages, i
                      T=4096 on 4xH200 (bench/results/moe_timeline_H200x4_20261122.log).
   S4 combine_reduce  (token block): wait until every routed (token, k) has all its column
                      tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once
-A task only waits on earlier tasks of its own rank or on other ranks' tasks of earlier stages,
-so a GPU never deadlocks (every awaited task was handed out first and is running) and the
-interpreter, which runs one program's whole queue in order, never waits on work not yet done.
+Role split (plan field comm_programs > 0): the first comm_programs programs to start take the
+S0/S1 tickets from their own counter, the others take S2.. from a second one; a comm program
+whose queue is drained joins the compute queue. Progress: every wait is on a task with a smaller
+ticket, of this rank or of another rank (on every rank S0/S1 tickets come before S2..), and the
+S0/S1 queue never waits on compute tasks, so a GPU with every program resident never deadlocks;
+the interpreter, which runs one program's whole queue in order, never waits on work not yet done.
 Every position is a pure function of the routing and no tile is split along K, so the result
 does not depend on which program runs what, on the grid size, on the task order within a
 stage, or on `schedule="sequential"` (stage barriers from the plan): bit for bit.
@@ -38,7 +44,7 @@ from .ep_combine import reduce_landed
 from .ep_dispatch import stage_token_chunk
 from .grouped_gemm import down_acc, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task_split, notify, notify_add,
-                         wait, wait_all)
+                         take_role, wait, wait_all)
 from .task_queue import interleaved_task
 
 STAGE_MOE_RECV = tl.constexpr(register_stage(10, "moe: dispatch_recv waits for a chunk"))
@@ -136,7 +142,7 @@ def moe_fused_kernel(
     clock_ptr,        # int32 (1,) logical clock, zero at launch
     src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
     refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises afterwards)
-    comm_programs,    # role split: programs [0, comm_programs) start on the dispatch stages; 0: one queue
+    comm_programs,    # role split: the first comm_programs programs to start take the dispatch stages; 0: one queue
     recv_lag,         # plan: dispatch_recv task g follows dispatch_send task g + recv_lag (>= F1: sends first)
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
@@ -167,11 +173,11 @@ def moe_fused_kernel(
     # the last down tile's landing counters (int64 addresses) and rows, not yet published
     pend_cnt = tl.zeros((BM,), dtype=tl.int64)
     pend_m = tl.zeros((BM,), dtype=tl.int1)
-    # role split (comm_programs > 0): programs below comm_programs start on the dispatch stages
-    # (tickets [0, F2)), the rest on the GEMM and combine stages (tickets from F2 on); without a
-    # split every program takes every ticket from the compute counter (split point 0).
+    # role split (comm_programs > 0): the first comm_programs programs to arrive take the dispatch
+    # stages (tickets [0, F2)), the rest the GEMM and combine stages (tickets from F2 on); without
+    # a split every program takes every ticket from the compute counter (split point 0).
     split_at = tl.where(comm_programs > 0, F2, 0)
-    on_comm = tl.program_id(0) < comm_programs
+    on_comm = take_role(my_ctrl, comm_programs)
     t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     while t < NT:
         busy = t >= 0  # -1: a communication program found its queue drained; no task this turn

@@ -21,6 +21,7 @@ EPOCH = tl.constexpr(C.EPOCH)
 ARRIVALS = tl.constexpr(C.ARRIVALS)
 TASKS = tl.constexpr(C.TASKS)
 TASKS_B = tl.constexpr(C.TASKS_B)
+ROLES = tl.constexpr(C.ROLES)
 ERR_FLAG = tl.constexpr(C.ERR_FLAG)
 ERR_RANK = tl.constexpr(C.ERR_RANK)
 ERR_STAGE = tl.constexpr(C.ERR_STAGE)
@@ -180,6 +181,15 @@ def next_task(my_ctrl):
 
 @register_device_function
 @triton.jit
+def take_role(my_ctrl, comm_programs):
+    """Role split: True for the first comm_programs programs to get here (by arrival, not by
+    program id: CUDA does not promise to start blocks in id order, and a compute program must
+    never wait for rows that only a not-yet-started program would place)."""
+    return tl.atomic_add(my_ctrl + ROLES, 1, sem="relaxed", scope="gpu") < comm_programs
+
+
+@register_device_function
+@triton.jit
 def next_task_split(my_ctrl, on_comm, split_at):
     """Role split: a ticket for a program on the communication queue (tickets [0, split_at), the
     queue's own counter) or on the compute queue (tickets [split_at, ...), a second counter).
@@ -187,7 +197,8 @@ def next_task_split(my_ctrl, on_comm, split_at):
     atomic under a branch compiled into a kernel that died with "illegal instruction" on H200
     (even when no program took that branch). A communication program that finds its queue
     drained gets -1, no task, and is a compute program from then on.
-    Returns (ticket or -1, still on the communication queue)."""
+    Returns (ticket or -1, still on the communication queue). Callers must skip ticket -1 (and
+    pass nothing derived from it on: interleaved_task(-1, ...) is not a task)."""
     raw = tl.atomic_add(my_ctrl + tl.where(on_comm, TASKS, TASKS_B), 1, sem="relaxed", scope="gpu")
     t = tl.where(on_comm, tl.where(raw < split_at, raw, -1), split_at + raw)
     return t, on_comm & (raw < split_at)
@@ -204,6 +215,7 @@ def call_end(table_ptr, rank):
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(my_ctrl + ROLES, 0, sem="relaxed", scope="gpu")
         tl.atomic_add(my_ctrl + EPOCH, 1, sem="release", scope="gpu")
 
 

@@ -127,7 +127,8 @@ class EPBuffer:
             ("ep/wstage", (W, T, K), torch.float32),
             ("ep/land", (T, K, H), dtype),
         ]
-        if hidden_slices is not None and (not isinstance(hidden_slices, int) or hidden_slices <= 0):
+        if hidden_slices is not None and (not isinstance(hidden_slices, int) or isinstance(hidden_slices, bool)
+                                          or hidden_slices <= 0):
             raise DitronConfigError(f"hidden_slices must be a positive int or None, got {hidden_slices!r}")
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
@@ -142,6 +143,15 @@ class EPBuffer:
                                   wait_budget=wait_budget)
         for name, shape, dt in self._specs:
             self.heap.alloc(name, shape, dt)
+        # Sender and receiver index signals and columns by the same tiling: it must agree everywhere
+        # (the signal count alone does not show a different block_hidden).
+        try:
+            self.heap.check_same_everywhere(
+                "EPBuffer copy tiling (block_rows, block_hidden, slices, columns per slice)",
+                (block_rows, self.block_hidden, self.n_slices, self.slice_cols))
+        except DitronConfigError:
+            self.heap.free()
+            raise
         self._sig_layout = self.heap.alloc_signals("ep/layout", W)
         self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", sig_per_kernel)
         self._sig_combine = self.heap.alloc_signals("ep/combine", sig_per_kernel)
@@ -249,8 +259,8 @@ class EPBuffer:
         recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout)
         return send, recv
 
-    def _sync_after_layout(self, recv: RecvLayout) -> int:
-        return sync_after_layout(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
+    def _read_layout_status(self, recv: RecvLayout) -> int:
+        return read_layout_status(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
 
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
@@ -292,14 +302,16 @@ class EPBuffer:
         send, recv = self._launch_layout(topk_idx)
         W, T, K = self.world_size, self.max_tokens, self.topk
         if sync:
-            rows_cap = num_rows = self._sync_after_layout(recv)
+            rows_cap = num_rows = self._read_layout_status(recv)
         else:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
             rows_cap, num_rows = W * T * K, None
         recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
         recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
-        # -1 = "no row": after a timed-out graph-mode dispatch, combine then moves nothing
-        # rather than gathering through garbage indices.
+        # -1 = "no row": after a timed-out graph-mode dispatch, combine gathers through no garbage
+        # index (a timed-out column slice may still leave its columns of recv_x unwritten; the
+        # timeout is raised by the next host-visible call, and this rank's next launches refuse
+        # all work until then).
         recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
         recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
@@ -356,7 +368,7 @@ def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_token
     raise_input_flags(flags, None, num_experts, max_tokens)
 
 
-def sync_after_layout(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
+def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
                       max_tokens: int) -> int:
     """The one device-to-host read of default mode: total rows, every rank's input flags, the
     heap's error word and flags pending from graph-mode calls. Raises on any of them."""

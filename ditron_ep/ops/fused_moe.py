@@ -17,7 +17,7 @@ from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_lay
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
-from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, sync_after_layout
+from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, read_layout_status
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
 
@@ -152,7 +152,7 @@ class FusedMoE:
         if sync:
             # The one host read of default mode, after the launch: bad input on any rank made
             # every rank's kernel refuse all work (no token moved), and raises here on every rank.
-            sync_after_layout(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+            read_layout_status(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
         return out
 
     __call__ = forward

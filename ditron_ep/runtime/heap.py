@@ -109,7 +109,7 @@ class SymmetricHeap:
             self.device = torch.device("cpu")
             if device is not None and torch.device(device).type != "cpu":
                 raise DitronConfigError(f"the emulated backend lives on the CPU; got device={device}")
-        self._check_same_everywhere("heap configuration",
+        self.check_same_everywhere("heap configuration",
                                     (self.backend, self.size_bytes, self.num_signals))
 
         if self.backend == "torch":
@@ -149,7 +149,7 @@ class SymmetricHeap:
             raise DitronConfigError(f"negative dimension in shape {shape} for buffer {name!r}")
         if not isinstance(dtype, torch.dtype):
             raise DitronConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
-        self._check_same_everywhere(f"allocation of {name!r}", (name, shape, str(dtype), self._next))
+        self.check_same_everywhere(f"allocation of {name!r}", (name, shape, str(dtype), self._next))
         buf = SymmetricBuffer(name, self._next, shape, dtype)
         end = buf.offset + buf.nbytes
         if end > self.size_bytes:
@@ -174,7 +174,7 @@ class SymmetricHeap:
             raise DitronConfigError(
                 f"out of signals: {name!r} needs {count}, {self.num_signals - self._next_signal} of "
                 f"{self.num_signals} left; create the heap with a larger num_signals")
-        self._check_same_everywhere(f"signal range {name!r}", (name, count, self._next_signal))
+        self.check_same_everywhere(f"signal range {name!r}", (name, count, self._next_signal))
         first = self._next_signal
         self._signal_ranges[name] = (first, count)
         self._next_signal += count
@@ -284,7 +284,8 @@ class SymmetricHeap:
         if self._freed:
             raise DitronConfigError("this SymmetricHeap was freed; create a new one")
 
-    def _check_same_everywhere(self, what: str, value: object) -> None:
+    def check_same_everywhere(self, what: str, value: object) -> None:
+        """Collective: raise DitronConfigError on every rank unless `value` is equal on all ranks."""
         values: list[object] = [None] * self.world_size
         dist.all_gather_object(values, value, group=self.group)
         if any(v != values[0] for v in values):

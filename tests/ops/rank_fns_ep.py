@@ -261,3 +261,15 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
     return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
             "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
             "grad_refused": grad_refused}
+
+
+def tiling_mismatch_case() -> str:
+    """Ranks asking for different column tilings (block_hidden) with the same slice count: the
+    signal counts agree, so only the tiling check can stop a silent column mix-up."""
+    from ditron_ep.runtime import DitronConfigError
+    rank = dist.get_rank()
+    try:
+        EPBuffer(None, 4, 48, 8, 2, torch.float32, block_hidden=16 if rank == 0 else 8, hidden_slices=2)
+    except DitronConfigError as e:
+        return f"DitronConfigError: {e}"
+    return "no error"

@@ -69,6 +69,11 @@ def test_bad_input(emulated_cluster):
     assert [r["graph_rows_dropped"] for r in emulated_cluster(2).run(fns.error_cases)] == [23, 0]
 
 
+def test_copy_tiling_must_match_across_ranks(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.tiling_mismatch_case)):
+        assert res.startswith("DitronConfigError") and "copy tiling" in res and "differs across ranks" in res, res
+
+
 def test_no_collectives_on_the_data_path(emulated_cluster):
     assert all(r["ok"] for r in emulated_cluster(2).run(fns.no_collectives_case))
 
