@@ -19,6 +19,7 @@ from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOU
 from ..runtime import control as C
 from ..runtime.errors import DitronConfigError, DitronError
 from ..runtime.heap import SymmetricHeap
+from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -218,40 +219,23 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ validation
     def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
-        if not isinstance(x, torch.Tensor):
-            raise DitronConfigError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != self.hidden:
-            raise DitronConfigError(f"{name} must be [rows, hidden={self.hidden}], got {tuple(x.shape)}")
+        check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
         if rows is not None and x.shape[0] != rows:
             raise DitronConfigError(f"{name} has {x.shape[0]} rows but dispatch produced {rows}; "
                                     f"pass expert outputs in recv_x's row order")
-        if x.dtype != self.dtype:
-            raise DitronConfigError(f"{name} dtype {x.dtype} does not match the buffer's {self.dtype}; "
-                                    f"cast it or build the EPBuffer with dtype={x.dtype}")
-        if x.device != self.device:
-            raise DitronConfigError(f"{name} is on {x.device}, the buffer on {self.device}; move it there")
-        if not x.is_contiguous():
-            raise DitronConfigError(f"{name} must be contiguous; call .contiguous() first")
+        check_tensor(name, x, dtypes=(self.dtype,), device=self.device,
+                     dtype_hint=f"cast it or build the EPBuffer with dtype={x.dtype}")
 
     def _check_routing(self, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weights: torch.Tensor | None) -> torch.Tensor | None:
         T = x.shape[0]
-        if not isinstance(topk_idx, torch.Tensor) or topk_idx.dtype not in (torch.int32, torch.int64):
-            raise DitronConfigError("topk_idx must be an int32 or int64 tensor")
-        if tuple(topk_idx.shape) != (T, self.topk):
-            raise DitronConfigError(f"topk_idx must be [T={T}, topk={self.topk}], got {tuple(topk_idx.shape)}")
-        if topk_idx.device != self.device:
-            raise DitronConfigError(f"topk_idx is on {topk_idx.device}, the buffer on {self.device}")
+        check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, shape=(("T", T), ("topk", self.topk)),
+                     device=self.device, contiguous=False)
         return None if topk_weights is None else self._check_weights(topk_weights, T)
 
     def _check_weights(self, w: torch.Tensor, T: int) -> torch.Tensor:
-        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-            raise DitronConfigError("topk_weights must be a floating-point tensor")
-        if tuple(w.shape) != (T, self.topk):
-            raise DitronConfigError(f"topk_weights must be [T={T}, topk={self.topk}], got {tuple(w.shape)}")
-        if w.device != self.device:
-            raise DitronConfigError(f"topk_weights is on {w.device}, the buffer on {self.device}")
-        return w
+        return check_tensor("topk_weights", w, dtypes=FLOAT_DTYPES, shape=(("T", T), ("topk", self.topk)),
+                            device=self.device, contiguous=False)
 
     # ------------------------------------------------------------------ launchers
     def _launch_layout(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:

@@ -18,6 +18,7 @@ from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
 from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, read_layout_status
+from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
 
@@ -212,23 +213,14 @@ class FusedMoE:
     # ------------------------------------------------------------------ helpers
     def _validate(self, x, topk_idx, topk_weights, w1, w2) -> None:
         H, I, El, K = self.hidden, self.ffn_hidden, self.num_local_experts, self.topk
-        for name, t, shape in (("x", x, (None, H)), ("topk_idx", topk_idx, (x.shape[0], K)),
-                               ("topk_weights", topk_weights, (x.shape[0], K)), ("w1", w1, (El, H, 2 * I)),
-                               ("w2", w2, (El, I, H))):
-            if not isinstance(t, torch.Tensor):
-                raise DitronConfigError(f"{name} must be a torch.Tensor")
-            if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-                raise DitronConfigError(f"{name} must have shape {tuple('*' if s is None else s for s in shape)}, "
-                                        f"got {tuple(t.shape)}")
-            if t.device != self.device:
-                raise DitronConfigError(f"{name} is on {t.device}, the buffer on {self.device}")
-            if not t.is_contiguous():
-                raise DitronConfigError(f"{name} must be contiguous; call .contiguous() first")
-        for name, t in (("x", x), ("w1", w1), ("w2", w2)):
-            if t.dtype != self.dtype:
-                raise DitronConfigError(f"{name} dtype {t.dtype} does not match the layer's {self.dtype}")
-        if topk_idx.dtype not in (torch.int32, torch.int64):
-            raise DitronConfigError("topk_idx must be int32 or int64")
-        if not topk_weights.is_floating_point():
-            raise DitronConfigError("topk_weights must be floating point")
+        layer = {"device": self.device, "owner": "the layer"}
+        check_tensor("x", x, shape=(("T", None), ("hidden", H)), dtypes=(self.dtype,),
+                     dtype_hint=f"cast it or build the layer with dtype={getattr(x, 'dtype', None)}", **layer)
+        T = x.shape[0]
+        check_tensor("topk_idx", topk_idx, shape=(("T", T), ("topk", K)), dtypes=INDEX_DTYPES, **layer)
+        check_tensor("topk_weights", topk_weights, shape=(("T", T), ("topk", K)), dtypes=FLOAT_DTYPES, **layer)
+        for name, t, shape in (("w1", w1, (("E_local", El), ("hidden", H), ("2*ffn_hidden", 2 * I))),
+                               ("w2", w2, (("E_local", El), ("ffn_hidden", I), ("hidden", H)))):
+            check_tensor(name, t, shape=shape, dtypes=(self.dtype,), dtype_hint="cast the weights to the layer's dtype",
+                         **layer)
 
