@@ -54,7 +54,7 @@ def parse_variant(text: str) -> dict[str, int | str]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--variant: expected FIELD=VALUE, got {item!r}")
+            raise ValueError(f"--variant: expected FIELD=VALUE, got {item!r}")
         out[key] = int(value) if value.lstrip("-").isdigit() else value
     return out
 
@@ -85,6 +85,11 @@ def median_ms(fn, iters: int, on_gpu: bool) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # before any rank starts: a typo fails here, not after the process group is up
+        variants = [(v, parse_variant(v)) for v in (args.variant or [""])]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     on_gpu = torch.cuda.is_available() and not args.smoke
     dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -105,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(T, H, device=dev, generator=gen).to(dtype)
         w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
         first_out = None
-        for schedule, variant in [(s, v) for s in args.schedules for v in (args.variant or [""])]:
-            overrides = parse_variant(variant)
+        for schedule, (_, overrides) in [(s, v) for s in args.schedules for v in variants]:
             layer = FusedMoE(None, E, H, I, T, K, dtype, schedule=schedule,
                              backend="torch" if on_gpu else "emulated", **overrides)
             for _ in range(args.warmup):
