@@ -6,6 +6,7 @@ benchmarks too (`python -m ditron_ep bench`).
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -28,6 +29,23 @@ def today() -> str:
 def default_json_path(bench: str, device_name: str) -> Path:
     """bench/results/<bench>_<device>_<YYYYMMDD>.json (device name made filesystem-safe)."""
     return RESULTS_DIR / f"{bench}_{fs_safe(device_name)}_{today()}.json"
+
+
+# ============================================================================ arguments
+def add_run_options(p: argparse.ArgumentParser, *, bench: str, iters: int, warmup: int, time_budget: float,
+                    smoke_help: str, skipped: str = "configs", pg_timeout: float | None = None) -> None:
+    """The options every benchmark script shares: --iters --warmup --seed --json --time-budget
+    [--pg-timeout] --smoke, with the script's defaults."""
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
+                   help=f"write results as JSON (no value: bench/results/{bench}_<device>_<date>.json)")
+    p.add_argument("--time-budget", type=float, default=time_budget,
+                   help=f"seconds; {skipped} not started by then are skipped (recorded as such)")
+    if pg_timeout is not None:
+        p.add_argument("--pg-timeout", type=float, default=pg_timeout, help="seconds before a stuck collective aborts")
+    p.add_argument("--smoke", action="store_true", help=smoke_help)
 
 
 # ============================================================================ output

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import default_json_path, log, print_table, write_json  # noqa: E402
+from bench.common import add_run_options, default_json_path, log, print_table, write_json  # noqa: E402
 from ditron_ep.bench.alltoall import AllToAll, gather_routing  # noqa: E402
 from ditron_ep.bench.dispatch_combine import dispatch_kernel_call  # noqa: E402
 from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
@@ -86,20 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--num-programs", type=int, default=None, help="programs (SMs) per kernel; default all SMs")
     p.add_argument("--block-rows", type=int, default=16, help="EPBuffer block_rows (tokens per chunk)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--buffer-per", choices=["config", "sweep"], default="config",
                    help="config: one EPBuffer per (E, T) sized max_tokens=T; sweep: one per E sized max(--tokens)")
     p.add_argument("--no-check-errors", action="store_true",
                    help="build EPBuffer(check_errors=False): no error-slot read after each public call")
-    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="write results as JSON (no value: bench/results/dispatch_combine_<device>_<date>.json)")
-    p.add_argument("--time-budget", type=float, default=480.0,
-                   help="seconds; configs not started by then are skipped (recorded as such)")
-    p.add_argument("--pg-timeout", type=float, default=300.0, help="seconds before a stuck collective aborts")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny config (T=16 H=64 E=8 K=2, 3 iters); also on CPU with emulated ranks (gloo)")
+    add_run_options(p, bench="dispatch_combine", iters=20, warmup=5, time_budget=480.0, pg_timeout=300.0,
+                    smoke_help="tiny config (T=16 H=64 E=8 K=2, 3 iters); also on CPU with emulated ranks (gloo)")
     return p
 
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import default_json_path, log, print_table, write_json  # noqa: E402
+from bench.common import add_run_options, default_json_path, log, print_table, write_json  # noqa: E402
 from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
@@ -224,16 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["uniform", "layer", "ragged"],
                    choices=["uniform", "layer", "ragged"])
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-sweep", action="store_true", help="time only the default configs, persistent grid")
-    p.add_argument("--time-budget", type=float, default=480.0,
-                   help="seconds; shapes not started by then are skipped (recorded as such)")
-    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="write results as JSON (no value: bench/results/grouped_gemm_<device>_<date>.json)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny shapes (E_local=3, 40 rows, H=48, I=24), 3 iterations; float32 under the interpreter")
+    add_run_options(p, bench="grouped_gemm", iters=20, warmup=5, time_budget=480.0, skipped="shapes",
+                    smoke_help="tiny shapes (E_local=3, 40 rows, H=48, I=24), 3 iterations; float32 under the interpreter")
     return p
 
 

@@ -59,7 +59,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import default_json_path, log, print_table  # noqa: E402
+from bench.common import add_run_options, default_json_path, log, print_table  # noqa: E402
 from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
 from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
 from ditron_ep.bench.moe_layer import FLOP_RULE, Weights, gemm_flops, make_weights, probe_grouped_mm  # noqa: E402
@@ -100,17 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="routings (kinds without dropped slots)")
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES),
                    help="GPU dtype (the interpreter always runs float32: it computes bf16 tl.dot wrongly)")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-mib", type=int, default=1024, help="size of the HBM bandwidth copy (MiB)")
-    p.add_argument("--json", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="write results as JSON (no value: bench/results/moe_layer_<device>_<date>.json)")
-    p.add_argument("--time-budget", type=float, default=150.0,
-                   help="seconds; configs not started by then are skipped (recorded as such)")
-    p.add_argument("--pg-timeout", type=float, default=120.0, help="seconds before a stuck collective aborts")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny configs (T=16 and 8, H=64, I=32, E=8, K=2, 3 iters); also on CPU with emulated ranks")
+    add_run_options(p, bench="moe_layer", iters=10, warmup=3, time_budget=150.0, pg_timeout=120.0,
+                    smoke_help="tiny configs (T=16 and 8, H=64, I=32, E=8, K=2, 3 iters); also on CPU with emulated ranks")
     return p
 
 
