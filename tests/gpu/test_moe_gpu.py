@@ -53,7 +53,8 @@ def test_fused_bitwise_across_schedules_grids_and_plan_fields(dist_env, layers):
     args = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
     variants = [{}, {"schedule": "sequential"}, {"num_programs": 1}, {"num_programs": 7},
                 {"gemm_tile_order": "column_major", "source_order": "reverse_ring", "chunk_rows": 8},
-                {"comm_programs": 0}, {"comm_programs": 100, "source_order": "reverse_ring"}]
+                {"comm_programs": 0}, {"comm_programs": 100, "source_order": "reverse_ring"},
+                {"comm_programs": 0, "recv_lag": 0}, {"comm_programs": 8, "recv_lag": 1}]
     outs, problems = [], []
     for v in variants:
         layer = FusedMoE(None, E, H, I, max(tokens), K, torch.bfloat16, **v)
