@@ -42,6 +42,7 @@ __all__ = [
     "DEFAULT_SKIP_MODULES",
     "PORTABILITY_TARGETS",
     "CompileResult",
+    "count_irreducible_edges",
     "count_narrow_accesses",
     "KernelSignature",
     "check",
@@ -321,6 +322,10 @@ class CompileResult:
     # NVIDIA only: scalar 8/16-bit global loads and stores in the PTX. Half-precision tiles that
     # Triton cannot prove 16-byte aligned compile to these, one per element: several times slower.
     narrow_accesses: int | None = None
+    # Loops with more than one entry in the kernel's LLVM IR. A kernel whose task loop got two
+    # entries (identical branchy ticket code before the loop and at its end, merged by MLIR)
+    # died with "illegal instruction" on H200 (bench/results/rolesplit_diag_H200x4_20261122.log).
+    irreducible_edges: int | None = None
 
 
 def target_name(target: GPUTarget) -> str:
@@ -418,6 +423,82 @@ def count_narrow_accesses(ptx: str) -> int:
     return n
 
 
+_LLVM_LABEL = re.compile(r"^([\w.$-]+):")
+_LLVM_TARGETS = re.compile(r"label %([\w.$-]+)")
+
+
+def _llvm_cfgs(llir: str) -> list[tuple[str, dict[str, list[str]]]]:
+    """(entry block, successors) of every function defined in an LLVM IR listing."""
+    cfgs = []
+    for body in re.findall(r"^define [^\n]*\{\n(.*?)^\}", llir, flags=re.M | re.S):
+        entry = cur = "%entry"
+        succ: dict[str, list[str]] = {cur: []}
+        in_switch = False
+        for line in body.splitlines():
+            m = _LLVM_LABEL.match(line)
+            if m:
+                cur = m.group(1)
+                succ[cur] = []
+                continue
+            text = line.split(";", 1)[0].strip()
+            if text.startswith(("br ", "switch ", "indirectbr ")) or in_switch:
+                succ[cur] += _LLVM_TARGETS.findall(text)
+                in_switch = (text.startswith("switch ") or in_switch) and "]" not in text
+        cfgs.append((entry, succ))
+    return cfgs
+
+
+def count_irreducible_edges(llir: str) -> int:
+    """Back edges of an LLVM IR listing whose target does not dominate their source: each one is a
+    loop with a second entry (0 for structured code: Triton's loops have one entry)."""
+    n = 0
+    for entry, succ in _llvm_cfgs(llir):
+        # depth-first postorder, iteratively; then reverse postorder positions
+        post, seen, stack = [], {entry}, [(entry, iter(succ[entry]))]
+        while stack:
+            node, it = stack[-1]
+            nxt = next((s for s in it if s in succ and s not in seen), None)
+            if nxt is None:
+                post.append(node)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(succ[nxt])))
+        rpo = post[::-1]
+        pos = {b: i for i, b in enumerate(rpo)}
+        preds: dict[str, list[str]] = {b: [] for b in rpo}
+        for b in rpo:
+            for s in succ[b]:
+                if s in pos:
+                    preds[s].append(b)
+        idom = {entry: entry}  # Cooper, Harvey, Kennedy: iterate to a fixed point in RPO
+
+        def meet(a: str, b: str) -> str:
+            while a != b:
+                while pos[a] > pos[b]:
+                    a = idom[a]
+                while pos[b] > pos[a]:
+                    b = idom[b]
+            return a
+        changed = True
+        while changed:
+            changed = False
+            for b in rpo[1:]:
+                done = [p for p in preds[b] if p in idom]
+                new = done[0]
+                for p in done[1:]:
+                    new = meet(p, new)
+                if idom.get(b) != new:
+                    idom[b], changed = new, True
+
+        def dominates(a: str, b: str) -> bool:
+            while a != b and b != entry:
+                b = idom[b]
+            return a == b
+        n += sum(1 for b in rpo for s in succ[b] if s in pos and pos[s] <= pos[b] and not dominates(s, b))
+    return n
+
+
 def _called_device_functions(ttir_source: str) -> tuple[str, ...]:
     # Device functions appear in the un-inlined TTIR as `tt.func private @"module.qualname__<mangling>"`.
     names = re.findall(r'tt\.func\s+private\s+@"?([\w.]+?)__', ttir_source)
@@ -445,7 +526,7 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
         for entry, label in zip(entries, _display_labels(entries)):
             for target in targets:
                 start = time.perf_counter()
-                error, shared, called, narrow = None, None, (), None
+                error, shared, called, narrow, irreducible = None, None, (), None, None
                 with _CaptureStderr() as captured:
                     try:
                         compiled = triton.compile(_ast_source(entry), target=target, options=dict(entry.options))
@@ -453,6 +534,8 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                         called = _called_device_functions(compiled.asm.get("source", ""))
                         if "ptx" in compiled.asm:
                             narrow = count_narrow_accesses(compiled.asm["ptx"])
+                        if "llir" in compiled.asm:
+                            irreducible = count_irreducible_edges(compiled.asm["llir"])
                     except Exception as exc:
                         failure = exc
                     else:
@@ -467,7 +550,7 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                 results.append(CompileResult(
                     kernel=entry.name, label=label, target=target_name(target), ok=error is None, error=error,
                     seconds=round(time.perf_counter() - start, 3), shared_bytes=shared, device_functions=called,
-                    narrow_accesses=narrow))
+                    narrow_accesses=narrow, irreducible_edges=irreducible))
     return results
 
 

@@ -74,6 +74,45 @@ def test_data_path_kernels_move_half_precision_in_vectors(package_report: dict) 
     assert not narrow, "\n".join(narrow)
 
 
+def test_no_kernel_has_a_loop_with_two_entries(package_report: dict) -> None:
+    checked = [r for r in package_report["results"] if r["irreducible_edges"] is not None]
+    assert checked, "no compile produced LLVM IR: the check would be vacuous"
+    bad = [f"{r['kernel']} [{r['label']}] {r['target']}: {r['irreducible_edges']} irreducible loop edges"
+           for r in checked if r["irreducible_edges"]]
+    assert not bad, "\n".join(bad)
+
+
+_IRREDUCIBLE_LL = """
+define void @two_entries(i1 %c, i1 %d) {
+  br i1 %c, label %a, label %b
+a:                                                ; preds = %0, %b
+  br i1 %d, label %b, label %done
+b:                                                ; preds = %0, %a
+  switch i32 0, label %a [
+    i32 1, label %done
+  ]
+done:
+  ret void
+}
+define void @one_entry(i1 %c) {
+  br label %head
+head:
+  br i1 %c, label %body, label %exit
+body:
+  br label %head
+exit:
+  ret void
+}
+"""
+
+
+def test_count_irreducible_edges_reads_llvm_ir() -> None:
+    assert portability.count_irreducible_edges(_IRREDUCIBLE_LL) == 1
+    assert portability.count_irreducible_edges(_IRREDUCIBLE_LL.split("define void @one_entry")[0]) == 1
+    assert portability.count_irreducible_edges("define void @one_entry" +
+                                               _IRREDUCIBLE_LL.split("define void @one_entry")[1]) == 0
+
+
 def test_count_narrow_accesses_reads_ptx() -> None:
     ptx = """
         ld.global.b16 {%rs1}, [%rd1];
@@ -140,6 +179,38 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr, K, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.
         acc += tl.dot(a, b)
     tl.store(c_ptr + o_m[:, None] * N + o_n[None, :], acc)
 
+
+@triton.jit
+def _ticket(ctrl, on_first, split_at):
+    t = split_at
+    if on_first:
+        t = tl.atomic_add(ctrl, 1, sem="relaxed", scope="gpu")
+    if t >= split_at:
+        t = split_at + tl.atomic_add(ctrl + 1, 1, sem="relaxed", scope="gpu")
+    return t, t < split_at
+
+
+@triton.jit
+def two_entry_loop_kernel(ctrl, out, n, split_at, first):
+    # The same branchy ticket code before the loop and at its end: MLIR merges the copies and
+    # the loop gets two entries (the shape that faulted with "illegal instruction" on H200).
+    split = first > 0
+    on_first = tl.program_id(0) < first
+    if split:
+        t, on_first = _ticket(ctrl, on_first, split_at)
+    else:
+        t = tl.atomic_add(ctrl + 2, 1, sem="relaxed", scope="gpu")
+    while t < n:
+        tl.store(out + t, t)
+        if split:
+            t, on_first = _ticket(ctrl, on_first, split_at)
+        else:
+            t = tl.atomic_add(ctrl + 2, 1, sem="relaxed", scope="gpu")
+
+
+register_kernel(two_entry_loop_kernel, {"ctrl": "*i32", "out": "*i32", "n": "i32", "split_at": "i32",
+                                        "first": "i32"}, {})
+register_device_function(_ticket)
 
 _MM = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*fp32", "K": "i32", "N": "i32"}
 register_kernel(matmul_kernel, _MM, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64}, label="small")
@@ -208,6 +279,14 @@ def test_fixture_good_kernels_compile_on_both_targets(fixture_report: dict) -> N
         assert all(r["ok"] for r in results), format_report_failures(fixture_report, parts=("compile",))
     copy = _results(fixture_report, ".good.peer_copy_kernel")[0]
     assert [n.rsplit(".", 1)[1] for n in copy["device_functions"]] == ["notify", "wait_signal"]
+
+
+def test_fixture_two_entry_loop_is_flagged(fixture_report: dict) -> None:
+    results = _results(fixture_report, ".good.two_entry_loop_kernel")
+    assert sorted(r["target"] for r in results) == sorted(TARGETS) and all(r["ok"] for r in results)
+    cuda = next(r for r in results if r["target"] == "cuda:90")
+    assert cuda["irreducible_edges"] > 0, cuda
+    assert all(r["irreducible_edges"] == 0 for r in _results(fixture_report, ".good.peer_copy_kernel"))
 
 
 def test_fixture_broken_kernel_is_reported_failed(fixture_report: dict) -> None:
@@ -289,6 +368,6 @@ def test_find_jit_functions_scans_every_module(fixture_package: tuple[Path, str]
         for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[module]
     assert sorted(n.removeprefix(name + ".") for n in found) == [
-        "good.matmul_kernel", "good.notify", "good.peer_copy_kernel", "good.wait_signal",
-        "nested.broken.broken_kernel", "unregistered.forgotten_kernel"]
+        "good._ticket", "good.matmul_kernel", "good.notify", "good.peer_copy_kernel", "good.two_entry_loop_kernel",
+        "good.wait_signal", "nested.broken.broken_kernel", "unregistered.forgotten_kernel"]
     assert [n for n, fn in found.items() if not portability.is_registered(fn)] == [f"{name}.unregistered.forgotten_kernel"]
