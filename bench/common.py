@@ -57,6 +57,30 @@ def log(msg: str, *, rank: int | None = None) -> None:
         print(msg, flush=True)
 
 
+def ranks_timer(device_type: str, interpreted: bool) -> str:
+    """What the distributed scripts time with, as recorded in their JSON."""
+    if device_type == "cuda":
+        return "cuda_events"
+    return "cpu_perf_counter" + (" (Triton interpreter, emulated ranks: NOT GPU performance)" if interpreted else "")
+
+
+def json_path_of(args: argparse.Namespace, bench: str, device_name: str) -> Path | None:
+    """Where --json writes: None without it, the default path for a bare --json, else the path given."""
+    if args.json is None:
+        return None
+    return default_json_path(bench, device_name) if args.json == "auto" else Path(args.json)
+
+
+def payload_header(bench: str, info: dict[str, Any], args: argparse.Namespace, timer: str, interpreted: bool,
+                   **fields: Any) -> dict[str, Any]:
+    """The fields every benchmark's JSON starts with (what ran where, when, at which commit), then `fields`."""
+    from ditron_ep.bench.environment import git_commit, git_dirty
+    return {"benchmark": bench, "device": info["name"], "device_info": info, "torch": info["torch"],
+            "triton": info["triton"], "date": _dt.datetime.now().isoformat(timespec="seconds"),
+            "commit": git_commit(), "commit_dirty": git_dirty(), "timer": timer, "interpreted": interpreted,
+            "args": vars(args), "status": "running", **fields}
+
+
 def write_json(path: Path | str, payload: dict[str, Any]) -> Path:
     """Write `payload` as indented JSON, atomically (temp file + rename); create parent folders."""
     path = Path(path)

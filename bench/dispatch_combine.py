@@ -28,7 +28,6 @@ with --json the file is rewritten after every config, so a killed run keeps what
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import os
 import sys
@@ -49,10 +48,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import add_run_options, default_json_path, log, print_table, write_json  # noqa: E402
+from bench.common import (add_run_options, json_path_of, log, payload_header, print_table,  # noqa: E402
+                          ranks_timer, write_json)
 from ditron_ep.bench.alltoall import AllToAll, gather_routing  # noqa: E402
 from ditron_ep.bench.dispatch_combine import dispatch_kernel_call  # noqa: E402
-from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.ep_inputs import BYTE_RULE, Bytes, Inputs, make_inputs, traffic_bytes  # noqa: E402
 from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded  # noqa: E402
 from ditron_ep.bench.spec import DTYPES  # noqa: E402
@@ -469,18 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     validate_args(args, world)
     info = device_info(device)
     interpreted = kernels_interpreted()
-    timer = ("cuda_events" if device.type == "cuda" else
-             "cpu_perf_counter" + (" (Triton interpreter, emulated ranks: NOT GPU performance)" if interpreted else ""))
-    json_path = None
-    if args.json is not None:
-        json_path = default_json_path(BENCH, info["name"]) if args.json == "auto" else Path(args.json)
-    payload: dict[str, Any] = {
-        "benchmark": BENCH, "device": info["name"], "device_info": info, "gpu_count": info["gpu_count"],
-        "world_size": world, "torch": info["torch"], "triton": info["triton"],
-        "date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
-        "commit_dirty": git_dirty(), "timer": timer, "interpreted": interpreted, "byte_rule": BYTE_RULE,
-        "targets": TARGET_NOTE, "args": vars(args), "status": "running",
-        "results": [], "traffic": [], "graph_bitwise": [], "skipped": []}
+    timer = ranks_timer(device.type, interpreted)
+    json_path = json_path_of(args, BENCH, info["name"])
+    payload = payload_header(BENCH, info, args, timer, interpreted, gpu_count=info["gpu_count"], world_size=world,
+                             byte_rule=BYTE_RULE, targets=TARGET_NOTE, results=[], traffic=[], graph_bitwise=[],
+                             skipped=[])
     ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=DTYPES[args.dtype], seed=args.seed, t0=t0,
               payload=payload, json_path=json_path)
     log(f"ditron_ep {BENCH}: {world} ranks on {info['name']} ({device.type}), torch {info['torch']}, "

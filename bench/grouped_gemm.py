@@ -23,7 +23,6 @@ is rewritten after every shape.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import sys
 import time
 import traceback
@@ -36,8 +35,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import add_run_options, default_json_path, log, print_table, write_json  # noqa: E402
-from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from bench.common import add_run_options, json_path_of, log, payload_header, print_table, write_json  # noqa: E402
+from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
 from ditron_ep.determinism import make_routing  # noqa: E402
@@ -242,15 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float32 if interp else torch.bfloat16  # the interpreter computes bf16 tl.dot wrongly
     info = device_info(device)
     timer = "cuda_events" if device.type == "cuda" else "cpu_perf_counter (Triton interpreter: NOT GPU performance)"
-    json_path = None
-    if args.json is not None:
-        json_path = default_json_path(BENCH, info["name"]) if args.json == "auto" else Path(args.json)
-    payload: dict[str, Any] = {
-        "benchmark": BENCH, "device": info["name"], "device_info": info, "torch": info["torch"],
-        "triton": info["triton"], "date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
-        "commit_dirty": git_dirty(), "timer": timer, "interpreted": interp, "dtype": str(dtype),
-        "flop_rule": FLOP_RULE, "target": TARGET_NOTE, "args": vars(args), "status": "running",
-        "results": [], "shapes": [], "skipped": []}
+    json_path = json_path_of(args, BENCH, info["name"])
+    payload = payload_header(BENCH, info, args, timer, interp, dtype=str(dtype), flop_rule=FLOP_RULE,
+                             target=TARGET_NOTE, results=[], shapes=[], skipped=[])
     log(f"ditron_ep {BENCH} on {info['name']} ({device.type}), torch {info['torch']}, triton {info['triton']}, "
         f"commit {payload['commit'][:12]}{' (dirty)' if payload['commit_dirty'] else ''}, {dtype}")
     log(f"timer: {timer}; median (p20, p80) of {args.iters} iterations after {args.warmup} warm-up")

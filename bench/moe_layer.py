@@ -41,7 +41,6 @@ skips configs not started in time; with --json the file is rewritten after every
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import sys
 import time
@@ -59,8 +58,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import add_run_options, default_json_path, log, print_table  # noqa: E402
-from ditron_ep.bench.environment import device_info, git_commit, git_dirty  # noqa: E402
+from bench.common import (add_run_options, json_path_of, log, payload_header, print_table,  # noqa: E402
+                          ranks_timer)
+from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
 from ditron_ep.bench.moe_layer import FLOP_RULE, Weights, gemm_flops, make_weights, probe_grouped_mm  # noqa: E402
 from ditron_ep.bench.ranks import Fatal, StageFailed, guarded, relative_errors  # noqa: E402
@@ -509,19 +509,12 @@ def main(argv: list[str] | None = None) -> int:
     info = device_info(device)
     interpreted = kernels_interpreted()
     dtype = torch.float32 if interpreted else DTYPES[args.dtype]
-    timer = ("cuda_events" if device.type == "cuda" else
-             "cpu_perf_counter" + (" (Triton interpreter, emulated ranks: NOT GPU performance)" if interpreted else ""))
-    json_path = None
-    if args.json is not None:
-        json_path = default_json_path(BENCH, info["name"]) if args.json == "auto" else Path(args.json)
-    payload: dict[str, Any] = {
-        "benchmark": BENCH, "device": info["name"], "device_info": info, "gpu_count": info["gpu_count"],
-        "world_size": world, "torch": info["torch"], "triton": info["triton"],
-        "date": _dt.datetime.now().isoformat(timespec="seconds"), "commit": git_commit(),
-        "commit_dirty": git_dirty(), "timer": timer, "interpreted": interpreted,
-        "dtype": str(dtype).removeprefix("torch."), "schedules": list(SCHEDULES), "flop_rule": FLOP_RULE,
-        "floor_rule": FLOOR_RULE, "baseline": BASELINE_NOTE, "targets": TARGET_NOTE, "args": vars(args),
-        "status": "running", "hbm_bytes_per_s": None, "configs": [], "results": [], "skipped": []}
+    timer = ranks_timer(device.type, interpreted)
+    json_path = json_path_of(args, BENCH, info["name"])
+    payload = payload_header(BENCH, info, args, timer, interpreted, gpu_count=info["gpu_count"], world_size=world,
+                             dtype=str(dtype).removeprefix("torch."), schedules=list(SCHEDULES), flop_rule=FLOP_RULE,
+                             floor_rule=FLOOR_RULE, baseline=BASELINE_NOTE, targets=TARGET_NOTE,
+                             hbm_bytes_per_s=None, configs=[], results=[], skipped=[])
     ctx = Ctx(args=args, device=device, rank=rank, world=world, dtype=dtype, seed=args.seed, t0=t0, payload=payload,
               json_path=json_path)
     log(f"ditron_ep {BENCH}: {world} ranks on {info['name']} ({device.type}), torch {info['torch']}, "
