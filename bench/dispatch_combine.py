@@ -458,6 +458,20 @@ def init_distributed(args: argparse.Namespace) -> torch.device:
     return device
 
 
+def finish(ctx: Ctx, status: str) -> None:
+    """Write the final JSON; after a complete run, leave the process group together (an aborted run
+    exits without the collective: a peer may be stuck)."""
+    ctx.save()
+    if ctx.json_path is not None:
+        log(f"wrote {ctx.json_path}")
+    if status == "complete":
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
@@ -501,15 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"GB/s: {BYTE_RULE}")
         log(f"{len(payload['results']) - len(errors)} stages measured, {len(errors)} failed, "
             f"{len(payload['skipped'])} skipped; {payload['wall_s']} s; status: {status}")
-    ctx.save()
-    if json_path is not None:
-        log(f"wrote {json_path}")
-    if status.startswith("complete"):
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+    finish(ctx, status)
     return 0 if status == "complete" and not errors else 1
 
 

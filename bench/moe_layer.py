@@ -51,7 +51,7 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `bench.common`, `ditron_ep`
 
 # Also sets the NCCL / symmetric-memory environment (no NVLink multicast) before NCCL starts.
-from bench.dispatch_combine import Ctx, init_distributed, synced_elapsed  # noqa: E402
+from bench.dispatch_combine import Ctx, finish, init_distributed, synced_elapsed  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -548,15 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         log(TARGET_NOTE)
         log(f"{len(payload['results']) - len(errors)} measured, {len(errors)} failed, {len(failed_checks)} failed "
             f"the check against torch-native, {len(payload['skipped'])} skipped; {payload['wall_s']} s; status: {status}")
-    ctx.save()
-    if json_path is not None:
-        log(f"wrote {json_path}")
-    if status == "complete":
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+    finish(ctx, status)
     return 0 if status == "complete" and not errors and not failed_checks else 1
 
 
