@@ -20,6 +20,7 @@ scaled by H^-1/2 and I^-1/2; every rank draws its own from seed 1234 + rank.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
+from ditron_ep.bench.timing import time_fn  # noqa: E402
 from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
 
 
@@ -57,30 +59,6 @@ def parse_variant(text: str) -> dict[str, int | str]:
             raise ValueError(f"--variant: expected FIELD=VALUE, got {item!r}")
         out[key] = int(value) if value.lstrip("-").isdigit() else value
     return out
-
-
-def median_ms(fn, iters: int, on_gpu: bool) -> float:
-    """Median over `iters` calls of the slowest rank's time per call (CUDA events on GPUs)."""
-    import statistics
-    import time
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if on_gpu:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ms = a.elapsed_time(b)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        t = torch.tensor([ms], dtype=torch.float64, device="cuda" if on_gpu else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             lines = [f"[rank {rank}] T={T} {name}: {layer.overlap_report()}  "
                      f"bitwise == first variant: {torch.equal(out, first_out)}"]
             if args.iters > 0:
-                ms = median_ms(lambda: layer(x, idx, w, w1, w2), args.iters, on_gpu)
+                ms = statistics.median(time_fn(lambda: layer(x, idx, w, w1, w2), args.iters, 0, device=dev)) / 1e3
                 lines.append(f"    median {ms:.3f} ms per call (slowest rank, {args.iters} eager calls)")
             if on_gpu:
                 for r in layer.timeline():
