@@ -45,7 +45,7 @@ __all__ = [
     "NOTIFY_ELEMENTS", "SCHEDULES", "SOURCE_ORDERS", "STAGE_NAMES", "WAIT_ELEMENTS",
     "BufferPlacement", "CorePlan", "DevicePlan", "Element", "MoEPlan", "MoESpec", "NotifySpec",
     "PlanError", "RoutingPlan", "SignalFamily", "StagePlan", "WaitSpec", "cdiv", "index_space_size",
-    "is_positive_int", "is_pow2", "numel", "row_tiles_bound",
+    "is_nonnegative_int", "is_positive_int", "is_pow2", "numel", "row_tiles_bound",
 ]
 
 SCHEDULES = ("overlap", "sequential")
@@ -122,6 +122,10 @@ class PlanError(ValueError):
 
 def is_positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def is_nonnegative_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def is_pow2(v) -> bool:
@@ -543,12 +547,10 @@ class MoESpec:
                 raise ValueError(f"MoESpec.{name} must be a power of two, got {v!r}")
         if self.num_programs is not None and not is_positive_int(self.num_programs):
             raise ValueError(f"MoESpec.num_programs must be an int >= 1, got {self.num_programs!r}")
-        if self.comm_programs is not None and (not isinstance(self.comm_programs, int) or self.comm_programs < 0
-                                               or isinstance(self.comm_programs, bool)):
-            raise ValueError(f"MoESpec.comm_programs must be an int >= 0, got {self.comm_programs!r}")
-        if self.recv_lag is not None and (not isinstance(self.recv_lag, int) or self.recv_lag < 0
-                                          or isinstance(self.recv_lag, bool)):
-            raise ValueError(f"MoESpec.recv_lag must be an int >= 0, got {self.recv_lag!r}")
+        for name in ("comm_programs", "recv_lag"):
+            v = getattr(self, name)
+            if v is not None and not is_nonnegative_int(v):
+                raise ValueError(f"MoESpec.{name} must be an int >= 0, got {v!r}")
         if self.ranks_per_node is not None and (not is_positive_int(self.ranks_per_node)
                                                 or self.world_size % self.ranks_per_node):
             raise ValueError(f"MoESpec.ranks_per_node must divide world_size={self.world_size}, "

@@ -32,7 +32,7 @@ from ..runtime import control as C
 from .plan import (COMM_STAGES, CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
                    INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES,
                    WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv,
-                   is_positive_int, is_pow2, numel, row_tiles_bound)
+                   is_nonnegative_int, is_positive_int, is_pow2, numel, row_tiles_bound)
 
 __all__ = ["PlanError", "verify", "verify_core", "verify_device", "verify_instance",
            "verify_routing"]
@@ -110,12 +110,12 @@ def _check_device_params(plan: MoEPlan) -> None:
     if d.comm_programs and tuple(first) != COMM_STAGES:
         raise PlanError(f"a role split needs the communication stages {COMM_STAGES} first in the queue, "
                         f"the queue starts with {first}")
-    if not isinstance(d.comm_programs, int) or not 0 <= d.comm_programs < d.num_programs:
+    if not is_nonnegative_int(d.comm_programs) or d.comm_programs >= d.num_programs:
         raise PlanError(f"device.comm_programs must be an int in [0, num_programs={d.num_programs}) (0: one "
                         f"queue; otherwise at least one program must start on the compute queue), "
                         f"got {d.comm_programs!r}")
     n_send = d.stage("dispatch_send").num_tasks if d.has_stage("dispatch_send") else 0
-    if not isinstance(d.recv_lag, int) or isinstance(d.recv_lag, bool) or d.recv_lag < 0:
+    if not is_nonnegative_int(d.recv_lag):
         raise PlanError(f"device.recv_lag must be an int >= 0, got {d.recv_lag!r}")
     if d.schedule == "sequential" and d.recv_lag < n_send:
         raise PlanError(f"schedule='sequential' needs every dispatch_send before the first dispatch_recv "

@@ -163,6 +163,10 @@ class EPBuffer:
         if num_programs <= 0:
             raise DitronConfigError(f"num_programs must be positive, got {num_programs}")
         self.num_programs = num_programs
+        # Chunks a receive (reduce) trails the sends by: a group is W * slices sends plus as many
+        # receives (dispatch) or plus `slices` reduces (combine).
+        self._dispatch_lag = task_queue.default_lag(num_programs, 2 * W * self.n_slices)
+        self._combine_lag = task_queue.default_lag(num_programs, (W + 1) * self.n_slices)
         self.num_warps = num_warps if num_warps is not None else (8 if self.device.type == "cuda" else 4)
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -258,8 +262,8 @@ class EPBuffer:
             h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
-            self.n_slices, self.slice_cols,
-            task_queue.default_lag(self.num_programs, 2 * self.world_size * self.n_slices), K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows,
+            self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
+            SCALE_ROWS=scale_rows,
             BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
@@ -271,7 +275,7 @@ class EPBuffer:
             handle.send.topk_idx, w if w is not None else y.new_empty(1, dtype=torch.float32), out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
-            self.slice_cols, task_queue.default_lag(self.num_programs, (self.world_size + 1) * self.n_slices),
+            self.slice_cols, self._combine_lag,
             K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
             BLOCK_H=self.block_hidden, num_warps=self.num_warps)
         return out
