@@ -12,6 +12,7 @@ import torch.distributed as dist
 import triton
 
 from ..megakernel.ep_combine import ep_combine_kernel
+from ..compiler.plan import is_positive_int
 from ..megakernel import task_queue
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
@@ -128,8 +129,7 @@ class EPBuffer:
             ("ep/wstage", (W, T, K), torch.float32),
             ("ep/land", (T, K, H), dtype),
         ]
-        if hidden_slices is not None and (not isinstance(hidden_slices, int) or isinstance(hidden_slices, bool)
-                                          or hidden_slices <= 0):
+        if hidden_slices is not None and not is_positive_int(hidden_slices):
             raise DitronConfigError(f"hidden_slices must be a positive int or None, got {hidden_slices!r}")
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
