@@ -20,6 +20,9 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
                      T=4096 on 4xH200 (bench/results/moe_timeline_H200x4_20261122.log).
   S4 combine_reduce  (token block): wait until every routed (token, k) has all its column
                      tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once
+The plan sizes S2/S3 for the most row tiles any routing can make; tickets are handed out only
+for the row tiles this call's routing fills (tile_start[E_local], read on the device), in the
+plan's order, so tasks of empty row tiles are skipped rather than run as no-ops.
 Role split (plan field comm_programs > 0): the first comm_programs programs to start take the
 S0/S1 tickets from their own counter, the others take S2.. from a second one; a comm program
 whose queue is drained joins the compute queue. Progress: every wait is on a task with a smaller
@@ -69,6 +72,24 @@ def _gemm_tile(q, n_cols, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR: tl.conste
     p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 4
     # the table lists tiles in arrival order; a tile's signal words go by its natural index
     return tl.load(p_tile + 3), i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
+
+
+@register_device_function
+@triton.jit
+def _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_rt, ROW_MAJOR: tl.constexpr):
+    """Ticket t >= F2 -> the plan's task id. Gate-up tickets [F2, G3) and down tickets [G3, G4)
+    walk the first n_pos row-tile positions of the tile table (row-major: all column tiles of a
+    position together; column-major: one column tile over all positions), combine tickets follow.
+    Live tasks keep their order in the plan's queue; only tasks of row tiles without rows (past
+    n_pos) are never ticketed. Tickets below F2 pass through."""
+    in_gu = (t >= F2) & (t < G3)
+    in_dn = (t >= G3) & (t < G4)
+    q = tl.where(in_gu, t - F2, t - G3)
+    if ROW_MAJOR:
+        q_plan = q  # position * n_cols + column tile, as in the plan
+    else:
+        q_plan = (q // n_pos) * n_rt + q % n_pos  # column tile * n_rt + position
+    return tl.where(in_gu, F2 + q_plan, tl.where(in_dn, F3 + q_plan, tl.where(t >= G4, F4 + t - G4, t)))
 
 
 # DEVICE_TIMER values: which clock a traced launch stamps (none under the interpreter).
@@ -122,7 +143,9 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoc
                 notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, epoch)
 
 
-@triton.jit
+# refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
+# equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
+@triton.jit(do_not_specialize=["refuse_flagged"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
@@ -178,15 +201,26 @@ def moe_fused_kernel(
     # a split every program takes every ticket from the compute counter (split point 0).
     split_at = tl.where(comm_programs > 0, F2, 0)
     on_comm = take_role(my_ctrl, comm_programs)
+    # The GEMM stages take tickets only for the row tiles that hold rows: the first n_pos entries
+    # of the arrival-sorted tile table (tiles without rows sort last). The plan's n_rt is a bound
+    # for any routing (at T=4096 on 4 ranks, 1040 row tiles for ~272 used): a ticket per bound
+    # tile cost every program ~250 empty tickets. At least one position, so that a rank without
+    # rows still runs (and stamps) its sequential stage barriers.
+    n_pos = tl.maximum(tl.minimum(tl.load(tile_start_ptr + E_local), n_rt), 1)
+    L1 = n_pos * n_t1  # gate-up tickets [F2, G3)
+    L2 = n_pos * n_t2  # down tickets [G3, G4), then the combine's NT - F4
+    G3 = F2 + L1
+    G4 = G3 + L2
     t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
-    while t < NT:
+    while t < G4 + (NT - F4):
         busy = t >= 0  # -1: a communication program found its queue drained; no task this turn
         # Tickets [0, F2) interleave the two dispatch stages (task_queue.py): the receive of
         # (position, chunk) g comes recv_lag sends after the send of g, so this rank's own rows
         # are placed, and their GEMM tiles can start, while remote chunks are still being sent.
-        # From here on t names the task (stage-major), not the ticket.
+        # From here on t names the task (the plan's stage-major id), not the ticket.
         is_send, q_comm = interleaved_task(t, F1, 1, F2 - F1, 1, recv_lag)
         t = tl.where(busy & (t < F2), tl.where(is_send, q_comm, F1 + q_comm), t)
+        t = _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_rt, ROW_MAJOR)
         if TRACE:
             if busy:
                 tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
@@ -258,12 +292,12 @@ def moe_fused_kernel(
                                     True, BM, BN1, BK1, INPUT_PRECISION, 4)
                         notify_add(p_sig + sig_gu + i_m, 1)
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_gu, F3 - F2, 0, epoch, False)
+                    _stage_done(sig_table_ptr, rank, world, done_gu, L1, 0, epoch, False)
             elif t < F4:
                 # ---- S3 gemm_down: tile (i, j); its rows go straight to their token's rank
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, F3 - F2, 0, epoch,
-                                             budget, False)
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, L1, 0, epoch, budget,
+                                             False)
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
@@ -283,14 +317,14 @@ def moe_fused_kernel(
                         pend_cnt = tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4 + i_tk * 4
                         pend_m = m_m
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_down, F4 - F3, bar_down, epoch, True)
+                    _stage_done(sig_table_ptr, rank, world, done_down, L2, bar_down, epoch, True)
             else:
                 # ---- S4 combine_reduce: tokens whose every (t, k) has all its column tiles
                 _publish_landed(pend_cnt, pend_m)  # before waiting: peers (and we) may wait on them
                 pend_m = tl.zeros((BM,), dtype=tl.int1)
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, F4 - F3, bar_down,
-                                             epoch, budget, True)
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, L2, bar_down, epoch,
+                                             budget, True)
                 q = t - F4
                 o_t = q * BLOCK_T + tl.arange(0, BLOCK_T)
                 o_k = tl.arange(0, BLOCK_K)

@@ -185,8 +185,9 @@ class FusedMoE:
     def timeline(self) -> list[dict[str, float | int | str]]:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
         last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
-        its task durations / programs, µs); empty tasks (no rows) count too. The first row,
-        "call_barrier", is program 0's wait for every rank to enter the launch."""
+        its task durations / programs, µs), over the tasks that ran ("tasks": GEMM tasks of row
+        tiles without rows are not ticketed). The first row, "call_barrier", is program 0's wait
+        for every rank to enter the launch."""
         if self.last_timer is None:
             raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")
         tm = self.last_timer.cpu().double() * self._timer_ns_per_tick / 1e3  # µs
@@ -198,7 +199,10 @@ class FusedMoE:
             if not s.num_tasks:
                 continue
             seg = tm[s.first_task:s.first_task + s.num_tasks]
-            rows.append({"stage": s.name, "tasks": s.num_tasks, "first_start_us": float(seg[:, 0].min()) - t0,
+            seg = seg[seg[:, 0] != 0]  # the timer buffer starts zeroed: a task that never ran
+            if not len(seg):
+                continue
+            rows.append({"stage": s.name, "tasks": len(seg), "first_start_us": float(seg[:, 0].min()) - t0,
                          "last_end_us": float(seg[:, 1].max()) - t0,
                          "busy_us_per_program": float((seg[:, 1] - seg[:, 0]).sum()) / self.plan.device.num_programs})
         return rows

@@ -32,10 +32,11 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
         layer = FusedMoE(None, E, H, I, max_tokens or max(max(tokens), 1), K, torch.float32, **v)
         out = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], trace=True)
         tile_order = check_tile_order(layer)
+        ticketed = check_ticketed(layer)
         again = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
         graph = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], sync=False)
         reports.append({"rerun_bitwise": torch.equal(out, again), "nosync_bitwise": torch.equal(out, graph),
-                        "tile_order": tile_order,
+                        "tile_order": tile_order, "ticketed": ticketed,
                         "overlap": layer.overlap_report()})
         layer.free()
         outs.append(out)
@@ -62,6 +63,27 @@ def check_tile_order(layer: FusedMoE) -> str:
     keys = [(max(((int(s) - rank) * step) % W for s in rows[r0:r0 + n, 1].tolist()), nat)
             for _, r0, n, nat in used]
     return "ok" if keys == sorted(keys) else f"not in arrival order: (key, natural index) = {keys}"
+
+
+def check_ticketed(layer: FusedMoE) -> str:
+    """After a traced call: every task ran once, except the GEMM tasks of row tiles without rows,
+    which got no ticket (a rank without rows still runs its first position's tasks, as no-ops).
+    Returns "ok" or what is wrong."""
+    tr = layer.last_trace.tolist()
+    dev = layer.plan.device
+    n_used = sum(1 for t in layer.heap.local_view("gemm/tiles").tolist() if t[2] > 0)
+    n_pos = max(n_used, 1)
+    row_major = dev.gemm_tile_order == "row_major"
+    for s in dev.stages:
+        n_cols = {"gemm_gate_up": dev.n_tiles1, "gemm_down": dev.n_tiles2}.get(s.name)
+        for q in range(s.num_tasks):
+            pos = (q // n_cols if row_major else q % dev.n_row_tiles_max) if n_cols else 0
+            ran = tr[s.first_task + q][0] >= 0
+            if ran != (pos < n_pos):
+                return f"{s.name} task {q} (row-tile position {pos}, {n_used} used) {'ran' if ran else 'did not run'}"
+            if ran and not 0 <= tr[s.first_task + q][0] < tr[s.first_task + q][1]:
+                return f"{s.name} task {q}: trace {tr[s.first_task + q]}"
+    return "ok"
 
 
 def fused_refusals() -> dict:

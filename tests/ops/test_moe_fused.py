@@ -33,6 +33,7 @@ def test_fused_moe(emulated_cluster, W, tokens, H, I, E, K, kind):
             assert r["rerun_bitwise"] and r["nosync_bitwise"], f"rank {rank} {v}: runs differ"
             assert r["overlap"]["gate_up_tiles"] >= 0
             assert r["tile_order"] == "ok", f"rank {rank} {v}: {r['tile_order']}"
+            assert r["ticketed"] == "ok", f"rank {rank} {v}: {r['ticketed']}"
 
 
 def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
