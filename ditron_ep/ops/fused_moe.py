@@ -30,12 +30,17 @@ class FusedMoE:
     (num_programs, chunk_rows, source_order, gemm_tile_order, block_t, tile configs): any of
     them changes which program runs what and when (the trace) but not one bit of the result.
     `plan`: a plan lowered elsewhere (e.g. by a tuner); it must be verified.
+    check_errors: default mode only: also read the device error slot after the megakernel (a
+    second host read, which waits for the whole layer) so that a timeout inside it raises in the
+    same call rather than at the next call's read. Off by default: the output's shape needs no
+    host read, and waiting for the layer kept the GPU idle while the host issued the next call
+    (EPBuffer, whose default mode reads the row count anyway, checks by default).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                  schedule: str = "overlap", backend: str = "auto", wait_budget: int | None = None,
-                 plan: MoEPlan | None = None, **plan_overrides) -> None:
+                 check_errors: bool = False, plan: MoEPlan | None = None, **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
         if dtype not in SUPPORTED_DTYPES:
@@ -61,6 +66,7 @@ class FusedMoE:
             raise DitronConfigError("combine_fused=False is a plan variant the megakernel does not implement; "
                                     "leave combine_fused at its default")
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
+        self.check_errors = bool(check_errors)
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
         dev = self.plan.device
         layout_bytes = triton.cdiv(world * (self.num_local_experts + LAYOUT_EXTRA) * 4, 256) * 256
@@ -94,10 +100,13 @@ class FusedMoE:
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
         """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
 
-        sync=True: one device-to-host read, after the launch: bad input (on any rank) makes every
-        rank's kernel refuse all work, so no token moves, and raises here on every rank; so do
-        timeouts. sync=False: no host sync
-        (CUDA-graph capturable); input problems are recorded for `check()`.
+        sync=True: one device-to-host read, after the layout exchange and before the megakernel
+        launch: bad input on any rank raises here on every rank and no rank launches it (no token
+        moves); so does a timeout recorded by an earlier launch. The megakernel itself runs
+        asynchronously: a timeout inside it raises at the next call's read (or `check()`), and
+        the rank's launches refuse all work until then; check_errors=True raises it in this call.
+        sync=False: no host sync (CUDA-graph capturable); input problems are recorded for
+        `check()`.
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
         """
@@ -121,7 +130,11 @@ class FusedMoE:
         timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
         weights = topk_weights.to(torch.float32).contiguous()
-        if not sync:
+        if sync:
+            # The one host read of default mode: bad input on any rank raises on every rank
+            # before anyone launches the megakernel (every rank sees every rank's flags).
+            read_layout_status(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+        else:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
         st = {s.name: s for s in dev.stages}
         firsts = [st[n].first_task for n in STAGES[1:]]
@@ -131,7 +144,7 @@ class FusedMoE:
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
-            self._clock, recv.src_info, int(sync), dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
+            self._clock, dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
             dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
@@ -143,17 +156,15 @@ class FusedMoE:
             K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=bm, BN1=core.gate_up.block_n,
             BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
             BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
-            REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(W),
+            REVERSE_RING=dev.source_order == "reverse_ring",
             INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace, DEVICE_TIMER=timer,
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None
             self._timer_ns_per_tick = 10.0 if timer == TIMER_HIP else 1.0  # gfx942 realtime: 100 MHz
-        if sync:
-            # The one host read of default mode, after the launch: bad input on any rank made
-            # every rank's kernel refuse all work (no token moved), and raises here on every rank.
-            read_layout_status(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+        if sync and self.check_errors:
+            h.check_error()
         return out
 
     __call__ = forward
@@ -208,7 +219,9 @@ class FusedMoE:
         return rows
 
     def check(self) -> None:
-        """Raise input problems recorded by sync=False calls."""
+        """Raise a timeout recorded by any launch, then input problems recorded by sync=False
+        calls (one host read each)."""
+        self.heap.check_error()
         raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
 
     def free(self) -> None:

@@ -125,9 +125,37 @@ def fused_refusals() -> dict:
     idx_bad[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
     x_new = torch.randn(T, H)
     catch("bad_expert", lambda: layer(x_new, idx_bad, w, w1, w2))
-    # every rank refused the whole launch: no token was staged, no expert output landed
+    # every rank raised before launching the megakernel: no token was staged, no output landed
     res["no_data_moved"] = bool(torch.equal(layer.heap.local_view("dispatch/x"), staged)
                                 and torch.equal(layer.heap.local_view("combine/land"), land))
     res["recovers"] = bool(torch.equal(layer(x, idx, w, w1, w2), good_out))
+    layer.free()
+    return res
+
+
+def fused_lone_rank_times_out() -> dict:
+    """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out and
+    the call raises DitronTimeoutError before the megakernel launches (no hang); after a
+    collective heap.reset() every rank's next call is bitwise the first call's result again."""
+    from ditron_ep.runtime import DitronTimeoutError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 24, 2, 6
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", 4, 0.0)
+    w1s, w2s = make_weights(W, E // W, H, I, 4)
+    args = (xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    layer = FusedMoE(None, E, H, I, T, K, torch.float32)
+    first = layer(*args)
+    res = {"raised": None}
+    if rank == 0:
+        budget, layer.heap.wait_budget = layer.heap.wait_budget, 2000
+        try:
+            layer(*args)
+        except DitronTimeoutError as err:
+            res["raised"] = str(err)
+        finally:
+            layer.heap.wait_budget = budget
+    layer.heap.reset()
+    res["recovers"] = bool(torch.equal(layer(*args), first))
     layer.free()
     return res

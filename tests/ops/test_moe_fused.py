@@ -44,3 +44,9 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
         assert res["no_data_moved"] and res["recovers"], res
+
+
+def test_fused_timeout_raises_before_the_megakernel_and_recovers(emulated_cluster):
+    res = emulated_cluster(2).run(fns.fused_lone_rank_times_out)
+    assert res[0]["raised"] and "rank 0" in res[0]["raised"], res[0]
+    assert all(r["recovers"] for r in res), res
