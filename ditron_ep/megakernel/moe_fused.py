@@ -143,7 +143,9 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoc
                 notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, epoch)
 
 
-@triton.jit
+# refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
+# equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
+@triton.jit(do_not_specialize=["refuse_flagged"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
@@ -161,6 +163,8 @@ def moe_fused_kernel(
     trace_ptr,        # out int32 (NT, 2): logical start / end clock of every ticket (TRACE)
     timer_ptr,        # out int64 (NT + 1, 2): device timer at start / end of every ticket (DEVICE_TIMER)
     clock_ptr,        # int32 (1,) logical clock, zero at launch
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
+    refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises on the host)
     comm_programs,    # role split: the first comm_programs programs to start take the dispatch stages; 0: one queue
     recv_lag,         # plan: dispatch_recv task g follows dispatch_send task g + recv_lag (>= F1: sends first)
     table_ptr, sig_table_ptr,
@@ -172,7 +176,7 @@ def moe_fused_kernel(
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, ROW_MAJOR: tl.constexpr, REVERSE_RING: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
+    INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
 ):
     if TRACE:  # row NT of the timer: program 0's entry and its exit from the call barrier
         if tl.program_id(0) == 0:
@@ -181,6 +185,9 @@ def moe_fused_kernel(
     if TRACE:
         if tl.program_id(0) == 0:
             _stamp_timer(timer_ptr + NT * 2 + 1, DEVICE_TIMER)
+    if refuse_flagged != 0:  # every rank sees every rank's flags: all refuse together, no data moves
+        o_w = tl.arange(0, BLOCK_W)
+        ok = ok & (tl.max(tl.load(src_info_ptr + o_w * 2, mask=o_w < world, other=0), axis=0) == 0)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     DT = x_ptr.dtype.element_ty
@@ -348,14 +355,14 @@ def moe_fused_kernel(
 _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
-        "timer_ptr": "*i64", "clock_ptr": "*i32",
+        "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
         "comm_programs": "i32", "recv_lag": "i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
                               "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget")}}
-_CONST = {"K": 8, "BLOCK_K": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
+_CONST = {"K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
           "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "ROW_MAJOR": True, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}
 _MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")

@@ -356,12 +356,16 @@ def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_token
     raise_input_flags(flags, None, num_experts, max_tokens)
 
 
-def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
-                      max_tokens: int) -> int:
-    """The one device-to-host read of default mode: total rows, every rank's input flags, the
-    heap's error word and flags pending from graph-mode calls. Raises on any of them."""
-    words = torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word,
-                       recv.src_info.reshape(-1)]).tolist()
+def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
+    """The words default mode reads on the host, as one device tensor (no sync): total rows,
+    flags pending from graph-mode calls, the heap's error word, every rank's (flags, T)."""
+    return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word, recv.src_info.reshape(-1)])
+
+
+def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, num_experts: int,
+                        max_tokens: int) -> int:
+    """Raise on what `layout_status_words` read (a timeout, pending or current input flags of any
+    rank); else return the total rows."""
     total, pending, err = words[0], words[1], words[2]
     if err:
         heap.check_error()
@@ -371,6 +375,14 @@ def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: tor
         raise_input_flags(pending, None, num_experts, max_tokens)
     raise_input_flags(max(f for f, _ in info) if info else 0, info, num_experts, max_tokens)
     return total
+
+
+def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
+                       max_tokens: int) -> int:
+    """The one device-to-host read of default mode: total rows, every rank's input flags, the
+    heap's error word and flags pending from graph-mode calls. Raises on any of them."""
+    words = layout_status_words(heap, recv, pending_flags).tolist()
+    return raise_layout_status(words, heap, pending_flags, num_experts, max_tokens)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

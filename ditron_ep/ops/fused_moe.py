@@ -17,7 +17,7 @@ from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_lay
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
-from .ep_buffer import SUPPORTED_DTYPES, raise_pending_flags, read_layout_status
+from .ep_buffer import SUPPORTED_DTYPES, layout_status_words, raise_layout_status, raise_pending_flags
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
@@ -33,8 +33,7 @@ class FusedMoE:
     check_errors: default mode only: also read the device error slot after the megakernel (a
     second host read, which waits for the whole layer) so that a timeout inside it raises in the
     same call rather than at the next call's read. Off by default: the output's shape needs no
-    host read, and waiting for the layer kept the GPU idle while the host issued the next call
-    (EPBuffer, whose default mode reads the row count anyway, checks by default).
+    host read, and waiting for the layer kept the GPU idle while the host issued the next call.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
@@ -95,16 +94,19 @@ class FusedMoE:
         self.last_timer: torch.Tensor | None = None
         self._timer_dummy = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._timer_ns_per_tick = 1.0
+        self._status_host: torch.Tensor | None = None  # pinned copy of the layout status (GPU)
+        self._status_event: torch.cuda.Event | None = None
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
         """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
 
-        sync=True: one device-to-host read, after the layout exchange and before the megakernel
-        launch: bad input on any rank raises here on every rank and no rank launches it (no token
-        moves); so does a timeout recorded by an earlier launch. The megakernel itself runs
-        asynchronously: a timeout inside it raises at the next call's read (or `check()`), and
-        the rank's launches refuse all work until then; check_errors=True raises it in this call.
+        sync=True: one device-to-host read, of the layout's status (the host waits for the layout
+        launches, not for the megakernel, which runs on asynchronously): bad input on any rank
+        makes every rank's megakernel refuse all work (no token moves) and raises here on every
+        rank; so does a timeout recorded by an earlier launch. A timeout inside this call's
+        megakernel raises at the next call's read (or `check()`), and the rank's launches refuse
+        all work until then; check_errors=True waits for the megakernel and raises it here.
         sync=False: no host sync (CUDA-graph capturable); input problems are recorded for
         `check()`.
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
@@ -131,9 +133,12 @@ class FusedMoE:
         out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
         weights = topk_weights.to(torch.float32).contiguous()
         if sync:
-            # The one host read of default mode: bad input on any rank raises on every rank
-            # before anyone launches the megakernel (every rank sees every rank's flags).
-            read_layout_status(h, recv, self._pending_flags, self.num_experts, self.max_tokens)
+            # Default mode's one host read is of the layout's status, copied out before the
+            # megakernel is launched and read after: the launch queues right behind the layout
+            # (no idle GPU while the host reads) and the host waits for the layout alone, not
+            # for the whole layer. Flagged input makes every rank's megakernel refuse all work
+            # (every rank sees every rank's flags), so no token moves, and raises below.
+            status = self._status_snapshot(layout_status_words(h, recv, self._pending_flags))
         else:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
         st = {s.name: s for s in dev.stages}
@@ -144,7 +149,7 @@ class FusedMoE:
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
-            self._clock, dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
+            self._clock, recv.src_info, int(sync), dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
             dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
@@ -156,15 +161,19 @@ class FusedMoE:
             K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=bm, BN1=core.gate_up.block_n,
             BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
             BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
-            REVERSE_RING=dev.source_order == "reverse_ring",
+            REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(W),
             INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace, DEVICE_TIMER=timer,
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None
             self._timer_ns_per_tick = 10.0 if timer == TIMER_HIP else 1.0  # gfx942 realtime: 100 MHz
-        if sync and self.check_errors:
-            h.check_error()
+        if sync:
+            if status[1] is not None:
+                status[1].synchronize()
+            raise_layout_status(status[0].tolist(), h, self._pending_flags, self.num_experts, self.max_tokens)
+            if self.check_errors:
+                h.check_error()
         return out
 
     __call__ = forward
@@ -217,6 +226,19 @@ class FusedMoE:
                          "last_end_us": float(seg[:, 1].max()) - t0,
                          "busy_us_per_program": float((seg[:, 1] - seg[:, 0]).sum()) / self.plan.device.num_programs})
         return rows
+
+    def _status_snapshot(self, words: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """(host tensor, event): on a GPU an asynchronous copy into pinned memory and the event
+        after it (wait on it before reading); elsewhere the words themselves (kernels run
+        synchronously there)."""
+        if words.device.type != "cuda":
+            return words, None
+        if self._status_host is None or self._status_host.numel() != words.numel():
+            self._status_host = torch.empty(words.numel(), dtype=words.dtype, pin_memory=True)
+            self._status_event = torch.cuda.Event()
+        self._status_host.copy_(words, non_blocking=True)
+        self._status_event.record()
+        return self._status_host, self._status_event
 
     def check(self) -> None:
         """Raise a timeout recorded by any launch, then input problems recorded by sync=False

@@ -33,9 +33,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         w1: [E_local, H, 2I] gate ‖ up of this rank's experts; w2: [E_local, I, H].
         group: EP process group (None = default).
         schedule: "overlap" | "sequential" | "staged" (see the module docstring).
-        sync: fused schedules: True = one host read, before the megakernel launch (bad input
-            raises on every rank and nothing moves; a timeout inside an earlier launch raises
-            here too); the megakernel then runs asynchronously. False = no host synchronisation
+        sync: fused schedules: True = one host read, of the layout's status (bad input raises
+            on every rank and nothing moves; so does a timeout inside an earlier launch); the
+            megakernel runs on asynchronously. False = no host synchronisation
             (CUDA-graph capturable; needs the cached layer to exist at a sufficient size: call
             once with sync=True).
     Returns:

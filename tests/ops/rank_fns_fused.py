@@ -125,7 +125,7 @@ def fused_refusals() -> dict:
     idx_bad[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
     x_new = torch.randn(T, H)
     catch("bad_expert", lambda: layer(x_new, idx_bad, w, w1, w2))
-    # every rank raised before launching the megakernel: no token was staged, no output landed
+    # every rank's megakernel refused the whole launch: no token was staged, no output landed
     res["no_data_moved"] = bool(torch.equal(layer.heap.local_view("dispatch/x"), staged)
                                 and torch.equal(layer.heap.local_view("combine/land"), land))
     res["recovers"] = bool(torch.equal(layer(x, idx, w, w1, w2), good_out))
@@ -134,8 +134,8 @@ def fused_refusals() -> dict:
 
 
 def fused_lone_rank_times_out() -> dict:
-    """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out and
-    the call raises DitronTimeoutError before the megakernel launches (no hang); after a
+    """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out, its
+    megakernel refuses all work and the call raises DitronTimeoutError (no hang); after a
     collective heap.reset() every rank's next call is bitwise the first call's result again."""
     from ditron_ep.runtime import DitronTimeoutError
 

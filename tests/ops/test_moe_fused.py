@@ -46,7 +46,7 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
         assert res["no_data_moved"] and res["recovers"], res
 
 
-def test_fused_timeout_raises_before_the_megakernel_and_recovers(emulated_cluster):
+def test_fused_lone_rank_times_out_raises_and_recovers(emulated_cluster):
     res = emulated_cluster(2).run(fns.fused_lone_rank_times_out)
     assert res[0]["raised"] and "rank 0" in res[0]["raised"], res[0]
     assert all(r["recovers"] for r in res), res
