@@ -25,10 +25,12 @@ for the row tiles this call's routing fills (tile_start[E_local], read on the de
 plan's order, so tasks of empty row tiles are skipped rather than run as no-ops.
 Role split (plan field comm_programs > 0): the first comm_programs programs to start take the
 S0/S1 tickets from their own counter, the others take S2.. from a second one; a comm program
-whose queue is drained joins the compute queue. Progress: every wait is on a task with a smaller
-ticket, of this rank or of another rank (on every rank S0/S1 tickets come before S2..), and the
-S0/S1 queue never waits on compute tasks, so a GPU with every program resident never deadlocks;
-the interpreter, which runs one program's whole queue in order, never waits on work not yet done.
+whose queue is drained joins the compute queue. Progress: every wait is on a task of this rank
+with a smaller ticket, or on another rank's task of an earlier stage (on every rank all tickets
+of a stage come before those of the next; ticket numbers of one stage differ between ranks, as
+the GEMM stages hold only the row tiles with rows), and the S0/S1 queue never waits on compute
+tasks, so a GPU with every program resident never deadlocks; the interpreter, which runs one
+program's whole queue in order, never waits on work not yet done.
 Every position is a pure function of the routing and no tile is split along K, so the result
 does not depend on which program runs what, on the grid size, on the task order within a
 stage, or on `schedule="sequential"` (stage barriers from the plan): bit for bit.

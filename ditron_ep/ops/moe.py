@@ -22,7 +22,7 @@ _LAYERS: dict[tuple, FusedMoE] = {}
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
         w2: torch.Tensor, *, group: dist.ProcessGroup | None = None, schedule: str = "overlap",
-        sync: bool = True) -> torch.Tensor:
+        sync: bool = True, check_errors: bool = False) -> torch.Tensor:
     """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * FFN_{e(t,k)}(x[t]).
 
     Args:
@@ -38,6 +38,8 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             megakernel runs on asynchronously. False = no host synchronisation
             (CUDA-graph capturable; needs the cached layer to exist at a sufficient size: call
             once with sync=True).
+        check_errors: fused schedules with sync=True: also wait for the megakernel and raise a
+            timeout inside it in this call (a second host read) instead of at the next call.
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
     """
@@ -52,13 +54,13 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule != "staged":
-        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts)
+        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
 
 
-def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts) -> torch.Tensor:
+def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts) -> torch.Tensor:
     """The cached FusedMoE for these shapes: sized by one collective at first use (largest T),
     regrown on every rank together when a call's layout reports more tokens than it holds."""
     g = group if group is not None else dist.group.WORLD
@@ -70,6 +72,7 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts
         dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
         layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], int(need.item()),
                                         topk_idx.shape[-1], x.dtype, schedule=schedule)
+    layer.check_errors = check_errors
     try:
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
     except CapacityError as err:
@@ -78,7 +81,7 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, num_experts
         layer.free()
         layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1],
                                         max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
-                                        schedule=schedule)
+                                        schedule=schedule, check_errors=check_errors)
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
 
 

@@ -246,7 +246,7 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
     with torch.no_grad():
         outs = {s: moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], schedule=s) for s in SCHEDULES}
         out = outs["overlap"]
-        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], check_errors=True)
     exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
     err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
                        for o in outs.values()])

@@ -13,6 +13,7 @@ VARIANTS = (
      "block_t": 4},
     {"comm_programs": 0, "recv_lag": 0},        # no role split: one queue; receives right after sends
     {"num_programs": 3, "comm_programs": 2, "source_order": "reverse_ring", "recv_lag": 3},
+    {"schedule": "sequential", "gemm_tile_order": "column_major", "num_programs": 3},  # barriers count live tasks
 )
 CASES = [  # (W, tokens per rank, H, I, E, K, routing)
     (2, [13, 7], 32, 24, 4, 2, "uniform"),
