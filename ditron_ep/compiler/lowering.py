@@ -226,9 +226,11 @@ def insert_stage_barriers(stages: list[StagePlan], families: list[SignalFamily],
     stages, families = list(stages), list(families)
     for k in range(1, len(stages)):
         prev, cur = stages[k - 1], stages[k]
-        tasks = f"tasks({prev.name})"
-        notifies = [NotifySpec(f"stage_done.{prev.name}", "local", "single", 1, tasks, prev.num_tasks)]
-        waits = [WaitSpec(f"stage_done.{prev.name}", "local", prev.name, "single", tasks, prev.num_tasks)]
+        # a stage that skips empty row tiles counts the tasks that got a ticket (routing-dependent)
+        tasks, count = ((f"ticketed({prev.name})", None) if prev.skip == "empty_row_tile"
+                        else (f"tasks({prev.name})", prev.num_tasks))
+        notifies = [NotifySpec(f"stage_done.{prev.name}", "local", "single", 1, tasks, count)]
+        waits = [WaitSpec(f"stage_done.{prev.name}", "local", prev.name, "single", tasks, count)]
         families.append(SignalFamily(f"stage_done.{prev.name}", -1, 1, "single", "local", "counter",
                                      prev.name, cur.name, "layout launch"))
         if cur.name in CROSS_RANK_BARRIER_BEFORE:

@@ -22,9 +22,10 @@ for any concrete routing, the notifies aimed at every individual wait:
   call from all tasks of all ranks (`hits`, `hits_count` where static).
 
 Formulas are names. Static ones are evaluated by `MoEPlan.static_env` ("1", "n_tiles1",
-"n_tiles2", "tasks(<stage>)"); the only routing-dependent one is "rows_in_tile" (rows of the
-waited row tile), which the verifier evaluates per routing instance and kernels read from the
-layout.
+"n_tiles2", "tasks(<stage>)"); the routing-dependent ones are "rows_in_tile" (rows of the waited
+row tile) and "ticketed(<stage>)" (tasks of a stage that get a ticket on the rank: a stage that
+skips empty row tiles hands out none for them), which the verifier evaluates per routing instance
+and kernels compute from the layout.
 
 Heap layout (the same as `runtime.heap.SymmetricHeap`): [control block | `num_signals` int32
 signal words | buffers]. Allocating `device.buffers` in order with `SymmetricHeap.alloc` on a heap
@@ -96,7 +97,7 @@ NOTIFY_ELEMENTS = {
     "token_slot@source/tile_row": Element("token_slot", "remote", ("row_tile",),
                                           "one hit per row of the task's tile, at (token, k) on "
                                           "the row's source rank"),
-    "single": Element("single", "local", (), "word 0, by every task of the stage (skipped ones too)"),
+    "single": Element("single", "local", (), "word 0, by every ticketed task of the stage"),
     "this_rank@all_ranks/stage_end": Element("rank", "remote", (),
                                              "word [this rank] on every rank, once, by the task "
                                              "that completes the stage on this rank"),
@@ -108,12 +109,23 @@ WAIT_ELEMENTS = {
     "row_tile": Element("row_tile", "", ("row_tile",), "the task's row tile (none when it is empty)"),
     "token_slot/block": Element("token_slot", "", ("token_block",),
                                 "every routed (token, k) of the task's token block"),
-    "single": Element("single", "", (), "word 0, by every task of the stage (skipped ones too)"),
+    "single": Element("single", "", (), "word 0, by every ticketed task of the stage"),
     "all_ranks": Element("rank", "", (), "every word [0, world_size)"),
 }
 
 # Formulas whose value depends on the routing (evaluated per instance / by kernels from the layout).
-DYNAMIC_FORMULAS = ("rows_in_tile",)
+DYNAMIC_FORMULAS = ("rows_in_tile", "ticketed(<stage>)")
+
+
+def ticketed_stage(formula: str) -> str | None:
+    """The stage named by a "ticketed(<stage>)" formula, else None."""
+    if formula.startswith("ticketed(") and formula.endswith(")"):
+        return formula[len("ticketed("):-1]
+    return None
+
+
+def is_dynamic_formula(formula: str) -> bool:
+    return formula == "rows_in_tile" or ticketed_stage(formula) in STAGE_NAMES
 
 
 class PlanError(ValueError):
@@ -244,10 +256,12 @@ class StagePlan:
 
     Tickets [first_task, first_task + num_tasks) of the queue belong to this stage; ticket
     first_task + q decodes into task coordinates by mixed radix over `grid` (outermost first).
-    num_tasks is a host bound; `skip` says which tasks do nothing on the device ("never" or
-    "empty_row_tile": row tiles beyond the routing's tile count). A skipped task still performs
-    the "single" / stage-end notifies and barrier waits. barrier_before: every task of this
-    stage first waits for the previous stage (schedule="sequential").
+    num_tasks is a host bound; `skip` says which tasks never run ("never" or "empty_row_tile":
+    tasks of row tiles beyond the routing's tile count get no ticket; the row tiles
+    [0, max(count, 1)) do, so a rank without rows still runs one position of no-op tasks, which
+    perform the "single" / stage-end notifies and barrier waits). Ticketed tasks run in this
+    order. barrier_before: every task of this stage first waits for the previous stage
+    (schedule="sequential").
     """
 
     name: str
@@ -368,7 +382,7 @@ class DevicePlan:
             f"gemm_tile_order={d.gemm_tile_order}  combine_fused={d.combine_fused}  block_t={d.block_t}",
             f"  GEMM tiles per rank: rows <= {d.n_row_tiles_max} (bound)  x  gate-up cols "
             f"{d.n_tiles1}, down cols {d.n_tiles2}",
-            f"  queue: {d.num_tasks} tickets per rank (host bound), in this order:",
+            f"  queue: {d.num_tasks} tasks per rank (host bound; skipped tasks get no ticket), in this order:",
         ]
         if d.has_stage("dispatch_send") and d.recv_lag < d.stage("dispatch_send").num_tasks:
             lines.append(f"    (dispatch_send and dispatch_recv share their tickets, interleaved: recv task g "
@@ -376,7 +390,7 @@ class DevicePlan:
         for s in d.stages:
             grid = " x ".join(f"{n}[{e}]" for n, e in s.grid) or "-"
             barrier = "  [barrier before]" if s.barrier_before else ""
-            lines.append(f"    S{s.index} {s.name:<15} tickets [{s.first_task}, "
+            lines.append(f"    S{s.index} {s.name:<15} tasks [{s.first_task}, "
                          f"{s.first_task + s.num_tasks})  {s.num_tasks} tasks = {grid}  "
                          f"skip: {s.skip}{barrier}")
             for w in s.waits:

@@ -23,14 +23,14 @@ Both raise `PlanError` (a ValueError) naming the stage, signal or buffer.
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Sequence
 
 import torch
 
 from ..runtime import control as C
 from .plan import (COMM_STAGES, CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
-                   INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES,
+                   INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES, is_dynamic_formula, ticketed_stage,
                    WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv,
                    is_nonnegative_int, is_positive_int, is_pow2, numel, row_tiles_bound)
 
@@ -436,14 +436,24 @@ def verify_instance(plan: MoEPlan, topk_idx_per_rank: Sequence[torch.Tensor]) ->
     d, W = plan.device, plan.routing.world_size
     inst = _Instance(plan, topk_idx_per_rank)
     families = {f.name: f for f in d.signals}
-    queues = [[_Task(rank, s, s.first_task + q, s.coords(q)) for s in d.stages
-               for q in range(s.num_tasks)] for rank in range(W)]
+    # Only ticketed tasks run: a stage that skips empty row tiles takes positions [0, max(n, 1))
+    # of the rank's n row tiles (the kernel's n_pos), all of them in plan order.
+    def ticketed(rank: int, s: StagePlan, coords: dict) -> bool:
+        return s.skip != "empty_row_tile" or coords["row_tile"] < max(len(inst.tiles[rank]), 1)
+
+    queues = [[t for s in d.stages for q in range(s.num_tasks)
+               for t in (_Task(rank, s, s.first_task + q, s.coords(q)),) if ticketed(rank, s, t.coords)]
+              for rank in range(W)]
+    n_ticketed = [Counter(t.stage.name for t in queue) for queue in queues]
+    last_of_stage = {(t.rank, t.stage.name): t.pos for queue in queues for t in queue}
 
     def value(stage: str, formula: str, count: int | None, rank: int, word: int) -> int:
         if count is not None:
             return count
         if formula == "rows_in_tile":
             return inst.rows_in_tile(rank, word)
+        if ticketed_stage(formula) in STAGE_NAMES:
+            return n_ticketed[rank][ticketed_stage(formula)]
         raise PlanError(f"stage {stage}: dynamic formula {formula!r} unknown; have {DYNAMIC_FORMULAS}")
 
     def check_word(task: _Task, verb: str, signal: str, rank: int, word: int) -> None:
@@ -460,7 +470,7 @@ def verify_instance(plan: MoEPlan, topk_idx_per_rank: Sequence[torch.Tensor]) ->
     for queue in queues:
         for task in queue:
             s = task.stage
-            last = task.pos == s.first_task + s.num_tasks - 1
+            last = task.pos == last_of_stage[(task.rank, s.name)]
             for j, n in enumerate(s.notifies):
                 for rank, word in _notify_targets(plan, inst, task, n.element, last):
                     check_word(task, "notifies", n.signal, rank, word)
@@ -549,7 +559,7 @@ def _check_element(where: str, element: str, vocab: dict, key: str, stage: Stage
 def _term(where: str, what: str, formula: str, count: int | None, env: dict[str, int]) -> dict[str, int]:
     """A formula as a linear form {symbol: coefficient}; '' is the constant term."""
     if count is None:
-        if formula not in DYNAMIC_FORMULAS:
+        if not is_dynamic_formula(formula):
             raise PlanError(f"{where}: {what}={formula!r} has no static value but is not a dynamic "
                             f"formula {DYNAMIC_FORMULAS}")
         return {formula: 1}

@@ -216,6 +216,26 @@ def test_instance_catches_what_formulas_cannot():
         verify_instance(bad, routings(plan, "uniform"))
 
 
+def test_sequential_barriers_count_ticketed_tasks():
+    """The GEMM stages hand out no ticket for row tiles past the routing's count, so the barrier
+    after them counts ticketed(<stage>); the same plan counting the host bound tasks(<stage>)
+    balances on formulas but never completes on a real routing."""
+    plan = lower(spec_of(4, 16, 2, 64, 96, 40), schedule="sequential")
+    (w,) = [w for w in plan.device.stage("gemm_down").waits if w.signal == "stage_done.gemm_gate_up"]
+    assert (w.expected, w.expected_count) == ("ticketed(gemm_gate_up)", None)
+    assert "ticketed(gemm_gate_up)" in plan.describe()
+    bound = plan.device.stage("gemm_gate_up").num_tasks
+    (n,) = [n for n in plan.device.stage("gemm_gate_up").notifies if n.signal == "stage_done.gemm_gate_up"]
+    old = replace_wait(plan, "gemm_down", "stage_done.gemm_gate_up", expected="tasks(gemm_gate_up)",
+                       expected_count=bound)
+    old = replace_stage(old, "gemm_gate_up", notifies=tuple(
+        dataclasses.replace(x, hits="tasks(gemm_gate_up)", hits_count=bound) if x is n else x
+        for x in old.device.stage("gemm_gate_up").notifies))
+    verify(old)  # structurally consistent
+    with pytest.raises(PlanError, match=rf"gemm_down.*stage_done.gemm_gate_up\[0\]: expects {bound} "):
+        verify_instance(old, routings(plan, "uniform"))
+
+
 def test_instance_catches_unwaited_notify(base):
     """dispatch_recv covering one chunk too few: its flags are stamped but never waited on."""
     s = base.device.stage("dispatch_recv")
