@@ -6,10 +6,12 @@
     TRITON_INTERPRET=1 GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 bench/moe_timeline.py --smoke
 
 For every (T, schedule, plan variant): a `FusedMoE` layer is built (a variant is a comma-separated
-list of Device-level plan overrides, e.g. `comm_programs=0,recv_lag=1024`; none: the plan's
-defaults), run `--warmup` times, then once with `trace=True`. With --iters N, N more eager calls
-are timed with CUDA events (median of the slowest rank per call) and every variant's output is
-compared bitwise with the first variant's (plan fields must not change a bit). Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
+list of Device-level plan overrides, e.g. `comm_programs=0,recv_lag=1024`, or Core-level tile
+configs, e.g. `gate_up_config=BM128-BN128-BK64-w8-s3`; none: the plan's defaults), run `--warmup`
+times, then once with `trace=True`. With --iters N, N more eager calls are timed with CUDA events
+(median of the slowest rank per call) and every variant's output is compared bitwise with the
+first variant's (Device-level fields must not change a bit; a tile shape may, as it fixes the
+fp32 summation of the dot products). Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
 dispatch chunk, from the logical clock) and, on GPUs, `timeline()` from the device timer: per
 stage, when its first task started and its last ended (µs after program 0 entered the kernel,
 "call_barrier" being the wait for every rank to enter) and its busy time per program. The
@@ -31,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
 from ditron_ep.bench.timing import time_fn  # noqa: E402
+from ditron_ep.compiler.core_config import GemmTileConfig  # noqa: E402
 from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
 
 
@@ -50,14 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_variant(text: str) -> dict[str, int | str]:
-    """'comm_programs=0,recv_lag=8' -> {'comm_programs': 0, 'recv_lag': 8} (ints where they parse)."""
-    out: dict[str, int | str] = {}
+def parse_variant(text: str) -> dict[str, int | str | GemmTileConfig]:
+    """'comm_programs=0,recv_lag=8' -> {'comm_programs': 0, 'recv_lag': 8} (ints where they parse;
+    gate_up_config / down_config as GEMM tile configs, e.g. down_config=BM128-BN128-BK64-w8-s3)."""
+    out: dict[str, int | str | GemmTileConfig] = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--variant: expected FIELD=VALUE, got {item!r}")
-        out[key] = int(value) if value.lstrip("-").isdigit() else value
+        if key.endswith("_config"):
+            out[key] = GemmTileConfig.parse(value)
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else value
     return out
 
 

@@ -18,6 +18,7 @@ are specialised; without that Triton does not pipeline the K-loop at all).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 
@@ -70,6 +71,15 @@ class GemmTileConfig:
         return (f"BM{self.block_m}-BN{self.block_n}-BK{self.block_k}-"
                 f"w{self.num_warps}-s{self.num_stages}")
 
+    @classmethod
+    def parse(cls, text: str) -> GemmTileConfig:
+        """The inverse of str(): "BM128-BN256-BK64-w8-s4" -> GemmTileConfig(128, 256, 64, 8, 4)."""
+        m = re.fullmatch(r"BM(\d+)-BN(\d+)-BK(\d+)-w(\d+)-s(\d+)", text.strip())
+        if m is None:
+            raise ValueError(f"GEMM tile config {text!r}: expected BM<m>-BN<n>-BK<k>-w<warps>-s<stages>, "
+                             f"e.g. BM128-BN256-BK64-w8-s4")
+        return cls(*(int(g) for g in m.groups()))
+
 
 _FP32 = torch.float32
 _HALF = (torch.bfloat16, torch.float16)
@@ -81,7 +91,7 @@ _DEFAULTS: dict[tuple[str, bool], tuple[GemmTileConfig, GemmTileConfig]] = {
     ("cuda", False): (GemmTileConfig(128, 64, 32, 8, 3), GemmTileConfig(128, 128, 32, 8, 3)),
     # gfx942's stream pipeliner keeps num_stages - 1 K-blocks in LDS: 48 KiB for these two.
     ("hip", True): (GemmTileConfig(128, 128, 64, 8, 2), GemmTileConfig(128, 256, 64, 8, 2)),
-    ("hip", False): (GemmTileConfig(64, 64, 32, 4, 2), GemmTileConfig(64, 128, 32, 8, 2)),
+    ("hip", False): (GemmTileConfig(64, 64, 32, 4, 2), GemmTileConfig(64, 128, 32, 4, 2)),
     # Interpreter: BK=32 with BN=16 / BK=16 with BN=32 so that small test shapes are ragged in every dim.
     ("cpu", True): (GemmTileConfig(16, 16, 32, 4, 1), GemmTileConfig(16, 32, 16, 4, 1)),
     ("cpu", False): (GemmTileConfig(16, 16, 32, 4, 1), GemmTileConfig(16, 32, 16, 4, 1)),

@@ -78,6 +78,9 @@ def verify_core(core: CorePlan, routing: RoutingPlan) -> None:
         raise PlanError(f"core: gate_up.block_m={core.gate_up.block_m} != down.block_m="
                         f"{core.down.block_m}; both GEMMs share the row tiles (rows_ready, "
                         f"gate_up_done count per row tile)")
+    if core.gate_up.launch_options() != core.down.launch_options():
+        raise PlanError(f"core: gate_up {core.gate_up} and down {core.down} differ in num_warps / num_stages; "
+                        f"the megakernel is one launch, so both GEMM stages run with the same ones")
     if core.block_rows != routing.chunk_rows:
         raise PlanError(f"core.block_rows={core.block_rows} must equal routing.chunk_rows="
                         f"{routing.chunk_rows}: a dispatch copy block is one signalled chunk")

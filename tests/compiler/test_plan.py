@@ -236,6 +236,15 @@ def test_sequential_barriers_count_ticketed_tasks():
         verify_instance(old, routings(plan, "uniform"))
 
 
+def test_rejects_gemm_stages_with_different_launch_options(base):
+    """One launch runs both GEMM stages: a down config with other warps/stages would be ignored."""
+    gu = base.core.gate_up
+    bad = dataclasses.replace(base, core=dataclasses.replace(base.core, down=dataclasses.replace(
+        base.core.down, num_warps=gu.num_warps * 2)))
+    with pytest.raises(PlanError, match="differ in num_warps / num_stages"):
+        verify(bad)
+
+
 def test_instance_catches_unwaited_notify(base):
     """dispatch_recv covering one chunk too few: its flags are stamped but never waited on."""
     s = base.device.stage("dispatch_recv")

@@ -175,6 +175,11 @@ def test_bad_input(name, change, message):
 def test_tile_config_validation():
     cfg = GemmTileConfig(128, 256, 64, 8, 4)
     assert str(cfg) == "BM128-BN256-BK64-w8-s4"
+    assert GemmTileConfig.parse(str(cfg)) == cfg
+    for text, message in [("BM128-BN256-BK64-w8", "expected BM<m>-BN<n>-BK<k>-w<warps>-s<stages>"),
+                          ("BM96-BN256-BK64-w8-s4", "block_m must be a power of two")]:
+        with pytest.raises(ValueError, match=message):
+            GemmTileConfig.parse(text)
     assert cfg.launch_options() == {"num_warps": 8, "num_stages": 4}
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_m = 64
