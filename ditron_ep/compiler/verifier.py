@@ -30,9 +30,9 @@ import torch
 
 from ..runtime import control as C
 from .plan import (COMM_STAGES, CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
-                   INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES, is_dynamic_formula, ticketed_stage,
-                   WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv,
-                   is_nonnegative_int, is_positive_int, is_pow2, numel, row_tiles_bound)
+                   INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES,
+                   WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv, is_dynamic_formula,
+                   is_nonnegative_int, is_positive_int, is_pow2, numel, row_tiles_bound, ticketed_stage)
 
 __all__ = ["PlanError", "verify", "verify_core", "verify_device", "verify_instance",
            "verify_routing"]
@@ -441,11 +441,11 @@ def verify_instance(plan: MoEPlan, topk_idx_per_rank: Sequence[torch.Tensor]) ->
     families = {f.name: f for f in d.signals}
     # Only ticketed tasks run: a stage that skips empty row tiles takes positions [0, max(n, 1))
     # of the rank's n row tiles (the kernel's n_pos), all of them in plan order.
-    def ticketed(rank: int, s: StagePlan, coords: dict) -> bool:
-        return s.skip != "empty_row_tile" or coords["row_tile"] < max(len(inst.tiles[rank]), 1)
+    def ticketed(t: _Task) -> bool:
+        return t.stage.skip != "empty_row_tile" or t.coords["row_tile"] < max(len(inst.tiles[t.rank]), 1)
 
-    queues = [[t for s in d.stages for q in range(s.num_tasks)
-               for t in (_Task(rank, s, s.first_task + q, s.coords(q)),) if ticketed(rank, s, t.coords)]
+    queues = [list(filter(ticketed, (_Task(rank, s, s.first_task + q, s.coords(q))
+                                     for s in d.stages for q in range(s.num_tasks))))
               for rank in range(W)]
     n_ticketed = [Counter(t.stage.name for t in queue) for queue in queues]
     last_of_stage = {(t.rank, t.stage.name): t.pos for queue in queues for t in queue}

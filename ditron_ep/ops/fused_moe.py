@@ -96,6 +96,37 @@ class FusedMoE:
         self._timer_ns_per_tick = 1.0
         self._status_host: torch.Tensor | None = None  # pinned copy of the layout status (GPU)
         self._status_event: torch.cuda.Event | None = None
+        self._build_launch_args()
+
+    def _build_launch_args(self) -> None:
+        """The megakernel's arguments that are fixed for the layer's life, built once: the eager
+        path is bound by host time at small T (bench/diag/host_overhead.py)."""
+        plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
+        st = {s.name: s for s in dev.stages}
+        seq = dev.schedule == "sequential"
+        word = (lambda name: dev.signal(name).first) if seq else (lambda name: 0)
+        self._tiles = h.local_view("gemm/tiles")
+        self._ring_step = -1 if dev.source_order == "reverse_ring" else 1
+        self._plan_args = (  # comm_programs .. sequential-only words
+            dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
+            *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
+                                       "combine/land")),
+            dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
+            dev.signal("land").first,
+            word("stage_done.dispatch_send"), word("stage_done.dispatch_recv"), word("stage_done.gemm_gate_up"),
+            word("stage_done.gemm_down"), word("stage_barrier.dispatch_recv"), word("stage_barrier.gemm_down"))
+        self._shape_args = (  # H .. NT
+            self.hidden, self.ffn_hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens,
+            plan.routing.n_chunks, dev.n_row_tiles_max, dev.n_tiles1, dev.n_tiles2,
+            *(st[n].first_task for n in STAGES[1:]), dev.num_tasks)
+        interp = self.device.type != "cuda"
+        self._constexprs = dict(
+            K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=core.gate_up.block_m, BN1=core.gate_up.block_n,
+            BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
+            BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
+            REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(self.world_size),
+            INPUT_PRECISION="ieee" if (interp or self.dtype == torch.float32) else "tf32",
+            num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
@@ -113,14 +144,12 @@ class FusedMoE:
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
         """
         self._validate(x, topk_idx, topk_weights, w1, w2)
-        plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
-        W, T = self.world_size, x.shape[0]
-        send = build_send_layout(topk_idx, self.num_experts, W, self.max_tokens)
-        bm = core.gate_up.block_m
+        dev, h = self.plan.device, self.heap
+        T = x.shape[0]
+        send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
-        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout, tile_rows=bm,
-                               tiles=h.local_view("gemm/tiles"),
-                               ring_step=-1 if dev.source_order == "reverse_ring" else 1)
+        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
+                               tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step)
         for lo, hi in self._zero_ranges:
             h.signals[lo:hi].zero_()
         if trace:
@@ -141,29 +170,11 @@ class FusedMoE:
             status = self._status_snapshot(layout_status_words(h, recv, self._pending_flags))
         else:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
-        st = {s.name: s for s in dev.stages}
-        firsts = [st[n].first_task for n in STAGES[1:]]
-        seq = dev.schedule == "sequential"
-        word = (lambda name: dev.signal(name).first) if seq else (lambda name: 0)
-        interp = self.device.type != "cuda"
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
-            self._clock, recv.src_info, int(sync), dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
-            *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
-                                       "combine/land")),
-            dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
-            dev.signal("land").first,
-            word("stage_done.dispatch_send"), word("stage_done.dispatch_recv"), word("stage_done.gemm_gate_up"),
-            word("stage_done.gemm_down"), word("stage_barrier.dispatch_recv"), word("stage_barrier.gemm_down"),
-            T, self.hidden, self.ffn_hidden, h.rank, W, self.num_local_experts, self.max_tokens,
-            plan.routing.n_chunks, dev.n_row_tiles_max, dev.n_tiles1, dev.n_tiles2, *firsts, nt, h.wait_budget,
-            K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=bm, BN1=core.gate_up.block_n,
-            BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
-            BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
-            REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(W),
-            INPUT_PRECISION="ieee" if (interp or x.dtype == torch.float32) else "tf32", TRACE=trace, DEVICE_TIMER=timer,
-            num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
+            self._clock, recv.src_info, int(sync), *self._plan_args, T, *self._shape_args, h.wait_budget,
+            TRACE=trace, DEVICE_TIMER=timer, **self._constexprs)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None
