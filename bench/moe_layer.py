@@ -9,7 +9,11 @@ Weights per rank: w1 [E_local, H, 2I] (gate ‖ up), w2 [E_local, I, H], random,
 I^-1/2 (so h and y are O(1)); drawn once and shared by every config. A config is (T tokens per
 rank, routing); per config, in this order (everything under torch.no_grad):
   ours          `moe(x, topk_idx, topk_weights, w1, w2, schedule=S)` for every S in
-                `ditron_ep.ops.moe.SCHEDULES` (dispatch + grouped SwiGLU GEMMs + combine).
+                `ditron_ep.ops.moe.SCHEDULES` (dispatch + grouped SwiGLU GEMMs + combine); from
+                the second call of a shape the fused schedules replay CUDA graphs of their
+                launches (FusedMoE graph_cache). On GPUs also the overlap layer with
+                graph_cache=0 (every call's launches issued from the host), checked bitwise
+                equal to moe(schedule="overlap").
   standalone    `grouped_swiglu_ffn(recv_x, expert_offsets, w1, w2)` alone on this rank's real
                 received rows (one untimed `ditron_ep.ops.dispatch` beforehand): the GEMM work
                 inside the layer, without communication.
@@ -396,6 +400,9 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
             e = measure(ctx, cfg, f"ours moe(schedule={S!r})", "ours",
                         lambda: moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule=S), fl, buf, schedule=S)
             e["check"] = checks.get(S)
+        # ---- ours, overlap, every call's launches issued from the host (no CUDA-graph replay)
+        if ctx.device.type == "cuda":
+            measure_direct(ctx, cfg, T, wts, fl)
         # ---- overlap, measured: the megakernel's task trace (logical clock of task starts/ends)
         if "overlap" in SCHEDULES:
             record_overlap(ctx, T, wts, cfg)
@@ -420,6 +427,33 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
         finish_config(ctx, cfg, floor)
         if group_ok:
             clear_cache()
+
+
+def measure_direct(ctx: Ctx, cfg: Config, T: int, wts: Weights, flops: float | None) -> None:
+    """The overlap layer with graph_cache=0: what the default path's CUDA-graph replay saves."""
+    layer: list[FusedMoE] = []
+    a = ctx.args
+    try:
+        guarded(ctx, "layer without graph cache", lambda: layer.append(
+            FusedMoE(None, a.experts, a.hidden, a.inter, T, a.topk, ctx.dtype, graph_cache=0)))
+        e = measure(ctx, cfg, "ours FusedMoE overlap, graph cache off (launches issued every call)", "ours",
+                    lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops, schedule="overlap",
+                    graph_cache=0)
+        e["check"] = "== overlap bits" if _bitwise_equal_everywhere(ctx, layer[0], cfg, wts) else "DIFFERS"
+    except StageFailed as exc:
+        log(f"  layer without graph cache failed: {exc}")
+    finally:
+        for lay in layer:
+            lay.free()
+
+
+def _bitwise_equal_everywhere(ctx: Ctx, layer: FusedMoE, cfg: Config, wts: Weights) -> bool:
+    """Whether the direct launches give moe(schedule='overlap')'s bits on every rank (collective)."""
+    same = torch.equal(layer(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
+                       moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap"))
+    flag = torch.tensor([int(same)], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def record_overlap(ctx: Ctx, T: int, wts: Weights, cfg: Config) -> None:

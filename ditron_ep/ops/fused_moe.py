@@ -7,6 +7,9 @@ stage by stage (schedule "sequential": same binary, same tiles, stage barriers f
 """
 from __future__ import annotations
 
+import gc
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import triton
@@ -17,10 +20,25 @@ from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_lay
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
+from .call_graphs import CallGraphCache
 from .ep_buffer import SUPPORTED_DTYPES, layout_status_words, raise_layout_status, raise_pending_flags
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
+
+
+@dataclass
+class _CapturedCall:
+    """One call signature's launches as CUDA graphs, with the static tensors they read and write."""
+
+    x: torch.Tensor             # static inputs: each replay copies the call's inputs in
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    layout: torch.cuda.CUDAGraph  # layout launches + copy of the status words into `status`
+    kernel: torch.cuda.CUDAGraph  # the megakernel, writing `out`
+    ready: torch.cuda.Event       # recorded between the two replays: the layout (and status) is done
+    status: torch.Tensor | None = None  # pinned host copy of the layout status
+    out: torch.Tensor | None = None
 
 
 class FusedMoE:
@@ -34,12 +52,18 @@ class FusedMoE:
     second host read, which waits for the whole layer) so that a timeout inside it raises in the
     same call rather than at the next call's read. Off by default: the output's shape needs no
     host read, and waiting for the layer kept the GPU idle while the host issued the next call.
+    graph_cache (CUDA, default mode): how many call signatures (token count, index / weight
+    dtypes, weight addresses) keep their launches as CUDA graphs, captured on a signature's
+    second call and replayed after (ops/call_graphs.py): the same kernels and arguments, so the
+    same bits, for a few µs of host time instead of hundreds. Each costs graph memory of about
+    2*T*H activations plus the layout buffers; 0 launches every call directly.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                  schedule: str = "overlap", backend: str = "auto", wait_budget: int | None = None,
-                 check_errors: bool = False, plan: MoEPlan | None = None, **plan_overrides) -> None:
+                 check_errors: bool = False, graph_cache: int = 4, plan: MoEPlan | None = None,
+                 **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
         if dtype not in SUPPORTED_DTYPES:
@@ -66,6 +90,7 @@ class FusedMoE:
                                     "leave combine_fused at its default")
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
+        self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
         dev = self.plan.device
         layout_bytes = triton.cdiv(world * (self.num_local_experts + LAYOUT_EXTRA) * 4, 256) * 256
@@ -138,29 +163,21 @@ class FusedMoE:
         rank; so does a timeout recorded by an earlier launch. A timeout inside this call's
         megakernel raises at the next call's read (or `check()`), and the rank's launches refuse
         all work until then; check_errors=True waits for the megakernel and raises it here.
+        On CUDA, from a call signature's second call on, these launches are replayed from CUDA
+        graphs captured for it (`graph_cache`), with the same checks and results.
         sync=False: no host sync (CUDA-graph capturable); input problems are recorded for
         `check()`.
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
         """
         self._validate(x, topk_idx, topk_weights, w1, w2)
-        dev, h = self.plan.device, self.heap
-        T = x.shape[0]
-        send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
-        # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
-        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
-                               tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step)
-        for lo, hi in self._zero_ranges:
-            h.signals[lo:hi].zero_()
-        if trace:
-            self._clock.zero_()
-        nt = dev.num_tasks
-        trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
-        timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
-            TIMER_HIP if torch.version.hip else TIMER_CUDA)
-        timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
-        out = torch.empty((T, self.hidden), dtype=x.dtype, device=x.device)
-        weights = topk_weights.to(torch.float32).contiguous()
+        if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)
+            captured = self._graphs.lookup(key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2))
+            if captured is not None:
+                return self._replay(captured, x, topk_idx, topk_weights)
+        h = self.heap
+        send, recv, weights = self._launch_layout(topk_idx, topk_weights)
         if sync:
             # Default mode's one host read is of the layout's status, copied out before the
             # megakernel is launched and read after: the launch queues right behind the layout
@@ -170,21 +187,84 @@ class FusedMoE:
             status = self._status_snapshot(layout_status_words(h, recv, self._pending_flags))
         else:
             torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
+        out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
+        self._launch_kernel(x, send, recv, weights, w1, w2, out, refuse_flagged=sync, trace=trace)
+        if sync:
+            if status[1] is not None:
+                status[1].synchronize()
+            self._raise_status(status[0])
+        return out
+
+    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+        """The launches before the megakernel (sender layout, counts exchange and row-tile map,
+        counter resets); returns (send layout, receive layout, fp32 weights). No host sync."""
+        h = self.heap
+        send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
+        # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
+        recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
+                               tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step)
+        for lo, hi in self._zero_ranges:
+            h.signals[lo:hi].zero_()
+        return send, recv, topk_weights.to(torch.float32).contiguous()
+
+    def _launch_kernel(self, x, send, recv, weights, w1, w2, out, *, refuse_flagged: bool, trace: bool) -> None:
+        """The megakernel launch itself (see `moe_fused_kernel` for its arguments)."""
+        dev, nt = self.plan.device, self.plan.device.num_tasks
+        if trace:
+            self._clock.zero_()
+        trace_buf = torch.full((nt, 2), -1, dtype=torch.int32, device=self.device) if trace else self._clock
+        timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
+            TIMER_HIP if torch.version.hip else TIMER_CUDA)
+        timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
-            self._clock, recv.src_info, int(sync), *self._plan_args, T, *self._shape_args, h.wait_budget,
-            TRACE=trace, DEVICE_TIMER=timer, **self._constexprs)
+            self._clock, recv.src_info, int(refuse_flagged), *self._plan_args, x.shape[0], *self._shape_args,
+            self.heap.wait_budget, TRACE=trace, DEVICE_TIMER=timer, **self._constexprs)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None
             self._timer_ns_per_tick = 10.0 if timer == TIMER_HIP else 1.0  # gfx942 realtime: 100 MHz
-        if sync:
-            if status[1] is not None:
-                status[1].synchronize()
-            raise_layout_status(status[0].tolist(), h, self._pending_flags, self.num_experts, self.max_tokens)
-            if self.check_errors:
-                h.check_error()
+
+    def _raise_status(self, words: torch.Tensor) -> None:
+        """Default mode's checks on the layout status read back (see `forward`)."""
+        raise_layout_status(words.tolist(), self.heap, self._pending_flags, self.num_experts, self.max_tokens)
+        if self.check_errors:
+            self.heap.check_error()
+
+    # ------------------------------------------------------------------ CUDA-graph replay
+    def _capture_call(self, x, topk_idx, topk_weights, w1, w2) -> _CapturedCall:
+        """Capture this call signature's launches as two graphs (ops/call_graphs.py says when):
+        `layout` (layout launches + the status copy to pinned memory) and `kernel` (the
+        megakernel), replayed with an event between them so the host can wait for the layout
+        alone, exactly as the direct path does. Inputs are copied into static buffers before a
+        replay; the output is cloned out of the graph's buffer after it."""
+        c = _CapturedCall(x=torch.empty_like(x), topk_idx=torch.empty_like(topk_idx),
+                          topk_weights=torch.empty_like(topk_weights), layout=torch.cuda.CUDAGraph(),
+                          kernel=torch.cuda.CUDAGraph(), ready=torch.cuda.Event(),
+                          status=torch.empty(3 + 2 * self.world_size, dtype=torch.int32, pin_memory=True))
+        gc.disable()  # a collected symmetric arena would synchronise the device inside the capture
+        try:
+            with torch.cuda.graph(c.layout, capture_error_mode="thread_local"):
+                send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
+                c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
+            with torch.cuda.graph(c.kernel, pool=c.layout.pool(), capture_error_mode="thread_local"):
+                c.out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
+                self._launch_kernel(c.x, send, recv, weights, w1, w2, c.out, refuse_flagged=True, trace=False)
+        finally:
+            gc.enable()
+        return c
+
+    def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:
+        c.x.copy_(x)
+        c.topk_idx.copy_(topk_idx)
+        c.topk_weights.copy_(topk_weights)
+        c.layout.replay()
+        c.ready.record()
+        c.kernel.replay()
+        out = c.out.clone()  # the graph's buffer is rewritten by the next replay
+        c.ready.synchronize()
+        self._raise_status(c.status)
         return out
 
     __call__ = forward
@@ -258,6 +338,7 @@ class FusedMoE:
         raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
 
     def free(self) -> None:
+        self._graphs.clear()  # the graphs point into the heap
         self.heap.free()
 
     # ------------------------------------------------------------------ helpers

@@ -153,3 +153,52 @@ def test_fused_timeline_from_the_device_timer(dist_env, layers):
         assert r["busy_us_per_program"] >= 0.0, r
     gemm = next(r for r in rows if r["stage"] == "gemm_gate_up")
     assert gemm["busy_us_per_program"] > 0.0, gemm
+
+
+def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers):
+    """FusedMoE(graph_cache=1) replays captured graphs from a signature's second call: every
+    call, with fresh input tensors, new routings and a signature evicted and recaptured, is
+    bitwise equal to a layer launching directly (graph_cache=0); an earlier output is not
+    rewritten by later replays; bad input raises on every rank through the replay path and the
+    layer then goes on correctly."""
+    from ditron_ep.ops.ep_buffer import RoutingError
+
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    cached = FusedMoE(None, E, H, I, 256, K, torch.bfloat16, graph_cache=1)
+    direct = FusedMoE(None, E, H, I, 256, K, torch.bfloat16, graph_cache=0)
+    layers += [cached, direct]
+    _, _, _, w1s, w2s = _inputs(world, [1] * world, E, seed=6)
+    w1, w2 = _on(dev, w1s[rank], w2s[rank])
+    problems = []
+    kept = None
+    # T per call: 96 is captured on its second call, 33 evicts it (capacity 1), 96 is recaptured.
+    for call, T in enumerate((96, 96, 96, 33, 33, 96, 96, 96)):
+        xs, idxs, ws, _, _ = _inputs(world, [T] * world, E, seed=20 + call, kind="zipf" if call % 2 else "uniform")
+        args = _on(dev, xs[rank], idxs[rank], ws[rank])
+        got = cached(*args, w1, w2)
+        want = direct(*args, w1, w2)
+        if not torch.equal(got, want):
+            problems.append(f"call {call} (T={T}): graph replay differs from direct launches by "
+                            f"{(got.float() - want.float()).abs().max()}")
+        if call == 1:
+            kept, kept_copy = got, got.clone()
+    if len(cached._graphs) != 1 or len(direct._graphs) != 0:
+        problems.append(f"captured signatures: cached {len(cached._graphs)} (want 1), direct {len(direct._graphs)}")
+    if not torch.equal(kept, kept_copy):
+        problems.append("an earlier output was rewritten by a later replay")
+    # bad input on rank 0 only, through the captured T=96 signature: every rank raises
+    xs, idxs, ws, _, _ = _inputs(world, [96] * world, E, seed=40)
+    if rank == 0:
+        idxs[0][5, 1] = E + 3
+    try:
+        cached(*_on(dev, xs[rank], idxs[rank], ws[rank]), w1, w2)
+        problems.append("bad expert id on rank 0: no error through the replay path")
+    except RoutingError:
+        pass
+    xs, idxs, ws, _, _ = _inputs(world, [96] * world, E, seed=41)
+    args = _on(dev, xs[rank], idxs[rank], ws[rank])
+    if not torch.equal(cached(*args, w1, w2), direct(*args, w1, w2)):
+        problems.append("after the bad call, the replayed layer differs from direct launches")
+    cached.check()
+    assert not problems, problems
