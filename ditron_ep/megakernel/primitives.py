@@ -109,17 +109,13 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
     failed, its other waits give up at once so the launch drains quickly.
     """
     target = tl.cast(target, tl.int32)  # (a plain int when Triton specialises an argument to 1)
-    # Polls are relaxed and one acquire read follows (unconditionally: an atomic under a branch
-    # once broke a kernel, see next_task_split): only the read that ends the wait needs to order
-    # the reads after it, and a sys-scope acquire per poll is a fence per poll.
-    v = tl.atomic_add(sig_ptr, 0, sem="relaxed", scope="sys")
+    v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
     failed = read_error_flag(my_ctrl)
     n = 0
     while ((v - target) < 0) & (n < budget) & (failed == 0):
-        v = tl.atomic_add(sig_ptr, 0, sem="relaxed", scope="sys")
+        v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
         failed = read_error_flag(my_ctrl)
         n += 1
-    v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")  # orders the reads of the data it guards
     ok = (v - target) >= 0
     # Every thread of the program reads the awaited data only after the acquiring thread saw it.
     tl.debug_barrier()
@@ -133,22 +129,19 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
 def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
     """Vector form of `wait`: spin until `*p_sig - target >= 0` for every lane in `mask`.
 
-    Each lane polls its own word with a relaxed atomic (no CAS: masked atomics are fine), lanes
-    drop out once satisfied, then every lane reads its word once more with acquire. On timeout
-    records `signal_id` (the caller's id for the vector).
+    Each lane polls its own word with an acquire atomic (no CAS: masked atomics are fine), lanes
+    drop out once satisfied. On timeout records `signal_id` (the caller's id for the vector).
     """
     target = tl.cast(target, tl.int32)
-    v = tl.atomic_add(p_sig, 0, mask=mask, sem="relaxed", scope="sys")  # relaxed polls, as in `wait`
+    v = tl.atomic_add(p_sig, 0, mask=mask, sem="acquire", scope="sys")
     pending = mask & ((v - target) < 0)
     failed = read_error_flag(my_ctrl)
     n = 0
     while (tl.max(pending.to(tl.int32), axis=None) > 0) & (n < budget) & (failed == 0):
-        v = tl.atomic_add(p_sig, 0, mask=pending, sem="relaxed", scope="sys")
+        v = tl.atomic_add(p_sig, 0, mask=pending, sem="acquire", scope="sys")
         pending = pending & ((v - target) < 0)
         failed = read_error_flag(my_ctrl)
         n += 1
-    v = tl.atomic_add(p_sig, 0, mask=mask, sem="acquire", scope="sys")  # then one acquire read per lane
-    pending = mask & ((v - target) < 0)
     n_pending = tl.sum(pending.to(tl.int32), axis=None)  # any shape: reduce every axis
     tl.debug_barrier()
     if n_pending > 0:
