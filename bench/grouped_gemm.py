@@ -1,6 +1,6 @@
 """Benchmark the grouped SwiGLU expert FFN (`grouped_swiglu_ffn`) against torch._grouped_mm, one GPU.
 
-    python bench/grouped_gemm.py [--shapes uniform layer ragged] [--iters 20] [--warmup 5]
+    python bench/grouped_gemm.py [--shapes uniform layer ragged decode] [--iters 20] [--warmup 5]
         [--no-sweep] [--time-budget 480] [--json [PATH]]
     python bench/grouped_gemm.py --smoke [--json PATH]    # tiny shapes; on the CPU under the interpreter
 
@@ -9,7 +9,9 @@ Shapes (bf16, H=7168, I=2048, E_local=16, 32768 rows in all):
   layer    the MoE layer's rank 0: T=4096 tokens on each of 4 ranks, top-8 uniform routing over
            E=64 experts (16 per rank): ~2048 rows per expert, each row gathered in the kernel
            through row_index from the 16384 tokens (torch's baseline gets the rows pre-gathered);
-  ragged   zipf-like expert sizes (1/(rank+1)^1.1), two experts empty.
+  ragged   zipf-like expert sizes (1/(rank+1)^1.1), two experts empty;
+  decode   the layer shape at T=128 tokens per rank (~1024 rows, ~64 per expert): the weights'
+           bytes, not the FLOPs, bound it (not run by default).
 Stages: gate-up = x_r @ W1[e] (+ SwiGLU: fused in ours, silu(g)*u elementwise in torch's),
 down = h @ W2[e], ffn = both (ours: `grouped_swiglu_ffn`; torch: two _grouped_mm + silu*mul).
 The sweep times every gate-up and down tile config (GATE_UP_CONFIGS / DOWN_CONFIGS) with a
@@ -53,6 +55,9 @@ TARGET_NOTE = ("target: ours >= 85% of torch._grouped_mm's ffn throughput. DESIG
 C = GemmTileConfig
 GATE_UP_CONFIGS = [C(128, 128, 64, 8, 4), C(128, 128, 64, 8, 3), C(128, 64, 64, 4, 4), C(256, 64, 64, 8, 3)]
 DOWN_CONFIGS = [C(128, 256, 64, 8, 4), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 4), C(256, 128, 64, 8, 3)]
+# Small row tiles for the decode shape (~64 rows per expert): more weight bytes in flight per row.
+DECODE_GATE_UP_CONFIGS = [C(64, 128, 64, 4, 4), C(64, 64, 128, 4, 4), C(64, 128, 128, 4, 3), C(64, 64, 64, 4, 6)]
+DECODE_DOWN_CONFIGS = [C(64, 256, 64, 8, 4), C(64, 128, 128, 4, 4), C(64, 128, 64, 4, 6), C(64, 64, 128, 4, 4)]
 SMOKE_CONFIGS = ([C(16, 16, 32, 4, 1), C(32, 16, 16, 4, 1)], [C(16, 32, 16, 4, 1), C(32, 64, 32, 4, 1)])
 ONE_TILE = 2**31 - 1  # num_programs that gives every tile its own program (the launcher clamps the grid)
 COLUMNS = ["shape", "stage", "impl", "programs", "median µs", "p20", "p80", "TFLOP/s", "vs torch", "check"]
@@ -74,8 +79,10 @@ def build_case(name: str, smoke: bool, dtype: torch.dtype, device: torch.device,
     gen = torch.Generator().manual_seed(seed)
     E, H, I, ranks, T, K = (3, 48, 24, 4, 16, 2) if smoke else (16, 7168, 2048, 4, 4096, 8)
     rows = 40 if smoke else 32768
+    if name == "decode":
+        T = 8 if smoke else 128
     row_index = None
-    if name == "layer":  # rank 0's experts of a top-K routing of ranks*T tokens over E*ranks experts
+    if name in ("layer", "decode"):  # rank 0's experts of a top-K routing of ranks*T tokens over E*ranks experts
         topk_idx, _ = make_routing(ranks * T, E * ranks, K, "uniform", generator=gen)
         token, slot = torch.nonzero(topk_idx < E, as_tuple=True)
         order = torch.argsort(topk_idx[token, slot] * (ranks * T) + token)  # expert-major, then token
@@ -177,6 +184,8 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
     sms = 1 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
     grids = {"one-tile": ONE_TILE, f"persistent {sms}": sms} if not interp else {"1": 1, "3": 3}
     gu_cfgs, dn_cfgs = SMOKE_CONFIGS if args.smoke else (GATE_UP_CONFIGS, DOWN_CONFIGS)
+    if name == "decode" and not args.smoke:
+        gu_cfgs, dn_cfgs = gu_cfgs + DECODE_GATE_UP_CONFIGS, dn_cfgs + DECODE_DOWN_CONFIGS
     if not sweep:
         gu_cfgs, dn_cfgs, grids = [default_gu], [default_dn], {f"persistent {sms}": sms}
     h = torch.empty(rows, I, dtype=dtype, device=device)
@@ -222,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["uniform", "layer", "ragged"],
-                   choices=["uniform", "layer", "ragged"])
+                   choices=["uniform", "layer", "ragged", "decode"])
     p.add_argument("--no-sweep", action="store_true", help="time only the default configs, persistent grid")
     add_run_options(p, bench="grouped_gemm", iters=20, warmup=5, time_budget=480.0, skipped="shapes",
                     smoke_help="tiny shapes (E_local=3, 40 rows, H=48, I=24), 3 iterations; float32 under the interpreter")
