@@ -8,6 +8,7 @@ stage by stage (schedule "sequential": same binary, same tiles, stage barriers f
 from __future__ import annotations
 
 import gc
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -173,7 +174,13 @@ class FusedMoE:
         self._validate(x, topk_idx, topk_weights, w1, w2)
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)
-            captured = self._graphs.lookup(key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2))
+            try:
+                captured = self._graphs.lookup(key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2))
+            except RuntimeError as err:  # a capture problem must not fail the call: launch directly
+                warnings.warn(f"FusedMoE: capturing this call's launches in a CUDA graph failed ({err}); the layer "
+                              f"launches every call directly from now on (graph_cache=0)", RuntimeWarning, stacklevel=2)
+                self._graphs = CallGraphCache(0)
+                captured = None
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
         h = self.heap
