@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ..megakernel.ep_combine import ep_combine_kernel
 from ..compiler.plan import is_positive_int
 from ..megakernel import task_queue
+from ..megakernel.ep_combine import ep_combine_kernel
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
                                     SendLayout, build_send_layout, exchange_layout)
@@ -360,6 +360,11 @@ def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: to
     """The words default mode reads on the host, as one device tensor (no sync): total rows,
     flags pending from graph-mode calls, the heap's error word, every rank's (flags, T)."""
     return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word, recv.src_info.reshape(-1)])
+
+
+def layout_status_numel(world_size: int) -> int:
+    """How many int32 words `layout_status_words` returns (3, then 2 per rank)."""
+    return 3 + 2 * world_size
 
 
 def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, num_experts: int,

@@ -22,7 +22,8 @@ from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
 from .call_graphs import CallGraphCache
-from .ep_buffer import SUPPORTED_DTYPES, layout_status_words, raise_layout_status, raise_pending_flags
+from .ep_buffer import (SUPPORTED_DTYPES, layout_status_numel, layout_status_words, raise_layout_status,
+                        raise_pending_flags)
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
@@ -38,8 +39,8 @@ class _CapturedCall:
     layout: torch.cuda.CUDAGraph  # layout launches + copy of the status words into `status`
     kernel: torch.cuda.CUDAGraph  # the megakernel, writing `out`
     ready: torch.cuda.Event       # recorded between the two replays: the layout (and status) is done
-    status: torch.Tensor | None = None  # pinned host copy of the layout status
-    out: torch.Tensor | None = None
+    status: torch.Tensor          # pinned host copy of the layout status
+    out: torch.Tensor | None = None  # allocated inside the capture, in the graphs' memory pool
 
 
 class FusedMoE:
@@ -249,7 +250,7 @@ class FusedMoE:
         c = _CapturedCall(x=torch.empty_like(x), topk_idx=torch.empty_like(topk_idx),
                           topk_weights=torch.empty_like(topk_weights), layout=torch.cuda.CUDAGraph(),
                           kernel=torch.cuda.CUDAGraph(), ready=torch.cuda.Event(),
-                          status=torch.empty(3 + 2 * self.world_size, dtype=torch.int32, pin_memory=True))
+                          status=self._pinned_status())
         gc.disable()  # a collected symmetric arena would synchronise the device inside the capture
         try:
             with torch.cuda.graph(c.layout, capture_error_mode="thread_local"):
@@ -331,12 +332,16 @@ class FusedMoE:
         synchronously there)."""
         if words.device.type != "cuda":
             return words, None
-        if self._status_host is None or self._status_host.numel() != words.numel():
-            self._status_host = torch.empty(words.numel(), dtype=words.dtype, pin_memory=True)
+        if self._status_host is None:
+            self._status_host = self._pinned_status()
             self._status_event = torch.cuda.Event()
         self._status_host.copy_(words, non_blocking=True)
         self._status_event.record()
         return self._status_host, self._status_event
+
+    def _pinned_status(self) -> torch.Tensor:
+        """A pinned host buffer for this layer's `layout_status_words` (their count is fixed)."""
+        return torch.empty(layout_status_numel(self.world_size), dtype=torch.int32, pin_memory=True)
 
     def check(self) -> None:
         """Raise a timeout recorded by any launch, then input problems recorded by sync=False
