@@ -370,9 +370,7 @@ def run_graph_stages(ctx: Ctx, buf: EPBuffer, cfg: dict[str, Any], label: str, i
         try:
             same = guarded(ctx, "graph bitwise check",
                            lambda: torch.equal(graphs["dispatch+combine"][1], eager_out), buf)
-            flag = ctx.coll_tensor([0.0 if same else 1.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            verdict = "ok" if flag.item() == 0 else "DIFFERS"
+            verdict = "ok" if all_ranks(ctx, same) else "DIFFERS"
         except StageFailed as exc:
             verdict = f"error: {exc}"
     ctx.payload["graph_bitwise"].append({"label": label, "graph_equals_eager": verdict})

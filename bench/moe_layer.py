@@ -67,7 +67,7 @@ from bench.common import (add_run_options, json_path_of, log, payload_header, pr
 from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
 from ditron_ep.bench.moe_layer import FLOP_RULE, Weights, gemm_flops, make_weights, probe_grouped_mm  # noqa: E402
-from ditron_ep.bench.ranks import Fatal, StageFailed, guarded, relative_errors  # noqa: E402
+from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors  # noqa: E402
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.bench.torch_moe import BASELINE_NOTE, torch_native_moe  # noqa: E402
 from ditron_ep.determinism.tolerances import TOLERANCES  # noqa: E402
@@ -439,21 +439,15 @@ def measure_direct(ctx: Ctx, cfg: Config, T: int, wts: Weights, flops: float | N
         e = measure(ctx, cfg, "ours FusedMoE overlap, graph cache off (launches issued every call)", "ours",
                     lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops, schedule="overlap",
                     graph_cache=0)
-        e["check"] = "== overlap bits" if _bitwise_equal_everywhere(ctx, layer[0], cfg, wts) else "DIFFERS"
+        same = guarded(ctx, "graph cache off: bitwise check", lambda: torch.equal(
+            layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
+            moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap")))
+        e["check"] = "== overlap bits" if all_ranks(ctx, same) else "DIFFERS"
     except StageFailed as exc:
         log(f"  layer without graph cache failed: {exc}")
     finally:
         for lay in layer:
             lay.free()
-
-
-def _bitwise_equal_everywhere(ctx: Ctx, layer: FusedMoE, cfg: Config, wts: Weights) -> bool:
-    """Whether the direct launches give moe(schedule='overlap')'s bits on every rank (collective)."""
-    same = torch.equal(layer(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
-                       moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap"))
-    flag = torch.tensor([int(same)], device=ctx.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def record_overlap(ctx: Ctx, T: int, wts: Weights, cfg: Config) -> None:

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
             if first_out is None:
                 first_out = out
             d = layer.plan.device
-            name = f"{schedule} comm_programs={d.comm_programs} recv_lag={d.recv_lag} chunk_rows={layer.plan.routing.chunk_rows}"
+            name = (f"{schedule} comm_programs={d.comm_programs} recv_lag={d.recv_lag} "
+                    f"chunk_rows={layer.plan.routing.chunk_rows}")
             lines = [f"[rank {rank}] T={T} {name}: {layer.overlap_report()}  "
                      f"bitwise == first variant: {torch.equal(out, first_out)}"]
             if args.iters > 0:
