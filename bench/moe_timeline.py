@@ -8,7 +8,8 @@
 For every (T, schedule, plan variant): a `FusedMoE` layer is built (a variant is a comma-separated
 list of Device-level plan overrides, e.g. `comm_programs=0,recv_lag=1024`, or Core-level tile
 configs, e.g. `gate_up_config=BM128-BN128-BK64-w8-s3`; none: the plan's defaults), run `--warmup`
-times, then once with `trace=True`. With --iters N, N more eager calls are timed with CUDA events
+times, then once with `trace=True` (on GPUs after one untimed traced call that compiles the
+traced kernel). With --iters N, N more eager calls are timed with CUDA events
 (median of the slowest rank per call) and every variant's output is compared bitwise with the
 first variant's (Device-level fields must not change a bit; a tile shape may, as it fixes the
 fp32 summation of the dot products). Printed per rank: `overlap_report()` (GEMM tiles started before the last remote
@@ -100,13 +101,19 @@ def main(argv: list[str] | None = None) -> int:
                              backend="torch" if on_gpu else "emulated", **overrides)
             for _ in range(args.warmup):
                 layer(x, idx, w, w1, w2)
+            if on_gpu:
+                # The traced kernel is its own compile (TRACE is a constexpr): compile it untimed.
+                # Otherwise one rank waits out the other's compile in the call barrier, and traced
+                # calls after such a wait showed dispatch copies ~8x slower than any timed call
+                # (bench/results/moe_timeline_H200x2_20261122_s5_T128_variants.log).
+                layer(x, idx, w, w1, w2, trace=True)
             dist.barrier()
             out = layer(x, idx, w, w1, w2, trace=True)
             if first_out is None:
                 first_out = out
             d = layer.plan.device
             name = (f"{schedule} comm_programs={d.comm_programs} recv_lag={d.recv_lag} "
-                    f"chunk_rows={layer.plan.routing.chunk_rows}")
+                    f"chunk_rows={layer.plan.routing.chunk_rows} block_t={d.block_t}")
             lines = [f"[rank {rank}] T={T} {name}: {layer.overlap_report()}  "
                      f"bitwise == first variant: {torch.equal(out, first_out)}"]
             if args.iters > 0:

@@ -1,0 +1,91 @@
+"""Diagnostic (GPUs, torchrun; not a benchmark): the GPU work of one eager `moe()` call, activity by
+activity, timed as the benchmarks time it (barrier, device sync, then the call).
+
+    TOK=128,4096 torchrun --nproc-per-node 4 bench/diag/call_breakdown.py
+
+Per rank and T: the torch profiler's GPU activities (kernels, copies, memsets) of the median of
+ITERS profiled calls, each as [start, end] in µs after the iteration's marker kernel, and the
+sum per activity name over those calls. Shapes: E=64, top-8, H=7168, I=2048, bf16, uniform
+routing; FusedMoE defaults (graph cache on: calls after the second replay CUDA graphs).
+"""
+import os
+import statistics
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from torch.profiler import ProfilerActivity, profile
+
+from ditron_ep.determinism.routing import make_routing
+from ditron_ep.ops.fused_moe import FusedMoE
+
+
+@triton.jit
+def iteration_marker_kernel(p, i):
+    tl.store(p, i)
+
+
+def gpu_events(prof):
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.time_range.start, e.time_range.end, e.name))
+    return sorted(out)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    E, K, H, I = 64, 8, 7168, 2048
+    iters = int(os.environ.get("ITERS", "10"))
+    El = E // W
+    mark = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for T in [int(t) for t in os.environ.get("TOK", "128").split(",")]:
+        g = torch.Generator().manual_seed(rank)
+        idx, w = make_routing(T, E, K, "uniform", generator=g, num_ranks=W)
+        idx, w = idx.cuda(), w.cuda()
+        x = torch.randn(T, H, device="cuda").bfloat16()
+        w1 = (torch.randn(El, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
+        w2 = (torch.randn(El, I, H, device="cuda") * I ** -0.5).bfloat16()
+        layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
+        with torch.no_grad():
+            for _ in range(5):
+                layer(x, idx, w, w1, w2)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for i in range(iters):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    iteration_marker_kernel[(1,)](mark, i)
+                    layer(x, idx, w, w1, w2)
+                torch.cuda.synchronize()
+        events = gpu_events(prof)
+        starts = [k for k, e in enumerate(events) if "iteration_marker" in e[2]] + [len(events)]
+        calls = []
+        for a, b in zip(starts, starts[1:]):
+            t0 = events[a][1]
+            calls.append([(s - t0, e - t0, name) for s, e, name in events[a + 1:b]])
+        spans = [max((e for _, e, _ in c), default=0.0) for c in calls]
+        med = sorted(range(len(calls)), key=lambda k: spans[k])[len(calls) // 2]
+        total = defaultdict(float)
+        for c in calls:
+            for s, e, name in c:
+                total[name[:60]] += (e - s) / len(calls)
+        lines = [f"[rank {rank}] T={T}: GPU span after the marker, median {statistics.median(spans):.0f} us "
+                 f"(min {min(spans):.0f}, max {max(spans):.0f}); median call:"]
+        lines += [f"    {s:8.1f} {e:8.1f}  {e - s:8.1f}  {name[:90]}" for s, e, name in calls[med]]
+        lines.append("  mean GPU time per call, by activity:")
+        lines += [f"    {v:8.1f}  {k}" for k, v in sorted(total.items(), key=lambda kv: -kv[1])]
+        for r in range(W):
+            if r == rank:
+                print("\n".join(lines), flush=True)
+            dist.barrier()
+        layer.free()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
