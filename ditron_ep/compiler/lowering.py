@@ -27,7 +27,8 @@ from .plan import (CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, BufferPlacement, Core
                    cdiv, index_space_size, numel, row_tiles_bound)
 from .verifier import verify, verify_core, verify_device, verify_routing
 
-__all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_comm_programs", "fill_defaults", "lower", "seal"]
+__all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_block_t", "default_comm_programs", "fill_defaults", "lower",
+           "seal"]
 
 # Persistent grid when the spec does not say: one program per SM / CU of the lent GPUs (H100 and
 # H200: 132 SMs; MI300X: 304 CUs); 2 under the interpreter (two programs interleave the queue).
@@ -110,10 +111,12 @@ def fill_defaults(spec: MoESpec) -> MoESpec:
     decided = {
         "chunk_rows": DEFAULT_CHUNK_ROWS, "ranks_per_node": spec.world_size,
         "num_programs": DEFAULT_NUM_PROGRAMS[spec.device_type], "source_order": "ring",
-        "gemm_tile_order": "row_major", "combine_fused": True, "block_t": DEFAULT_BLOCK_T,
+        "gemm_tile_order": "row_major", "combine_fused": True,
         "gate_up_config": gate_up, "down_config": down, "block_h": block_h,
     }
     spec = dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
+    if spec.block_t is None:
+        spec = dataclasses.replace(spec, block_t=default_block_t(spec.max_tokens, spec.num_programs))
     if spec.comm_programs is None:
         spec = dataclasses.replace(spec, comm_programs=default_comm_programs(spec.num_programs))
     if spec.recv_lag is None:
@@ -128,6 +131,18 @@ def default_recv_lag(spec: MoESpec) -> int:
     if spec.schedule == "sequential":
         return spec.world_size * cdiv(spec.max_tokens, spec.chunk_rows)
     return spec.comm_programs or spec.num_programs
+
+
+def default_block_t(max_tokens: int, num_programs: int) -> int:
+    """Tokens per combine_reduce task: DEFAULT_BLOCK_T, halved (down to 1) while the stage would
+    have fewer tasks than programs. The stage starts when the last down tiles land, so its tasks
+    all run at once: at T=128, 8 tasks of 16 tokens left 124 of 132 SMs idle and took ~105 µs;
+    128 tasks of one token took ~40 µs. At T=4096, 16 tokens (256 tasks) beat 4 and 1 (2xH200,
+    bench/results/moe_timeline_H200x2_20261122_s6_*)."""
+    block_t = DEFAULT_BLOCK_T
+    while block_t > 1 and cdiv(max_tokens, block_t) < num_programs:
+        block_t //= 2
+    return block_t
 
 
 def default_comm_programs(num_programs: int) -> int:

@@ -82,6 +82,19 @@ def test_lower_production_shape(device_type, dtype):
     assert plan.device.heap_bytes > plan.device.buffer("combine/land").nbytes
 
 
+@pytest.mark.parametrize("max_tokens,num_programs,block_t", [
+    (128, 132, 1), (1024, 132, 4), (4096, 132, 16), (4096, 304, 8), (40, 2, 16), (1, 132, 1)])
+def test_combine_block_covers_the_grid(max_tokens, num_programs, block_t):
+    """combine_reduce runs all at once after the last down tiles: tokens per task shrink until
+    the stage has a task per program (or one token per task)."""
+    plan = lower(MoESpec(4, 16, 2, 64, 96, max_tokens, device_type="cuda", num_programs=num_programs))
+    assert plan.device.block_t == block_t
+    n_tasks = plan.device.stage("combine_reduce").num_tasks
+    assert n_tasks == -(-max_tokens // block_t)
+    assert n_tasks >= num_programs or block_t == 1
+    assert block_t == 16 or -(-max_tokens // (2 * block_t)) < num_programs  # the largest such block
+
+
 def test_describe_shows_every_stage_signal_and_buffer(base):
     for plan in (base, lower(spec_of(4, 16, 2, 64, 96, 40, schedule="sequential",
                                      combine_fused=False))):
