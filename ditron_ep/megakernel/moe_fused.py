@@ -61,17 +61,17 @@ STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barri
 
 @register_device_function
 @triton.jit
-def _gemm_tile(q, n_cols, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR: tl.constexpr):
+def _gemm_tile(q, n_cols, n_rt, p_tiles, ROW_MAJOR: tl.constexpr):
     """q-th task of a GEMM stage -> (row tile's natural index, column tile, expert, first row,
     rows); the plan's gemm_tile_order picks row-major (all column tiles of a row tile together)
-    or column-major over the row tiles in the layout's arrival order."""
+    or column-major over the row tiles in the layout's arrival order (table at p_tiles)."""
     if ROW_MAJOR:
         i_m = q // n_cols
         i_n = q % n_cols
     else:
         i_n = q // n_rt
         i_m = q % n_rt
-    p_tile = heap_ptr(table_ptr, rank, tiles_off, tl.int32) + i_m * 4
+    p_tile = p_tiles + i_m * 4
     # the table lists tiles in arrival order; a tile's signal words go by its natural index
     return tl.load(p_tile + 3), i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
 
@@ -193,6 +193,13 @@ def moe_fused_kernel(
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     DT = x_ptr.dtype.element_ty
+    # This rank's plan buffers, resolved once: a GEMM task's path to its first load is a chain of
+    # dependent round trips (ticket, tile table, signal), and each base address was one more.
+    p_xs = heap_ptr(table_ptr, rank, xs_off, DT)
+    p_meta_all = heap_ptr(table_ptr, rank, meta_off, tl.int32)
+    p_tiles = heap_ptr(table_ptr, rank, tiles_off, tl.int32)
+    p_rows_all = heap_ptr(table_ptr, rank, rows_off, tl.int32)
+    p_h = heap_ptr(table_ptr, rank, h_off, DT)
     META: tl.constexpr = 1 + 2 * K
     o_s = tl.arange(0, BLOCK_S)
     # the last down tile's landing counters (int64 addresses) and rows, not yet published
@@ -263,9 +270,9 @@ def moe_fused_kernel(
                 o_j = i_c * BLOCK_S + o_s
                 m_j = (o_j < n) & ok
                 r_src = (i_s * MAXT + o_j).to(tl.int64)
-                p_meta = heap_ptr(table_ptr, rank, meta_off, tl.int32) + r_src * META
+                p_meta = p_meta_all + r_src * META
                 tok = tl.load(p_meta, mask=m_j, other=0)
-                p_rows = heap_ptr(table_ptr, rank, rows_off, tl.int32)
+                p_rows = p_rows_all
                 for k in tl.static_range(K):
                     el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
                     pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
@@ -286,11 +293,10 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2 - F1, bar_recv,
                                              epoch, budget, True)
-                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, n_rt, p_tiles, ROW_MAJOR)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
-                        swiglu_tile(heap_ptr(table_ptr, rank, xs_off, DT), heap_ptr(table_ptr, rank, rows_off, tl.int32),
-                                    w1_ptr, heap_ptr(table_ptr, rank, h_off, DT), e, row0, n_rows, i_n * BN1, H, I,
+                        swiglu_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I,
                                     True, BM, BN1, BK1, INPUT_PRECISION, 4)
                         notify_add(p_sig + sig_gu + i_m, 1)
                 if SEQUENTIAL:
@@ -300,14 +306,14 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, L1, 0, epoch, budget,
                                              False)
-                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, n_rt, table_ptr, rank, tiles_off, ROW_MAJOR)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, n_rt, p_tiles, ROW_MAJOR)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
-                        acc = down_acc(heap_ptr(table_ptr, rank, h_off, DT), w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
+                        acc = down_acc(p_h, w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
                                        BM, BN2, BK2, INPUT_PRECISION)  # [BM, BN2] fp32
                         o_m = tl.arange(0, BM)
                         m_m = o_m < n_rows
-                        p_rows = heap_ptr(table_ptr, rank, rows_off, tl.int32) + (row0 + o_m).to(tl.int64) * 4
+                        p_rows = p_rows_all + (row0 + o_m).to(tl.int64) * 4
                         i_src = tl.load(p_rows + 1, mask=m_m, other=0)
                         i_tk = (tl.load(p_rows + 2, mask=m_m, other=0) * K + tl.load(p_rows + 3, mask=m_m, other=0)).to(tl.int64)
                         # [BM] row pointers on each row's token rank (masked rows: i_src = 0, a real rank)

@@ -155,13 +155,19 @@ def test_fused_timeline_from_the_device_timer(dist_env, layers):
     assert gemm["busy_us_per_program"] > 0.0, gemm
 
 
-def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers):
+@pytest.mark.parametrize("side_copy", [False, True], ids=["x-copy-inline", "x-copy-side-stream"])
+def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers, monkeypatch, side_copy):
     """FusedMoE(graph_cache=1) replays captured graphs from a signature's second call: every
     call, with fresh input tensors, new routings and a signature evicted and recaptured, is
-    bitwise equal to a layer launching directly (graph_cache=0); an earlier output is not
-    rewritten by later replays; bad input raises on every rank through the replay path and the
-    layer then goes on correctly."""
+    bitwise equal to a layer launching directly (graph_cache=0), also when the caller overwrites
+    x right after the call (x is copied into the replay's static buffer on this stream, or on a
+    side stream beside the layout graph: both paths run); an earlier output is not rewritten by
+    later replays; bad input raises on every rank through the replay path and the layer then
+    goes on correctly."""
+    from ditron_ep.ops import fused_moe
     from ditron_ep.ops.ep_buffer import RoutingError
+
+    monkeypatch.setattr(fused_moe, "_SIDE_COPY_BYTES", 0 if side_copy else 1 << 62)
 
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E = 4 * world
@@ -176,8 +182,9 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers):
     for call, T in enumerate((96, 96, 96, 33, 33, 96, 96, 96)):
         xs, idxs, ws, _, _ = _inputs(world, [T] * world, E, seed=20 + call, kind="zipf" if call % 2 else "uniform")
         args = _on(dev, xs[rank], idxs[rank], ws[rank])
-        got = cached(*args, w1, w2)
         want = direct(*args, w1, w2)
+        got = cached(*args, w1, w2)
+        args[0].fill_(float("nan"))  # the caller reuses x at once: the replay must have its copy
         if not torch.equal(got, want):
             problems.append(f"call {call} (T={T}): graph replay differs from direct launches by "
                             f"{(got.float() - want.float()).abs().max()}")
