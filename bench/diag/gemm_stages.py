@@ -1,0 +1,88 @@
+"""Diagnostic (GPUs, torchrun; not a benchmark): the fused kernel's GEMM stages against the standalone
+persistent GEMM kernels on the same rows, in the same run.
+
+    TOK=4096 SCHEDS=overlap,sequential torchrun --nproc-per-node 2 bench/diag/gemm_stages.py
+
+Per rank: two traced calls of `FusedMoE` per schedule (after an untimed traced call that compiles
+the traced kernel), each printed as `stage first_start-last_end (busy µs per program)` from
+`timeline()`; then the standalone `grouped_swiglu_kernel` and `grouped_down_kernel` (one program
+per SM, default tiles) timed alone on this rank's rows as `ditron_ep.ops.dispatch` lays them out
+(median of 10, CUDA events). Busy per program of a fused GEMM stage against the standalone
+kernel's time says what the stage costs inside the megakernel beyond the GEMM itself. Shapes:
+E=64, top-8, H=7168, I=2048, bf16; inputs as bench/moe_timeline.py draws them (seed 1234 + rank).
+LABEL (optional) tags the lines, e.g. for a patched build.
+"""
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.compiler.core_config import default_gemm_configs
+from ditron_ep.megakernel.grouped_gemm import build_tile_map
+from ditron_ep.ops.functional import dispatch
+from ditron_ep.ops.fused_moe import FusedMoE
+from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu
+
+
+def median_us(fn, n=10):
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, W = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    E, K, H, I, T = 64, 8, 7168, 2048, int(os.environ.get("TOK", "4096"))
+    label = os.environ.get("LABEL", "")
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
+    w1 = (torch.randn(E // W, H, 2 * I, device=dev, generator=gen) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E // W, I, H, device=dev, generator=gen) * I ** -0.5).bfloat16()
+    x = torch.randn(T, H, device=dev, generator=gen).bfloat16()
+    w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
+    lines = []
+    with torch.no_grad():
+        for sched in os.environ.get("SCHEDS", "overlap,sequential").split(","):
+            layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16, schedule=sched)
+            for _ in range(3):
+                layer(x, idx, w, w1, w2)
+            layer(x, idx, w, w1, w2, trace=True)  # compiles the traced kernel
+            for rep in range(2):
+                dist.barrier()
+                layer(x, idx, w, w1, w2, trace=True)
+                lines.append(f"[rank {rank}] {label} T={T} {sched} traced {rep}: " + "  ".join(
+                    f"{r['stage']} {r['first_start_us']:.0f}-{r['last_end_us']:.0f} ({r['busy_us_per_program']:.0f})"
+                    for r in layer.timeline()))
+            layer.free()
+        recv_x, handle = dispatch(x, idx, num_experts=E)
+        offsets = handle.expert_offsets
+        gate_up_cfg, down_cfg = default_gemm_configs(torch.bfloat16, "cuda")
+        rows = recv_x.shape[0]
+        h = torch.empty((rows, I), dtype=x.dtype, device=dev)
+        y = torch.empty((rows, H), dtype=x.dtype, device=dev)
+        tile_start = build_tile_map(offsets, gate_up_cfg.block_m)  # both configs share block_m
+        n_prog = torch.cuda.get_device_properties(dev).multi_processor_count
+        gate_up = median_us(lambda: launch_grouped_swiglu(recv_x, None, w1, h, offsets, tile_start, gate_up_cfg,
+                                                          n_prog, "tf32"))
+        down = median_us(lambda: launch_grouped_down(h, w2, y, offsets, tile_start, down_cfg, n_prog, "tf32"))
+        lines.append(f"[rank {rank}] {label} standalone persistent ({n_prog} programs) on {rows} rows: "
+                     f"gate-up {gate_up:.0f} us, down {down:.0f} us")
+    for r in range(W):
+        if r == rank:
+            print("\n".join(lines), flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
