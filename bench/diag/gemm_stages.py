@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ditron_ep.compiler.core_config import default_gemm_configs
 from ditron_ep.megakernel.grouped_gemm import build_tile_map
-from ditron_ep.ops.functional import dispatch
+from ditron_ep.ops.functional import clear_cache, dispatch
 from ditron_ep.ops.fused_moe import FusedMoE
 from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu
 
@@ -81,6 +81,7 @@ def main():
         if r == rank:
             print("\n".join(lines), flush=True)
         dist.barrier()
+    clear_cache()  # the EPBuffer dispatch() made
     dist.destroy_process_group()
 
 

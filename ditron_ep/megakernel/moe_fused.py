@@ -200,6 +200,7 @@ def moe_fused_kernel(
     p_tiles = heap_ptr(table_ptr, rank, tiles_off, tl.int32)
     p_rows_all = heap_ptr(table_ptr, rank, rows_off, tl.int32)
     p_h = heap_ptr(table_ptr, rank, h_off, DT)
+    p_land_own = heap_ptr(table_ptr, rank, land_off, DT)
     META: tl.constexpr = 1 + 2 * K
     o_s = tl.arange(0, BLOCK_S)
     # the last down tile's landing counters (int64 addresses) and rows, not yet published
@@ -272,17 +273,16 @@ def moe_fused_kernel(
                 r_src = (i_s * MAXT + o_j).to(tl.int64)
                 p_meta = p_meta_all + r_src * META
                 tok = tl.load(p_meta, mask=m_j, other=0)
-                p_rows = p_rows_all
                 for k in tl.static_range(K):
                     el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
                     pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
                     valid = m_j & (el >= 0)
                     e_off = tl.load(expert_off_ptr + el, mask=valid, other=0)
                     row = (e_off + tl.load(src_off_ptr + i_s * E_local + el, mask=valid, other=0) + pos).to(tl.int64)
-                    tl.store(p_rows + row * 4, r_src.to(tl.int32), mask=valid)      # staged row to gather
-                    tl.store(p_rows + row * 4 + 1, i_s + 0 * pos, mask=valid)       # source rank
-                    tl.store(p_rows + row * 4 + 2, tok, mask=valid)                 # source token
-                    tl.store(p_rows + row * 4 + 3, k + 0 * pos, mask=valid)         # k
+                    tl.store(p_rows_all + row * 4, r_src.to(tl.int32), mask=valid)      # staged row to gather
+                    tl.store(p_rows_all + row * 4 + 1, i_s + 0 * pos, mask=valid)       # source rank
+                    tl.store(p_rows_all + row * 4 + 2, tok, mask=valid)                 # source token
+                    tl.store(p_rows_all + row * 4 + 3, k + 0 * pos, mask=valid)         # k
                     i_tile = tl.load(tile_start_ptr + el, mask=valid, other=0) + (row - e_off) // BM
                     tl.debug_barrier()
                     tl.atomic_add(p_sig + sig_rows + i_tile, 1, mask=valid, sem="release", scope="gpu")
@@ -345,7 +345,7 @@ def moe_fused_kernel(
                     ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
                                        STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
                     if ok:
-                        reduce_landed(heap_ptr(table_ptr, rank, land_off, DT), topk_ptr, w_ptr, out_ptr, o_t, m_t, 0, H,
+                        reduce_landed(p_land_own, topk_ptr, w_ptr, out_ptr, o_t, m_t, 0, H,
                                       H, K, True, BLOCK_T, BLOCK_H)
                         # counters back to zero for the next call (peers add again only after
                         # the next call barrier, i.e. after this launch has finished)
@@ -375,6 +375,9 @@ _CONST = {"K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "B
           "INPUT_PRECISION": "tf32", "TRACE": True}
 _MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")
 register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multiples_of_16=_MULT16)
+# Small T plans one token per combine task (lowering.default_block_t): BLOCK_T=1 tiles.
+register_kernel(moe_fused_kernel, _SIG, {**_CONST, "BLOCK_T": 1}, label="bf16-K8-overlap-combine-t1",
+                multiples_of_16=_MULT16)
 # Triton specialises integer arguments equal to 1 into constants (a plain int inside the kernel):
 # a layer with I <= BN1 has one column tile, a small max_tokens one chunk, and rank 1 is 1.
 _ONES = ("n_chunks", "n_t1", "n_t2", "rank")

@@ -106,7 +106,7 @@ def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
 
     Returns True when reached. On timeout the first failing wait of the rank records
     (rank, stage, signal_id, observed, target) in the error slot of `my_ctrl`; once a rank has
-    failed, its other waits give up at once so the launch drains quickly.
+    failed, its other waits give up after at most one more poll so the launch drains quickly.
     """
     target = tl.cast(target, tl.int32)  # (a plain int when Triton specialises an argument to 1)
     v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")

@@ -155,13 +155,16 @@ def test_fused_timeline_from_the_device_timer(dist_env, layers):
     assert gemm["busy_us_per_program"] > 0.0, gemm
 
 
+_SLEEP_CYCLES = 2_000_000  # torch.cuda._sleep: ~1 ms at an H200's clock
+
+
 @pytest.mark.parametrize("side_copy", [False, True], ids=["x-copy-inline", "x-copy-side-stream"])
 def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers, monkeypatch, side_copy):
     """FusedMoE(graph_cache=1) replays captured graphs from a signature's second call: every
     call, with fresh input tensors, new routings and a signature evicted and recaptured, is
-    bitwise equal to a layer launching directly (graph_cache=0), also when the caller overwrites
-    x right after the call (x is copied into the replay's static buffer on this stream, or on a
-    side stream beside the layout graph: both paths run); an earlier output is not rewritten by
+    bitwise equal to a layer launching directly (graph_cache=0), also when x is produced late and
+    overwritten right after the call (x is copied into the replay's static buffer on this stream,
+    or on a side stream beside the layout graph: both paths run); an earlier output is not rewritten by
     later replays; bad input raises on every rank through the replay path and the layer then
     goes on correctly."""
     from ditron_ep.ops import fused_moe
@@ -183,8 +186,18 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers, mon
         xs, idxs, ws, _, _ = _inputs(world, [T] * world, E, seed=20 + call, kind="zipf" if call % 2 else "uniform")
         args = _on(dev, xs[rank], idxs[rank], ws[rank])
         want = direct(*args, w1, w2)
-        got = cached(*args, w1, w2)
-        args[0].fill_(float("nan"))  # the caller reuses x at once: the replay must have its copy
+        # Widen every race the replay's stream order must close: x is produced behind a ~1 ms
+        # sleep on the caller's stream (a copy not ordered after x's producer reads NaN), the
+        # side copy stream is held back by another (a megakernel not waiting for the copy reads
+        # the previous call's x), and the caller overwrites x as soon as the call returns.
+        x_late = torch.full_like(args[0], float("nan"))
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        x_late.copy_(args[0])
+        for captured in cached._graphs._entries.values():
+            with torch.cuda.stream(captured.copy_stream):
+                torch.cuda._sleep(_SLEEP_CYCLES)
+        got = cached(x_late, *args[1:], w1, w2)
+        x_late.fill_(float("nan"))
         if not torch.equal(got, want):
             problems.append(f"call {call} (T={T}): graph replay differs from direct launches by "
                             f"{(got.float() - want.float()).abs().max()}")
