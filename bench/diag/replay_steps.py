@@ -1,0 +1,54 @@
+"""Diagnostic (GPUs, torchrun; not a benchmark): host time of each step of a graph-cached eager call.
+
+    TOK=128,4096 torchrun --nproc-per-node 2 bench/diag/replay_steps.py
+
+Per rank and T, medians over 40 calls (each after a barrier and a device sync), in µs of host
+time (time.perf_counter): the argument checks, the input copies into the replay's static buffers,
+each graph replay, the event between them, the output clone, and the wait for the layout
+(`sync`: the host waiting for the GPU, not host work), done step by step as FusedMoE._replay does
+them (x copied on this stream); then `whole_call`, one whole `layer(...)` call. At T=128 the GPU
+waits for the host, so host µs before the layout replay are µs of the call.
+Shapes: E=64, top-8, H=7168, I=2048, bf16, uniform routing.
+"""
+import os, time, statistics, torch, torch.distributed as dist
+from ditron_ep.ops.fused_moe import FusedMoE
+from ditron_ep.determinism.routing import make_routing
+dist.init_process_group("nccl")
+rank, W = dist.get_rank(), dist.get_world_size()
+torch.cuda.set_device(rank)
+E, K, H, I = 64, 8, 7168, 2048
+El = E // W
+for T in [int(t) for t in os.environ.get("TOK", "128").split(",")]:
+    g = torch.Generator().manual_seed(rank)
+    idx, w = make_routing(T, E, K, "uniform", generator=g, num_ranks=W)
+    idx, w = idx.cuda(), w.cuda()
+    x = torch.randn(T, H, device="cuda").bfloat16()
+    w1 = (torch.randn(El, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
+    w2 = (torch.randn(El, I, H, device="cuda") * I ** -0.5).bfloat16()
+    layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(5):
+            layer(x, idx, w, w1, w2)
+        c = next(iter(layer._graphs._entries.values()))
+        steps = {k: [] for k in ("validate", "copies", "layout.replay", "ready.record", "kernel.replay", "clone", "sync", "whole_call")}
+        for it in range(40):
+            dist.barrier(); torch.cuda.synchronize()
+            t = [time.perf_counter()]
+            layer._validate(x, idx, w, w1, w2); t.append(time.perf_counter())
+            c.topk_idx.copy_(idx); c.topk_weights.copy_(w); c.x.copy_(x); t.append(time.perf_counter())
+            c.layout.replay(); t.append(time.perf_counter())
+            c.ready.record(); t.append(time.perf_counter())
+            c.kernel.replay(); t.append(time.perf_counter())
+            out = c.out.clone(); t.append(time.perf_counter())
+            c.ready.synchronize(); t.append(time.perf_counter())
+            for k, a, b in zip(list(steps)[:7], t, t[1:]):
+                steps[k].append((b - a) * 1e6)
+            torch.cuda.synchronize(); dist.barrier(); torch.cuda.synchronize()
+            t0 = time.perf_counter(); layer(x, idx, w, w1, w2); steps["whole_call"].append((time.perf_counter() - t0) * 1e6)
+        line = f"[rank {rank}] T={T} host us (median of 40): " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in steps.items())
+    for r in range(W):
+        if r == rank:
+            print(line, flush=True)
+        dist.barrier()
+    layer.free()
+dist.destroy_process_group()
