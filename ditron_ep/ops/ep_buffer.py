@@ -89,6 +89,9 @@ class EPBuffer:
             for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
             launch and raise DitronTimeoutError there (one extra device-to-host read).
+
+    Every call reuses the buffer's heap and signals, so calls run in the order of the CUDA stream
+    they are issued on: issue them on one stream (or order the streams yourself).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int,

@@ -104,6 +104,8 @@ class FusedMoE:
     second call and replayed after (ops/call_graphs.py): the same kernels and arguments, so the
     same bits, for a few µs of host time instead of hundreds. Each costs graph memory of about
     2*T*H activations plus the layout buffers; 0 launches every call directly.
+    Every call reuses the layer's heap, signals and captured graphs, so calls run in the order of
+    the CUDA stream they are issued on: issue them on one stream (or order the streams yourself).
     """
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
