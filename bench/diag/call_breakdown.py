@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 from torch.profiler import ProfilerActivity, profile
 
-from ditron_ep.determinism.routing import make_routing
 from ditron_ep.ops.fused_moe import FusedMoE
+from layer_inputs import E, H, I, K, layer_inputs
 
 
 @triton.jit(do_not_specialize=["i"])
@@ -47,19 +47,12 @@ def main():
     dist.init_process_group("nccl")
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    E, K, H, I = 64, 8, 7168, 2048
     iters = int(os.environ.get("ITERS", "10"))
-    El = E // W
     mark = torch.zeros(1, dtype=torch.int32, device="cuda")
     iteration_marker_kernel[(1,)](mark, 0)  # compiled before any profiled call
     call_end_marker_kernel[(1,)](mark, 0)
     for T in [int(t) for t in os.environ.get("TOK", "128").split(",")]:
-        g = torch.Generator().manual_seed(rank)
-        idx, w = make_routing(T, E, K, "uniform", generator=g, num_ranks=W)
-        idx, w = idx.cuda(), w.cuda()
-        x = torch.randn(T, H, device="cuda").bfloat16()
-        w1 = (torch.randn(El, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
-        w2 = (torch.randn(El, I, H, device="cuda") * I ** -0.5).bfloat16()
+        x, idx, w, w1, w2 = layer_inputs(T, rank, W)
         layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
         with torch.no_grad():
             for _ in range(5):

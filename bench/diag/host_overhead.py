@@ -10,19 +10,13 @@ I=2048, bf16, uniform routing.
 import cProfile, io, os, pstats, time
 import torch, torch.distributed as dist
 from ditron_ep.ops import moe
-from ditron_ep.determinism.routing import make_routing
+from layer_inputs import layer_inputs
 
 dist.init_process_group("nccl")
 rank, W = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(rank)
-T = int(os.environ.get("TOK", "128")); E, K, H, I = 64, 8, 7168, 2048
-El = E // W
-g = torch.Generator().manual_seed(rank)
-idx, w = make_routing(T, E, K, "uniform", generator=g, num_ranks=W)
-idx, w = idx.cuda(), w.cuda()
-x = torch.randn(T, H, device="cuda").bfloat16()
-w1 = (torch.randn(El, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
-w2 = (torch.randn(El, I, H, device="cuda") * I ** -0.5).bfloat16()
+T = int(os.environ.get("TOK", "128"))
+x, idx, w, w1, w2 = layer_inputs(T, rank, W)
 with torch.no_grad():
     for _ in range(5):
         moe(x, idx, w, w1, w2)

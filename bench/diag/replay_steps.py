@@ -13,19 +13,12 @@ Shapes: E=64, top-8, H=7168, I=2048, bf16, uniform routing.
 """
 import os, time, statistics, torch, torch.distributed as dist
 from ditron_ep.ops.fused_moe import FusedMoE
-from ditron_ep.determinism.routing import make_routing
+from layer_inputs import E, H, I, K, layer_inputs
 dist.init_process_group("nccl")
 rank, W = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(rank)
-E, K, H, I = 64, 8, 7168, 2048
-El = E // W
 for T in [int(t) for t in os.environ.get("TOK", "128").split(",")]:
-    g = torch.Generator().manual_seed(rank)
-    idx, w = make_routing(T, E, K, "uniform", generator=g, num_ranks=W)
-    idx, w = idx.cuda(), w.cuda()
-    x = torch.randn(T, H, device="cuda").bfloat16()
-    w1 = (torch.randn(El, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
-    w2 = (torch.randn(El, I, H, device="cuda") * I ** -0.5).bfloat16()
+    x, idx, w, w1, w2 = layer_inputs(T, rank, W)
     layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
     with torch.no_grad():
         for _ in range(5):

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Generic, Hashable, TypeVar
 
+from ..compiler.plan import is_nonnegative_int
+
 __all__ = ["CallGraphCache"]
 
 Captured = TypeVar("Captured")
@@ -30,7 +32,7 @@ class CallGraphCache(Generic[Captured]):
     """
 
     def __init__(self, capacity: int) -> None:
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        if not is_nonnegative_int(capacity):
             raise ValueError(f"graph cache capacity must be an int >= 0 (0 disables it), got {capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Captured] = OrderedDict()

@@ -321,14 +321,13 @@ class FusedMoE:
         # host, and at T=128 the GPU waits for the host (bench/diag/replay_steps.py)
         if side:
             torch._foreach_copy_([c.topk_idx, c.topk_weights], [topk_idx, topk_weights])
-        else:
-            torch._foreach_copy_([c.x, c.topk_idx, c.topk_weights], [x, topk_idx, topk_weights])
-        if side:
             # A large x is copied on a side stream while the layout graph, which does not read it,
             # runs. The side stream starts after everything queued so far on this one (x's
             # producer, and the previous replay's megakernel, which reads the static buffer); the
             # megakernel waits for the copy.
             c.inputs_in.record(stream)
+        else:
+            torch._foreach_copy_([c.x, c.topk_idx, c.topk_weights], [x, topk_idx, topk_weights])
         c.layout.replay()
         if side:
             c.copy_stream.wait_event(c.inputs_in)
