@@ -13,7 +13,8 @@ A config is (tokens T per rank, experts E, routing); every config runs every sta
          combine        `_launch_combine` only: the combine kernel
          combine total  public `combine(...)` (+ the error-slot read)
   graph  one CUDA graph each: layout; dispatch(sync=False) (layout + data kernel); combine;
-         dispatch+combine in one graph. Timed as replays.
+         dispatch+combine in one graph; and dispatch / combine with 0 tokens on every rank (the
+         fixed cost of a cross-rank launch under this timing rule). Timed as replays.
   baseline  NCCL all_to_all_single with the real per-rank split sizes of the same routing:
          dispatch = each rank sends every other rank one row per (token, destination rank) it would
          dispatch; combine = the reverse exchange. Rows are pre-packed (no gather, no expansion) and
@@ -336,6 +337,17 @@ def run_graph_stages(ctx: Ctx, buf: EPBuffer, cfg: dict[str, Any], label: str, i
             return buf.combine(r2, h2, w)
 
         graphs["dispatch+combine"] = capture_graph(both)
+        # The same graphs with no tokens on any rank: the fixed cost of a cross-rank launch under
+        # this timing rule (host skew after the barrier, graph launch, the ranks' entry barrier,
+        # the counts exchange), which no amount of bandwidth removes.
+        x0, idx0, w0 = x[:0], idx[:0], w[:0]
+        with torch.no_grad():
+            r0, h0 = buf.dispatch(x0, idx0, w0, sync=False)
+            buf.combine(r0, h0, w0)
+        torch.cuda.synchronize(ctx.device)
+        graphs["dispatch, 0 tokens"] = capture_graph(lambda: buf.dispatch(x0, idx0, w0, sync=False))
+        recv_0, h_0 = graphs["dispatch, 0 tokens"][1]
+        graphs["combine, 0 tokens"] = capture_graph(lambda: buf.combine(recv_0, h_0, w0))
 
     try:
         guarded(ctx, "graph capture", build, buf)
@@ -362,6 +374,8 @@ def run_graph_stages(ctx: Ctx, buf: EPBuffer, cfg: dict[str, Any], label: str, i
         record(ctx, cfg, label, "graph combine", "graph", "combine", inp, None,
                error="skipped: the dispatch graph it reads from failed")
     rt_ok = timed_replay("dispatch+combine", "roundtrip", base_rt)
+    if timed_replay("dispatch, 0 tokens", None, None):
+        timed_replay("combine, 0 tokens", None, None)
 
     # Graph mode must equal default mode bit for bit (the library's contract).
     if not rt_ok or eager_out is None:
