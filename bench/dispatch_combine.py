@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--num-programs", type=int, default=None, help="programs (SMs) per kernel; default all SMs")
     p.add_argument("--block-rows", type=int, default=16, help="EPBuffer block_rows (tokens per chunk)")
+    p.add_argument("--block-hidden", type=int, default=None,
+                   help="EPBuffer block_hidden (columns per copy step); default: the buffer's")
+    p.add_argument("--hidden-slices", type=int, default=None,
+                   help="EPBuffer hidden_slices (column slices per chunk); default: the buffer's")
     p.add_argument("--buffer-per", choices=["config", "sweep"], default="config",
                    help="config: one EPBuffer per (E, T) sized max_tokens=T; sweep: one per E sized max(--tokens)")
     p.add_argument("--no-check-errors", action="store_true",
@@ -207,6 +211,7 @@ def run_config(ctx: Ctx, buf: EPBuffer, T: int, E: int, routing: str) -> None:
     cfg = {"tokens": T, "experts": E, "routing": routing, "hidden": a.hidden, "topk": a.topk,
            "dtype": a.dtype, "world_size": ctx.world, "num_programs": buf.num_programs,
            "buffer_max_tokens": buf.max_tokens, "block_rows": buf.block_rows,
+           "block_hidden": buf.block_hidden, "hidden_slices": buf.n_slices,
            "check_errors": buf.check_errors}
     iters, warmup, dev = a.iters, a.warmup, ctx.device
 
@@ -422,8 +427,10 @@ def sweep(ctx: Ctx) -> None:
             try:
                 buf = guarded(ctx, "EPBuffer", lambda: EPBuffer(
                     None, E, a.hidden, max_t, a.topk, ctx.dtype, num_programs=a.num_programs,
-                    block_rows=a.block_rows, check_errors=not a.no_check_errors))
+                    block_rows=a.block_rows, block_hidden=a.block_hidden, hidden_slices=a.hidden_slices,
+                    check_errors=not a.no_check_errors))
                 log(f"  EPBuffer(E={E}, max_tokens={max_t}, num_programs={buf.num_programs}, "
+                    f"block_hidden={buf.block_hidden}, hidden_slices={buf.n_slices}, "
                     f"heap {buf.heap.size_bytes / 2**20:.1f} MiB/rank)")
             except StageFailed as exc:
                 buf = None

@@ -116,6 +116,12 @@ class EPBuffer:
             raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
         if block_rows <= 0 or block_rows & (block_rows - 1):
             raise DitronConfigError(f"block_rows must be a power of two, got {block_rows}")
+        # tile widths reach tl.arange, which takes powers of two only
+        if block_hidden is not None and (not is_positive_int(block_hidden) or block_hidden & (block_hidden - 1)
+                                         or block_hidden < 16):
+            raise DitronConfigError(f"block_hidden must be a power of two >= 16 (or None), got {block_hidden!r}")
+        if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+            raise DitronConfigError(f"num_warps must be one of 1, 2, 4, 8, 16 (or None), got {num_warps!r}")
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.max_tokens = max_tokens_per_rank
         self.world_size = world

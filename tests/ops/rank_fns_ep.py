@@ -177,6 +177,8 @@ def error_cases() -> dict:
     catch("y_rows", lambda: buf.combine(torch.zeros(recv_x.shape[0] + 1, H), handle), DitronConfigError)
     catch("bad_handle", lambda: buf.combine(recv_x, object()), DitronConfigError)
     catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, 8, K, torch.float32), DitronConfigError)
+    catch("block_hidden", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=48), DitronConfigError)
+    catch("num_warps", lambda: EPBuffer(None, E, H, 8, K, torch.float32, num_warps=3), DitronConfigError)
     buf.free()
     return res
 

@@ -64,8 +64,9 @@ def test_bad_input(emulated_cluster):
         assert res["graph_then_check"].startswith("RoutingError")
         assert res["after_check_clean"] == "no error"
         for key in ("hidden", "dtype", "topk_shape", "idx_dtype", "non_contig", "y_rows", "bad_handle",
-                    "experts_not_multiple"):
+                    "experts_not_multiple", "block_hidden", "num_warps"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
+        assert "power of two" in res["block_hidden"] and "num_warps" in res["num_warps"]
     assert [r["graph_rows_dropped"] for r in emulated_cluster(2).run(fns.error_cases)] == [23, 0]
 
 
