@@ -403,6 +403,9 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
         # ---- ours, overlap, every call's launches issued from the host (no CUDA-graph replay)
         if ctx.device.type == "cuda":
             measure_direct(ctx, cfg, T, wts, fl)
+        # ---- ours, overlap, one layer sized for the sweep's largest T (prefill) serving this T
+        if T < max(ctx.args.tokens):
+            measure_capacity(ctx, cfg, max(ctx.args.tokens), wts, fl)
         # ---- overlap, measured: the megakernel's task trace (logical clock of task starts/ends)
         if "overlap" in SCHEDULES:
             record_overlap(ctx, T, wts, cfg)
@@ -445,6 +448,29 @@ def measure_direct(ctx: Ctx, cfg: Config, T: int, wts: Weights, flops: float | N
         e["check"] = "== overlap bits" if all_ranks(ctx, same) else "DIFFERS"
     except StageFailed as exc:
         log(f"  layer without graph cache failed: {exc}")
+    finally:
+        for lay in layer:
+            lay.free()
+
+
+def measure_capacity(ctx: Ctx, cfg: Config, max_tokens: int, wts: Weights, flops: float | None) -> None:
+    """The overlap layer sized for `max_tokens` called with this config's fewer tokens: what one
+    layer serving both prefill and decode pays for its capacity. Same bits as the layer sized
+    for T (the plan's tile configs do not depend on max_tokens)."""
+    layer: list[FusedMoE] = []
+    a = ctx.args
+    try:
+        guarded(ctx, f"layer sized for {max_tokens} tokens", lambda: layer.append(
+            FusedMoE(None, a.experts, a.hidden, a.inter, max_tokens, a.topk, ctx.dtype)))
+        e = measure(ctx, cfg, f"ours FusedMoE overlap, layer sized for T={max_tokens}", "ours",
+                    lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops, schedule="overlap",
+                    layer_max_tokens=max_tokens)
+        same = guarded(ctx, "sized layer: bitwise check", lambda: torch.equal(
+            layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
+            moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap")))
+        e["check"] = "== overlap bits" if all_ranks(ctx, same) else "DIFFERS"
+    except StageFailed as exc:
+        log(f"  layer sized for {max_tokens} tokens failed: {exc}")
     finally:
         for lay in layer:
             lay.free()

@@ -45,7 +45,8 @@ __all__ = [
     "CROSS_RANK_BARRIER_BEFORE", "DTYPE_BYTES", "GEMM_TILE_ORDERS", "INDEX_SPACES",
     "NOTIFY_ELEMENTS", "SCHEDULES", "SOURCE_ORDERS", "STAGE_NAMES", "WAIT_ELEMENTS",
     "BufferPlacement", "CorePlan", "DevicePlan", "Element", "MoEPlan", "MoESpec", "NotifySpec",
-    "PlanError", "RoutingPlan", "SignalFamily", "StagePlan", "WaitSpec", "cdiv", "index_space_size",
+    "PlanError", "RoutingPlan", "SignalFamily", "StagePlan", "WaitSpec", "cdiv", "combine_task_split",
+    "index_space_size",
     "is_nonnegative_int", "is_positive_int", "is_pow2", "numel", "row_tiles_bound",
 ]
 
@@ -146,6 +147,21 @@ def is_pow2(v) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def combine_task_split(num_tasks: int, tokens: int, block_t: int, hidden: int, block_h: int) -> tuple[int, int]:
+    """(column slices per token block, columns per slice) of one call's combine_reduce tasks.
+
+    The stage has num_tasks = cdiv(max_tokens, block_t) tasks; a call with fewer tokens fills
+    only cdiv(tokens, block_t) blocks, so the spare tasks take column slices of them (task q:
+    block q // slices, slice q % slices; a slice is a whole number of block_h columns, none
+    empty). A layer sized for prefill thus keeps the decode combine spread over the grid. Every
+    output element is still reduced by one task in k order: the split changes no bit. The
+    megakernel computes the same split on the device (moe_fused.py, S4)."""
+    n_blocks = max(cdiv(tokens, block_t), 1)
+    n_col_blocks = cdiv(hidden, block_h)
+    per = cdiv(n_col_blocks, min(max(num_tasks // n_blocks, 1), n_col_blocks))
+    return cdiv(n_col_blocks, per), per * block_h
 
 
 def row_tiles_bound(routing: "RoutingPlan", block_m: int) -> int:
@@ -485,6 +501,15 @@ class MoEPlan:
         """Source rank of dispatch_recv coordinate source_pos on `rank`: rank, rank+1, ..."""
         return (rank + source_pos) % self.routing.world_size
 
+    def combine_task(self, q: int, tokens: int) -> tuple[int, int, int]:
+        """(token block, first column, end column) of combine_reduce task q in a call with `tokens`
+        tokens on this rank (combine_task_split); a block >= cdiv(tokens, block_t) is empty."""
+        d, h = self.device, self.routing.hidden
+        slices, cols = combine_task_split(d.stage("combine_reduce").num_tasks, tokens, d.block_t, h,
+                                          self.core.block_h)
+        j = q % slices
+        return q // slices, j * cols, min((j + 1) * cols, h)
+
     def index_space_size(self, key: str) -> int:
         """Words a family indexed by `key` needs on each rank."""
         return index_space_size(key, self.routing, self.device.n_row_tiles_max)
@@ -494,7 +519,14 @@ class MoEPlan:
         head = (f"MoEPlan [{'verified' if self.verified else 'NOT verified'}]  W={r.world_size} "
                 f"E={r.num_experts} K={r.topk} H={r.hidden} I={r.ffn_hidden} {r.dtype} "
                 f"max_tokens={r.max_tokens}  schedule={self.device.schedule}")
-        return "\n".join([head, r.describe(), self.device.describe(), self.core.describe()])
+        lines = [head, r.describe(), self.device.describe()]
+        if self.device.has_stage("combine_reduce"):
+            n = self.device.stage("combine_reduce").num_tasks
+            t_one = min(self.device.block_t, r.max_tokens)  # a call that fills one block
+            slices, cols = combine_task_split(n, t_one, self.device.block_t, r.hidden, self.core.block_h)
+            lines.append(f"  combine_reduce in a call with fewer tokens: its token blocks take the stage's {n} "
+                         f"tasks as column slices (T={t_one}: {slices} slices of {cols} columns)")
+        return "\n".join(lines + [self.core.describe()])
 
     __str__ = describe
 

@@ -420,9 +420,11 @@ def _wait_words(plan: MoEPlan, inst: _Instance, task: _Task, element: str) -> li
     if element == "row_tile":
         return [c["row_tile"]] if c["row_tile"] < len(inst.tiles[me]) else []
     if element == "token_slot/block":
-        bt = plan.device.block_t
-        return [t * r.topk + k for t in range(c["token_block"] * bt, (c["token_block"] + 1) * bt)
-                if t < len(inst.idx[me]) for k, g in enumerate(inst.idx[me][t]) if g >= 0]
+        # the call's tokens decide which block task q reduces (MoEPlan.combine_task)
+        bt, n_tok = plan.device.block_t, len(inst.idx[me])
+        b = plan.combine_task(c["token_block"], n_tok)[0]
+        return [t * r.topk + k for t in range(b * bt, (b + 1) * bt)
+                if t < n_tok for k, g in enumerate(inst.idx[me][t]) if g >= 0]
     if element == "single":
         return [0]
     if element == "all_ranks":

@@ -19,7 +19,9 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
                      idle ~20 us per tile: the down stage took 2.68 ms instead of 2.01 ms at
                      T=4096 on 4xH200 (bench/results/moe_timeline_H200x4_20261122.log).
   S4 combine_reduce  (token block): wait until every routed (token, k) has all its column
-                     tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once
+                     tiles; out[t] = sum_k w[t, k] * y(t, k) in fp32, k in order; cast once.
+                     A call with fewer tokens than the plan's max spreads its blocks over the
+                     stage's tasks as column slices (plan.combine_task_split)
 The plan sizes S2/S3 for the most row tiles any routing can make; tickets are handed out only
 for the row tiles this call's routing fills (tile_start[E_local], read on the device), in the
 plan's order, so tasks of empty row tiles are skipped rather than run as no-ops.
@@ -333,7 +335,14 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, L2, bar_down, epoch,
                                              budget, True)
-                q = t - F4
+                # A call with fewer tokens than the plan's max leaves tasks without a block:
+                # they take column slices of the blocks instead (plan.combine_task_split).
+                n_ct = NT - F4
+                n_cb = tl.cdiv(H, BLOCK_H)
+                per = tl.cdiv(n_cb, tl.minimum(tl.maximum(n_ct // tl.maximum(tl.cdiv(T, BLOCK_T), 1), 1), n_cb))
+                n_sl = tl.cdiv(n_cb, per)
+                q = (t - F4) // n_sl
+                h_lo = ((t - F4) % n_sl) * per * BLOCK_H
                 o_t = q * BLOCK_T + tl.arange(0, BLOCK_T)
                 o_k = tl.arange(0, BLOCK_K)
                 m_t = o_t < T
@@ -345,12 +354,17 @@ def moe_fused_kernel(
                     ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
                                        STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
                     if ok:
-                        reduce_landed(p_land_own, topk_ptr, w_ptr, out_ptr, o_t, m_t, 0, H,
-                                      H, K, True, BLOCK_T, BLOCK_H)
-                        # counters back to zero for the next call (peers add again only after
-                        # the next call barrier, i.e. after this launch has finished)
+                        reduce_landed(p_land_own, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo,
+                                      tl.minimum(h_lo + per * BLOCK_H, H), H, K, True, BLOCK_T, BLOCK_H)
+                        # Counters back to zero for the next call (peers add again only after the
+                        # next call barrier, i.e. after this launch has finished), by the block's
+                        # last slice to get here: every slice adds 1 once past its wait, so a
+                        # reset never strands a slice still waiting (the waits ask for >= n_t2).
                         tl.debug_barrier()
-                        tl.store(p_sig + sig_land + o_tk, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32), mask=valid)
+                        p_cnt = p_sig + sig_land + o_tk
+                        seen = tl.atomic_add(p_cnt, 1 + 0 * b_e, mask=valid, sem="relaxed", scope="gpu")
+                        tl.store(p_cnt, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32),
+                                 mask=valid & (seen == n_t2 + n_sl - 1))
         if TRACE:
             if busy:
                 tl.store(trace_ptr + t * 2 + 1, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))

@@ -95,6 +95,34 @@ def test_combine_block_covers_the_grid(max_tokens, num_programs, block_t):
     assert block_t == 16 or -(-max_tokens // (2 * block_t)) < num_programs  # the largest such block
 
 
+@pytest.mark.parametrize("max_tokens,hidden,block_h,num_programs", [
+    (4096, 7168, 512, 132), (4096, 7168, 1024, 132), (64, 40, 16, 2), (37, 96, 32, 8), (128, 7168, 512, 132)])
+def test_combine_tasks_of_a_smaller_call_cover_every_output_once(max_tokens, hidden, block_h, num_programs):
+    """A call with T < max_tokens gives the spare combine_reduce tasks column slices of its token
+    blocks: every (token, column) of the call is reduced by exactly one task, and a full call
+    keeps one slice per block."""
+    plan = lower(MoESpec(4, 16, 2, hidden, 96, max_tokens, device_type="cuda", num_programs=num_programs,
+                         block_h=block_h))
+    n, bt = plan.device.stage("combine_reduce").num_tasks, plan.device.block_t
+    for tokens in sorted({0, 1, bt - 1, bt, bt + 1, max_tokens // 3, max_tokens // 2, max_tokens - 1, max_tokens}):
+        if not 0 <= tokens <= max_tokens:
+            continue
+        hits = torch.zeros(tokens, hidden, dtype=torch.int32)
+        busy = 0
+        for q in range(n):
+            b, lo, hi = plan.combine_task(q, tokens)
+            assert lo % block_h == 0 and lo < hi <= hidden
+            if b * bt < tokens:
+                hits[b * bt:(b + 1) * bt, lo:hi] += 1
+                busy += 1
+        assert bool((hits == 1).all()), f"T={tokens}: some output reduced {hits.min()}..{hits.max()} times"
+        blocks = -(-tokens // bt)
+        assert busy >= min(n, blocks * -(-hidden // block_h)) // 2  # the spare tasks are used
+        if tokens == max_tokens:
+            assert busy == blocks  # a full call: one task per block, all columns
+    assert "combine_reduce in a call with fewer tokens" in plan.describe()
+
+
 def test_describe_shows_every_stage_signal_and_buffer(base):
     for plan in (base, lower(spec_of(4, 16, 2, 64, 96, 40, schedule="sequential",
                                      combine_fused=False))):

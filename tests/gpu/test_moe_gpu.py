@@ -71,6 +71,31 @@ def test_fused_bitwise_across_schedules_grids_and_plan_fields(dist_env, layers):
     assert not problems, problems
 
 
+def test_fused_prefill_sized_layer_on_smaller_calls(dist_env, layers):
+    """Layers sized for 2048 tokens serving calls of a few tokens (the combine's spare tasks take
+    column slices; plan.combine_task_split): every call, direct and graph-replayed, equals the
+    layer sized for the call, overlap and sequential, bit for bit."""
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    problems = []
+    for seed, pattern in ((3, (37, 0, 128, 5)), (4, (1, 16, 17, 100))):
+        tokens = [pattern[r % 4] for r in range(world)]
+        xs, idxs, ws, w1s, w2s = _inputs(world, tokens, E, seed=seed)
+        args = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        exact = FusedMoE(None, E, H, I, max(tokens), K, torch.bfloat16)
+        layers.append(exact)
+        want = exact(*args)
+        for v in ({}, {"block_h": 128}, {"block_h": 128, "schedule": "sequential"}):
+            big = FusedMoE(None, E, H, I, 2048, K, torch.bfloat16, **v)
+            layers.append(big)
+            for i in range(4):  # the third and fourth calls replay the captured graphs
+                got = big(*args, sync=i % 2 == 1)
+                if not torch.equal(got, want):
+                    problems.append(f"tokens {tokens} {v} call {i}: differs by {(got.float() - want.float()).abs().max()}")
+            big.check()
+    assert not problems, problems
+
+
 def test_fused_hundred_runs_bitwise(dist_env, layers):
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E = 4 * world
