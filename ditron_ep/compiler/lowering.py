@@ -191,9 +191,9 @@ def plan_queue(spec: MoESpec, routing: RoutingPlan,
                    if fused else
                    NotifySpec("land", "remote", "token_slot@source/tile_row", n_t2, "1", 1))
     stages = [
-        _stage("dispatch_send", (("dest_pos", W), ("chunk", NC)), "never", waits=(),
+        _stage("dispatch_send", (("dest_pos", W), ("chunk", NC)), "chunk_past_call", waits=(),
                notifies=(NotifySpec("dispatch_flag", "remote", "src_chunk@dest", 1, "1", 1),)),
-        _stage("dispatch_recv", (("source_pos", W), ("chunk", NC)), "never",
+        _stage("dispatch_recv", (("source_pos", W), ("chunk", NC)), "chunk_past_call",
                waits=(WaitSpec("dispatch_flag", "remote", "dispatch_send", "src_chunk", "1", 1),),
                notifies=(NotifySpec("rows_ready", "local", "row_tile/placed_row", 1,
                                     "rows_in_tile", None),)),
@@ -241,8 +241,8 @@ def insert_stage_barriers(stages: list[StagePlan], families: list[SignalFamily],
     stages, families = list(stages), list(families)
     for k in range(1, len(stages)):
         prev, cur = stages[k - 1], stages[k]
-        # a stage that skips empty row tiles counts the tasks that got a ticket (routing-dependent)
-        tasks, count = ((f"ticketed({prev.name})", None) if prev.skip == "empty_row_tile"
+        # a stage that skips tasks counts the tasks that got a ticket (routing-dependent)
+        tasks, count = ((f"ticketed({prev.name})", None) if prev.skip != "never"
                         else (f"tasks({prev.name})", prev.num_tasks))
         notifies = [NotifySpec(f"stage_done.{prev.name}", "local", "single", 1, tasks, count)]
         waits = [WaitSpec(f"stage_done.{prev.name}", "local", prev.name, "single", tasks, count)]

@@ -272,10 +272,12 @@ class StagePlan:
 
     Tickets [first_task, first_task + num_tasks) of the queue belong to this stage; ticket
     first_task + q decodes into task coordinates by mixed radix over `grid` (outermost first).
-    num_tasks is a host bound; `skip` says which tasks never run ("never" or "empty_row_tile":
+    num_tasks is a host bound; `skip` says which tasks never run ("never"; "empty_row_tile":
     tasks of row tiles beyond the routing's tile count get no ticket; the row tiles
     [0, max(count, 1)) do, so a rank without rows still runs one position of no-op tasks, which
-    perform the "single" / stage-end notifies and barrier waits). Ticketed tasks run in this
+    perform the "single" / stage-end notifies and barrier waits; "chunk_past_call": dispatch
+    tasks of chunks at or past cdiv(largest T of any rank in the call, chunk_rows), at least
+    one chunk, get no ticket: they hold no token on any rank). Ticketed tasks run in this
     order. barrier_before: every task of this stage first waits for the previous stage
     (schedule="sequential").
     """

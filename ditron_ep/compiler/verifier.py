@@ -167,7 +167,8 @@ def _check_stages(plan: MoEPlan) -> None:
             if order != d.gemm_tile_order:
                 raise PlanError(f"stage {s.name}: grid {coords} is {order}, but "
                                 f"gemm_tile_order={d.gemm_tile_order}")
-        want_skip = "empty_row_tile" if "row_tile" in coords else "never"
+        want_skip = ("empty_row_tile" if "row_tile" in coords else
+                     "chunk_past_call" if s.name in COMM_STAGES else "never")
         if s.skip != want_skip:
             raise PlanError(f"stage {s.name}: skip={s.skip!r}, expected {want_skip!r}")
         first += s.num_tasks
@@ -442,8 +443,13 @@ def verify_instance(plan: MoEPlan, topk_idx_per_rank: Sequence[torch.Tensor]) ->
     inst = _Instance(plan, topk_idx_per_rank)
     families = {f.name: f for f in d.signals}
     # Only ticketed tasks run: a stage that skips empty row tiles takes positions [0, max(n, 1))
-    # of the rank's n row tiles (the kernel's n_pos), all of them in plan order.
+    # of the rank's n row tiles (the kernel's n_pos), all of them in plan order; the dispatch
+    # stages take the chunks below the call's largest T over all ranks (at least one chunk).
+    n_call = min(max(cdiv(max(len(rows) for rows in inst.idx), plan.routing.chunk_rows), 1), plan.routing.n_chunks)
+
     def ticketed(t: _Task) -> bool:
+        if t.stage.skip == "chunk_past_call":
+            return t.coords["chunk"] < n_call
         return t.stage.skip != "empty_row_tile" or t.coords["row_tile"] < max(len(inst.tiles[t.rank]), 1)
 
     queues = [list(filter(ticketed, (_Task(rank, s, s.first_task + q, s.coords(q))

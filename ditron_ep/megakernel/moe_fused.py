@@ -24,7 +24,9 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
                      stage's tasks as column slices (plan.combine_task_split)
 The plan sizes S2/S3 for the most row tiles any routing can make; tickets are handed out only
 for the row tiles this call's routing fills (tile_start[E_local], read on the device), in the
-plan's order, so tasks of empty row tiles are skipped rather than run as no-ops.
+plan's order, so tasks of empty row tiles are skipped rather than run as no-ops. Likewise S0/S1
+take tickets only for the chunks below the call's largest T over all ranks (every rank's T comes
+with the layout exchange), so a layer sized for prefill does not walk its empty chunks at decode.
 Role split (plan field comm_programs > 0): the first comm_programs programs to start take the
 S0/S1 tickets from their own counter, the others take S2.. from a second one; a comm program
 whose queue is drained joins the compute queue. Progress: every wait is on a task of this rank
@@ -189,9 +191,17 @@ def moe_fused_kernel(
     if TRACE:
         if tl.program_id(0) == 0:
             _stamp_timer(timer_ptr + NT * 2 + 1, DEVICE_TIMER)
+    o_w = tl.arange(0, BLOCK_W)
     if refuse_flagged != 0:  # every rank sees every rank's flags: all refuse together, no data moves
-        o_w = tl.arange(0, BLOCK_W)
         ok = ok & (tl.max(tl.load(src_info_ptr + o_w * 2, mask=o_w < world, other=0), axis=0) == 0)
+    # Dispatch chunks this call uses: those below the largest T of any rank (the layout exchange
+    # gave every rank every rank's T, so all ranks agree). Chunks past it hold no token for any
+    # (source, destination) pair and get no ticket: a layer sized for prefill does not walk its
+    # empty chunks at decode. At least one, so that the sequential barriers are stamped.
+    n_call = tl.cdiv(tl.max(tl.load(src_info_ptr + o_w * 2 + 1, mask=o_w < world, other=0), axis=0), BLOCK_S)
+    n_call = tl.minimum(tl.maximum(n_call, 1), n_chunks)
+    F1c = world * n_call   # send tickets [0, F1c), interleaved with the receive tickets [F1c, F2c)
+    F2c = 2 * F1c
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     DT = x_ptr.dtype.element_ty
@@ -209,9 +219,9 @@ def moe_fused_kernel(
     pend_cnt = tl.zeros((BM,), dtype=tl.int64)
     pend_m = tl.zeros((BM,), dtype=tl.int1)
     # role split (comm_programs > 0): the first comm_programs programs to arrive take the dispatch
-    # stages (tickets [0, F2)), the rest the GEMM and combine stages (tickets from F2 on); without
-    # a split every program takes every ticket from the compute counter (split point 0).
-    split_at = tl.where(comm_programs > 0, F2, 0)
+    # stages (tickets [0, F2c)), the rest the GEMM and combine stages (tickets from F2c on);
+    # without a split every program takes every ticket from the compute counter (split point 0).
+    split_at = tl.where(comm_programs > 0, F2c, 0)
     on_comm = take_role(my_ctrl, comm_programs)
     # The GEMM stages take tickets only for the row tiles that hold rows: the first n_pos entries
     # of the arrival-sorted tile table (tiles without rows sort last). The plan's n_rt is a bound
@@ -219,19 +229,21 @@ def moe_fused_kernel(
     # tile cost every program ~250 empty tickets. At least one position, so that a rank without
     # rows still runs (and stamps) its sequential stage barriers.
     n_pos = tl.maximum(tl.minimum(tl.load(tile_start_ptr + E_local), n_rt), 1)
-    L1 = n_pos * n_t1  # gate-up tickets [F2, G3)
-    L2 = n_pos * n_t2  # down tickets [G3, G4), then the combine's NT - F4
+    L1 = n_pos * n_t1  # gate-up tasks [F2, G3) (in ticket terms: shifted by F2 - F2c)
+    L2 = n_pos * n_t2  # down tasks [G3, G4), then the combine's NT - F4
     G3 = F2 + L1
     G4 = G3 + L2
     t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
-    while t < G4 + (NT - F4):
+    while t < G4 - (F2 - F2c) + (NT - F4):
         busy = t >= 0  # -1: a communication program found its queue drained; no task this turn
-        # Tickets [0, F2) interleave the two dispatch stages (task_queue.py): the receive of
+        # Tickets [0, F2c) interleave the two dispatch stages (task_queue.py): the receive of
         # (position, chunk) g comes recv_lag sends after the send of g, so this rank's own rows
         # are placed, and their GEMM tiles can start, while remote chunks are still being sent.
+        # g counts the call's n_call chunks of each position; the plan numbers all n_chunks.
         # From here on t names the task (the plan's stage-major id), not the ticket.
-        is_send, q_comm = interleaved_task(t, F1, 1, F2 - F1, 1, recv_lag)
-        t = tl.where(busy & (t < F2), tl.where(is_send, q_comm, F1 + q_comm), t)
+        is_send, q_comm = interleaved_task(t, F1c, 1, F2c - F1c, 1, recv_lag)
+        q_comm = (q_comm // n_call) * n_chunks + q_comm % n_call
+        t = tl.where(busy & (t < F2c), tl.where(is_send, q_comm, F1 + q_comm), tl.where(t >= F2c, t + F2 - F2c, t))
         t = _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_rt, ROW_MAJOR)
         if TRACE:
             if busy:
@@ -254,11 +266,11 @@ def moe_fused_kernel(
                 # every chunk is stamped, empty ones too: the receiver always waits exactly once
                 notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_send, F1, 0, epoch, False)
+                    _stage_done(sig_table_ptr, rank, world, done_send, F1c, 0, epoch, False)
             elif t < F2:
                 # ---- S1 dispatch_recv: place the chunk's (token, k) pairs as GEMM rows
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_send, F1, 0, epoch,
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_send, F1c, 0, epoch,
                                              budget, False)
                 q = t - F1
                 i_pos = q // n_chunks
@@ -289,11 +301,11 @@ def moe_fused_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(p_sig + sig_rows + i_tile, 1, mask=valid, sem="release", scope="gpu")
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_recv, F2 - F1, bar_recv, epoch, True)
+                    _stage_done(sig_table_ptr, rank, world, done_recv, F2c - F1c, bar_recv, epoch, True)
             elif t < F3:
                 # ---- S2 gemm_gate_up: tile (i, j) once all its rows are placed
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2 - F1, bar_recv,
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2c - F1c, bar_recv,
                                              epoch, budget, True)
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, n_rt, p_tiles, ROW_MAJOR)
                 if (n_rows > 0) & ok:

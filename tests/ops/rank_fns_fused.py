@@ -32,7 +32,7 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
         layer = FusedMoE(None, E, H, I, max_tokens or max(max(tokens), 1), K, torch.float32, **v)
         out = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], trace=True)
         tile_order = check_tile_order(layer)
-        ticketed = check_ticketed(layer)
+        ticketed = check_ticketed(layer, max(tokens))
         again = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
         graph = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], sync=False)
         reports.append({"rerun_bitwise": torch.equal(out, again), "nosync_bitwise": torch.equal(out, graph),
@@ -65,12 +65,15 @@ def check_tile_order(layer: FusedMoE) -> str:
     return "ok" if keys == sorted(keys) else f"not in arrival order: (key, natural index) = {keys}"
 
 
-def check_ticketed(layer: FusedMoE) -> str:
-    """After a traced call: every task ran once, except the GEMM tasks of row tiles without rows,
-    which got no ticket (a rank without rows still runs its first position's tasks, as no-ops).
-    Returns "ok" or what is wrong."""
+def check_ticketed(layer: FusedMoE, call_max_tokens: int) -> str:
+    """After a traced call (whose largest T over the ranks was call_max_tokens): every task ran
+    once, except the GEMM tasks of row tiles without rows (a rank without rows still runs its
+    first position's tasks, as no-ops) and the dispatch tasks of chunks past the call's largest
+    T (at least one chunk runs), which got no ticket. Returns "ok" or what is wrong."""
     tr = layer.last_trace.tolist()
     dev = layer.plan.device
+    rows = layer.plan.routing.chunk_rows
+    n_call = min(max(-(-call_max_tokens // rows), 1), layer.plan.routing.n_chunks)
     n_used = sum(1 for t in layer.heap.local_view("gemm/tiles").tolist() if t[2] > 0)
     n_pos = max(n_used, 1)
     row_major = dev.gemm_tile_order == "row_major"
@@ -79,7 +82,10 @@ def check_ticketed(layer: FusedMoE) -> str:
         for q in range(s.num_tasks):
             pos = (q // n_cols if row_major else q % dev.n_row_tiles_max) if n_cols else 0
             ran = tr[s.first_task + q][0] >= 0
-            if ran != (pos < n_pos):
+            if s.name in ("dispatch_send", "dispatch_recv"):
+                if ran != (s.coords(q)["chunk"] < n_call):
+                    return f"{s.name} task {q} ({s.coords(q)}, {n_call} chunks this call) {'ran' if ran else 'did not run'}"
+            elif ran != (pos < n_pos):
                 return f"{s.name} task {q} (row-tile position {pos}, {n_used} used) {'ran' if ran else 'did not run'}"
             if ran and not 0 <= tr[s.first_task + q][0] < tr[s.first_task + q][1]:
                 return f"{s.name} task {q}: trace {tr[s.first_task + q]}"
