@@ -18,6 +18,7 @@ from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
                                     SendLayout, build_send_layout, exchange_layout)
 from ..runtime import control as C
+from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError, DitronError
 from ..runtime.heap import SymmetricHeap
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
@@ -72,6 +73,30 @@ class DispatchHandle:
         return self.recv.expert_off[1:]
 
 
+def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
+                      num_warps) -> str | None:
+    """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
+    for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
+                    ("topk", topk)):
+        if not is_positive_int(v):
+            return f"{name} must be a positive int, got {v!r}"
+    if num_experts % world:
+        return f"num_experts={num_experts} is not a multiple of the world size {world}; choose E = k * {world}"
+    if topk > num_experts:
+        return f"topk={topk} exceeds num_experts={num_experts}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}"
+    if not is_positive_int(block_rows) or block_rows & (block_rows - 1):
+        return f"block_rows must be a power of two, got {block_rows!r}"
+    # tile widths reach tl.arange, which takes powers of two only
+    if block_hidden is not None and (not is_positive_int(block_hidden) or block_hidden & (block_hidden - 1)
+                                     or block_hidden < 16):
+        return f"block_hidden must be a power of two >= 16 (or None), got {block_hidden!r}"
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps must be one of 1, 2, 4, 8, 16 (or None), got {num_warps!r}"
+    return None
+
+
 class EPBuffer:
     """Expert-parallel dispatch and combine over a symmetric heap.
 
@@ -103,25 +128,10 @@ class EPBuffer:
         if not dist.is_initialized():
             raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
-        for name, v in (("num_experts", num_experts), ("hidden", hidden),
-                        ("max_tokens_per_rank", max_tokens_per_rank), ("topk", topk)):
-            if not isinstance(v, int) or v <= 0:
-                raise DitronConfigError(f"{name} must be a positive int, got {v!r}")
-        if num_experts % world:
-            raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}; "
-                                    f"choose E = k * {world}")
-        if topk > num_experts:
-            raise DitronConfigError(f"topk={topk} exceeds num_experts={num_experts}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
-        if block_rows <= 0 or block_rows & (block_rows - 1):
-            raise DitronConfigError(f"block_rows must be a power of two, got {block_rows}")
-        # tile widths reach tl.arange, which takes powers of two only
-        if block_hidden is not None and (not is_positive_int(block_hidden) or block_hidden & (block_hidden - 1)
-                                         or block_hidden < 16):
-            raise DitronConfigError(f"block_hidden must be a power of two >= 16 (or None), got {block_hidden!r}")
-        if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-            raise DitronConfigError(f"num_warps must be one of 1, 2, 4, 8, 16 (or None), got {num_warps!r}")
+        # Every rank learns every rank's verdict before any heap collective: a rank that raised
+        # alone would leave the others waiting in the heap's set-up.
+        raise_unless_all_agree(group, "EPBuffer", _argument_problem(
+            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps))
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.max_tokens = max_tokens_per_rank
         self.world_size = world

@@ -19,6 +19,7 @@ from ..compiler.lowering import lower
 from ..compiler.plan import MoEPlan, MoESpec
 from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_layout
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
+from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
 from .call_graphs import CallGraphCache
@@ -88,6 +89,33 @@ class _CapturedCall:
     out: torch.Tensor | None = None  # allocated inside the capture, in the graphs' memory pool
 
 
+def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dtype, schedule, backend,
+                   plan: MoEPlan | None, plan_overrides: dict) -> MoEPlan:
+    """The layer's plan (lowered here unless given) after every check that needs no peer."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
+    if num_experts % world:
+        raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
+    device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
+    if device_type == "cuda" and plan is None:
+        # one program per SM of this device (the plan's default assumes an H100/H200's 132)
+        plan_overrides.setdefault("num_programs", torch.cuda.get_device_properties(
+            torch.cuda.current_device()).multi_processor_count)
+    if plan is None:
+        plan = lower(MoESpec(world_size=world, num_experts=num_experts, topk=topk, hidden=hidden,
+                             ffn_hidden=ffn_hidden, max_tokens=max_tokens, dtype=str(dtype).removeprefix("torch."),
+                             device_type=device_type, schedule=schedule, **plan_overrides))
+    plan.require_verified()  # kernels refuse an unverified plan (e.g. one edited by hand)
+    r = plan.routing
+    if (r.world_size, r.num_experts, r.topk, r.hidden, r.ffn_hidden, r.max_tokens) != (
+            world, num_experts, topk, hidden, ffn_hidden, max_tokens):
+        raise DitronConfigError("the plan was lowered for another shape; lower it for this layer's shape")
+    if not plan.device.combine_fused:
+        raise DitronConfigError("combine_fused=False is a plan variant the megakernel does not implement; "
+                                "leave combine_fused at its default")
+    return plan
+
+
 class FusedMoE:
     """Fused EP MoE forward over `group`: out = combine(experts(dispatch(x))) in one launch.
 
@@ -115,28 +143,15 @@ class FusedMoE:
                  **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
-        if dtype not in SUPPORTED_DTYPES:
-            raise DitronConfigError(f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}")
         world = dist.get_world_size(group)
-        if num_experts % world:
-            raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
-        device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
-        if device_type == "cuda" and plan is None:
-            # one program per SM of this device (the plan's default assumes an H100/H200's 132)
-            plan_overrides.setdefault("num_programs", torch.cuda.get_device_properties(
-                torch.cuda.current_device()).multi_processor_count)
-        spec = MoESpec(world_size=world, num_experts=num_experts, topk=topk, hidden=hidden, ffn_hidden=ffn_hidden,
-                       max_tokens=max_tokens_per_rank, dtype=str(dtype).removeprefix("torch."),
-                       device_type=device_type, schedule=schedule, **plan_overrides)
-        self.plan: MoEPlan = lower(spec) if plan is None else plan
-        self.plan.require_verified()  # kernels refuse an unverified plan (e.g. one edited by hand)
-        r = self.plan.routing
-        if (r.world_size, r.num_experts, r.topk, r.hidden, r.ffn_hidden, r.max_tokens) != (
-                world, num_experts, topk, hidden, ffn_hidden, max_tokens_per_rank):
-            raise DitronConfigError("the plan was lowered for another shape; lower it for this layer's shape")
-        if not self.plan.device.combine_fused:
-            raise DitronConfigError("combine_fused=False is a plan variant the megakernel does not implement; "
-                                    "leave combine_fused at its default")
+        problem = None
+        try:
+            self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
+                                                dtype, schedule, backend, plan, plan_overrides)
+        except (ValueError, TypeError) as err:  # DitronConfigError, PlanError, unknown overrides
+            problem = str(err)
+        # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
+        raise_unless_all_agree(group, "FusedMoE", problem)
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
         self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)

@@ -179,6 +179,9 @@ def error_cases() -> dict:
     catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, 8, K, torch.float32), DitronConfigError)
     catch("block_hidden", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=48), DitronConfigError)
     catch("num_warps", lambda: EPBuffer(None, E, H, 8, K, torch.float32, num_warps=3), DitronConfigError)
+    # a bad argument on one rank only: every rank raises (none is left waiting in a collective)
+    catch("one_rank_bad", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=24 if rank == 1 else 16),
+          DitronConfigError)
     buf.free()
     return res
 
@@ -271,7 +274,7 @@ def tiling_mismatch_case() -> str:
     from ditron_ep.runtime import DitronConfigError
     rank = dist.get_rank()
     try:
-        EPBuffer(None, 4, 48, 8, 2, torch.float32, block_hidden=16 if rank == 0 else 8, hidden_slices=2)
+        EPBuffer(None, 4, 48, 8, 2, torch.float32, block_hidden=16 if rank == 0 else 32, hidden_slices=2)
     except DitronConfigError as e:
         return f"DitronConfigError: {e}"
     return "no error"

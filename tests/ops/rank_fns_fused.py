@@ -117,6 +117,9 @@ def fused_refusals() -> dict:
     edited = dataclasses.replace(good, device=dataclasses.replace(good.device, num_programs=5))
     catch("unverified", lambda: FusedMoE(None, E, H, I, T, K, torch.float32, plan=edited))
     catch("other_shape", lambda: FusedMoE(None, E, H, I, T + 1, K, torch.float32, plan=good))
+    # a bad override on one rank only: every rank raises (none is left waiting in the heap set-up)
+    catch("one_rank_bad", lambda: FusedMoE(None, E, H, I, T, K, torch.float32,
+                                           chunk_rows=3 if dist.get_rank() == 1 else 4))
     layer = FusedMoE(None, E, H, I, T, K, torch.float32, plan=good)
     x, idx, w = torch.randn(T, H), torch.zeros(T, K, dtype=torch.long), torch.full((T, K), 0.5)
     w1, w2 = torch.randn(E // W, H, 2 * I), torch.randn(E // W, I, H)

@@ -67,6 +67,7 @@ def test_bad_input(emulated_cluster):
                     "experts_not_multiple", "block_hidden", "num_warps"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert "power of two" in res["block_hidden"] and "num_warps" in res["num_warps"]
+        assert res["one_rank_bad"].startswith("DitronConfigError") and "on rank(s) 1" in res["one_rank_bad"], res
     assert [r["graph_rows_dropped"] for r in emulated_cluster(2).run(fns.error_cases)] == [23, 0]
 
 

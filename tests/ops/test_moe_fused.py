@@ -41,6 +41,7 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
     for rank, res in enumerate(emulated_cluster(2).run(fns.fused_refusals)):
         assert "verif" in res["unverified"], res["unverified"]
         assert "another shape" in res["other_shape"], res["other_shape"]
+        assert "power of two" in res["one_rank_bad"] and "on rank(s) 1" in res["one_rank_bad"], res["one_rank_bad"]
         for key in ("x_shape", "w1_shape", "dtype", "idx_dtype"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
