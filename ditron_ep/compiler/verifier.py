@@ -421,7 +421,9 @@ def _wait_words(plan: MoEPlan, inst: _Instance, task: _Task, element: str) -> li
     if element == "row_tile":
         return [c["row_tile"]] if c["row_tile"] < len(inst.tiles[me]) else []
     if element == "token_slot/block":
-        # the call's tokens decide which block task q reduces (MoEPlan.combine_task)
+        # the call's tokens decide which block task q reduces (MoEPlan.combine_task). Not modelled:
+        # each slice's +1 after its wait and the last slice's reset of the counters (checked by
+        # the reruns in tests/ops/test_moe_fused.py and tests/gpu/test_moe_gpu.py)
         bt, n_tok = plan.device.block_t, len(inst.idx[me])
         b = plan.combine_task(c["token_block"], n_tok)[0]
         return [t * r.topk + k for t in range(b * bt, (b + 1) * bt)

@@ -263,7 +263,8 @@ def moe_fused_kernel(
                 m_j = o_j < n
                 stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
                                   xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, K, False, BLOCK_H)
-                # every chunk is stamped, empty ones too: the receiver always waits exactly once
+                # every ticketed chunk (below the call's n_call) is stamped, empty ones too: the
+                # receiver waits exactly once for each
                 notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
                 if SEQUENTIAL:
                     _stage_done(sig_table_ptr, rank, world, done_send, F1c, 0, epoch, False)

@@ -74,7 +74,7 @@ class DispatchHandle:
 
 
 def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
-                      num_warps) -> str | None:
+                      num_warps, hidden_slices, num_programs) -> str | None:
     """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
     for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
                     ("topk", topk)):
@@ -94,6 +94,10 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
         return f"block_hidden must be a power of two >= 16 (or None), got {block_hidden!r}"
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps must be one of 1, 2, 4, 8, 16 (or None), got {num_warps!r}"
+    if hidden_slices is not None and not is_positive_int(hidden_slices):
+        return f"hidden_slices must be a positive int or None, got {hidden_slices!r}"
+    if num_programs is not None and not is_positive_int(num_programs):
+        return f"num_programs must be a positive int or None, got {num_programs!r}"
     return None
 
 
@@ -131,7 +135,8 @@ class EPBuffer:
         # Every rank learns every rank's verdict before any heap collective: a rank that raised
         # alone would leave the others waiting in the heap's set-up.
         raise_unless_all_agree(group, "EPBuffer", _argument_problem(
-            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps))
+            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
+            hidden_slices, num_programs))
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.max_tokens = max_tokens_per_rank
         self.world_size = world
@@ -148,8 +153,6 @@ class EPBuffer:
             ("ep/wstage", (W, T, K), torch.float32),
             ("ep/land", (T, K, H), dtype),
         ]
-        if hidden_slices is not None and not is_positive_int(hidden_slices):
-            raise DitronConfigError(f"hidden_slices must be a positive int or None, got {hidden_slices!r}")
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
         self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
@@ -179,8 +182,6 @@ class EPBuffer:
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
                             if self.device.type == "cuda" else 2)
-        if num_programs <= 0:
-            raise DitronConfigError(f"num_programs must be positive, got {num_programs}")
         self.num_programs = num_programs
         # Chunks a receive (reduce) trails the sends by: a group is W * slices sends plus as many
         # receives (dispatch) or plus `slices` reduces (combine).

@@ -148,13 +148,13 @@ class FusedMoE:
         try:
             self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
                                                 dtype, schedule, backend, plan, plan_overrides)
-        except (ValueError, TypeError) as err:  # DitronConfigError, PlanError, unknown overrides
-            problem = str(err)
+            self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)
+        except Exception as err:  # noqa: BLE001 - DitronConfigError, PlanError, bad overrides, device queries
+            problem = f"{err}" if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
         # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
         raise_unless_all_agree(group, "FusedMoE", problem)
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
-        self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
         dev = self.plan.device
         layout_bytes = triton.cdiv(world * (self.num_local_experts + LAYOUT_EXTRA) * 4, 256) * 256
@@ -388,7 +388,8 @@ class FusedMoE:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
         last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
         its task durations / programs, µs), over the tasks that ran ("tasks": GEMM tasks of row
-        tiles without rows are not ticketed). The first row, "call_barrier", is program 0's wait
+        tiles without rows, and dispatch tasks of chunks past the call's largest T, are not
+        ticketed). The first row, "call_barrier", is program 0's wait
         for every rank to enter the launch."""
         if self.last_timer is None:
             raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")

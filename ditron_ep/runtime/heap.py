@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from . import control as C
+from .agreement import raise_unless_all_agree
 from .errors import DitronConfigError, DitronTimeoutError
 from .mode import resolve_backend
 
@@ -74,52 +75,27 @@ class SymmetricHeap:
             raise DitronConfigError(
                 "SymmetricHeap needs torch.distributed initialised: call "
                 "dist.init_process_group(...) first (or use ditron_ep.runtime.EmulatedCluster)")
-        self.backend = resolve_backend(backend)
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        if expected_world_size is not None and expected_world_size != self.world_size:
-            raise DitronConfigError(
-                f"world-size mismatch: expected {expected_world_size} ranks but the process group "
-                f"has {self.world_size}; launch {expected_world_size} ranks or pass the right group")
-        if self.world_size > C.MAX_WORLD:
-            raise DitronConfigError(f"world size {self.world_size} exceeds the supported {C.MAX_WORLD}")
-        size_bytes = DEFAULT_SIZE_BYTES[self.backend] if size_bytes is None else int(size_bytes)
-        if num_signals <= 0:
-            raise DitronConfigError(f"num_signals must be positive, got {num_signals}")
-        self.num_signals = int(num_signals)
-        self.signal_offset = C.CTRL_BYTES
-        self.data_offset = C.align_up(self.signal_offset + 4 * self.num_signals)
-        if size_bytes < self.data_offset:
-            raise DitronConfigError(
-                f"size_bytes={size_bytes} cannot hold the control block and {num_signals} signals "
-                f"({self.data_offset} bytes); pass a larger size_bytes")
-        self.size_bytes = size_bytes
-        budget = wait_budget if wait_budget is not None else os.environ.get(WAIT_BUDGET_ENV)
-        self.wait_budget = int(budget) if budget is not None else DEFAULT_WAIT_BUDGET[self.backend]
-        if not 0 < self.wait_budget < 2**31:
-            raise DitronConfigError(f"wait_budget must be in [1, 2^31), got {self.wait_budget}")
-
-        if self.backend == "torch":
-            self.device = torch.device(device) if device is not None else torch.device(
-                "cuda", torch.cuda.current_device())
-            if self.device.type != "cuda":
-                raise DitronConfigError(f"the torch backend lives on a CUDA/ROCm device; got device={device}")
-        else:
-            self.device = torch.device("cpu")
-            if device is not None and torch.device(device).type != "cpu":
-                raise DitronConfigError(f"the emulated backend lives on the CPU; got device={device}")
+        problem = None
+        try:
+            self._check_arguments(backend, size_bytes, num_signals, wait_budget, expected_world_size, device)
+        except (DitronConfigError, ValueError, TypeError) as err:
+            problem = str(err)
+        # a rank that raised alone would leave its peers in the collectives below
+        raise_unless_all_agree(self.group, "SymmetricHeap", problem)
         self.check_same_everywhere("heap configuration",
                                     (self.backend, self.size_bytes, self.num_signals))
 
         if self.backend == "torch":
             from .backends.torch_symm import create_arena
 
-            self._arena = create_arena(size_bytes, self.group, self.rank, self.world_size, self.device)
+            self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size, self.device)
         else:
             from .backends.emulated import create_arena
 
-            self._arena = create_arena(size_bytes, self.group, self.rank, self.world_size)
+            self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size)
         misaligned = [b for b in self._arena.peer_bases if b % C.ARENA_ALIGN]
         if misaligned:  # kernels are compiled assuming aligned bases (primitives.arena_base)
             self._arena.release()
@@ -280,6 +256,41 @@ class SymmetricHeap:
         self.free()
 
     # ------------------------------------------------------------------ helpers
+    def _check_arguments(self, backend, size_bytes, num_signals, wait_budget, expected_world_size, device) -> None:
+        """This rank's checks of the constructor's arguments (no collective); sets the fields they decide."""
+        self.backend = resolve_backend(backend)
+        if expected_world_size is not None and expected_world_size != self.world_size:
+            raise DitronConfigError(
+                f"world-size mismatch: expected {expected_world_size} ranks but the process group "
+                f"has {self.world_size}; launch {expected_world_size} ranks or pass the right group")
+        if self.world_size > C.MAX_WORLD:
+            raise DitronConfigError(f"world size {self.world_size} exceeds the supported {C.MAX_WORLD}")
+        size_bytes = DEFAULT_SIZE_BYTES[self.backend] if size_bytes is None else int(size_bytes)
+        if num_signals <= 0:
+            raise DitronConfigError(f"num_signals must be positive, got {num_signals}")
+        self.num_signals = int(num_signals)
+        self.signal_offset = C.CTRL_BYTES
+        self.data_offset = C.align_up(self.signal_offset + 4 * self.num_signals)
+        if size_bytes < self.data_offset:
+            raise DitronConfigError(
+                f"size_bytes={size_bytes} cannot hold the control block and {num_signals} signals "
+                f"({self.data_offset} bytes); pass a larger size_bytes")
+        self.size_bytes = size_bytes
+        budget = wait_budget if wait_budget is not None else os.environ.get(WAIT_BUDGET_ENV)
+        self.wait_budget = int(budget) if budget is not None else DEFAULT_WAIT_BUDGET[self.backend]
+        if not 0 < self.wait_budget < 2**31:
+            raise DitronConfigError(f"wait_budget must be in [1, 2^31), got {self.wait_budget}")
+
+        if self.backend == "torch":
+            self.device = torch.device(device) if device is not None else torch.device(
+                "cuda", torch.cuda.current_device())
+            if self.device.type != "cuda":
+                raise DitronConfigError(f"the torch backend lives on a CUDA/ROCm device; got device={device}")
+        else:
+            self.device = torch.device("cpu")
+            if device is not None and torch.device(device).type != "cpu":
+                raise DitronConfigError(f"the emulated backend lives on the CPU; got device={device}")
+
     def _check_alive(self) -> None:
         if self._freed:
             raise DitronConfigError("this SymmetricHeap was freed; create a new one")

@@ -182,6 +182,8 @@ def error_cases() -> dict:
     # a bad argument on one rank only: every rank raises (none is left waiting in a collective)
     catch("one_rank_bad", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=24 if rank == 1 else 16),
           DitronConfigError)
+    catch("one_rank_bad_slices", lambda: EPBuffer(None, E, H, 8, K, torch.float32,
+                                                  hidden_slices=0 if rank == 0 else None), DitronConfigError)
     buf.free()
     return res
 

@@ -68,6 +68,7 @@ def test_bad_input(emulated_cluster):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert "power of two" in res["block_hidden"] and "num_warps" in res["num_warps"]
         assert res["one_rank_bad"].startswith("DitronConfigError") and "on rank(s) 1" in res["one_rank_bad"], res
+        assert "hidden_slices" in res["one_rank_bad_slices"] and "on rank(s) 0" in res["one_rank_bad_slices"], res
     assert [r["graph_rows_dropped"] for r in emulated_cluster(2).run(fns.error_cases)] == [23, 0]
 
 

@@ -124,6 +124,8 @@ def bad_inputs() -> dict:
     catch("world_size", lambda: SymmetricHeap(expected_world_size=world + 1))
     catch("backend", lambda: SymmetricHeap(backend="nccl-magic"))
     catch("torch_on_cpu", lambda: SymmetricHeap(backend="torch"))
+    # a bad argument on one rank only: every rank raises (none is left in the set-up collectives)
+    catch("one_rank_bad", lambda: SymmetricHeap(size_bytes=1 << 20, wait_budget=0 if dist.get_rank() == 1 else 1000))
     heap = SymmetricHeap(size_bytes=1 << 20)
     catch("non_contiguous", lambda: exchange_tiles(heap, torch.ones(8, 4).t()))
     catch("dtype", lambda: exchange_tiles(heap, torch.ones(4, 4, dtype=torch.float64)))

@@ -29,7 +29,10 @@ def test_asymmetric_allocation_is_refused(emulated_cluster):
 
 
 def test_bad_inputs_raise_clear_errors(emulated_cluster):
-    msgs = emulated_cluster(2).run(fns.bad_inputs)[0]
+    every_rank = emulated_cluster(2).run(fns.bad_inputs)
+    assert all("wait_budget" in m["one_rank_bad"] and "on rank(s) 1" in m["one_rank_bad"] for m in every_rank), \
+        [m["one_rank_bad"] for m in every_rank]
+    msgs = every_rank[0]
     assert "world-size mismatch" in msgs["world_size"] and "3" in msgs["world_size"]
     assert "unknown backend" in msgs["backend"]
     assert "TRITON_INTERPRET" in msgs["torch_on_cpu"]
