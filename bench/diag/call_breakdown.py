@@ -3,6 +3,7 @@
 then the call).
 
     TOK=128,4096 torchrun --nproc-per-node 4 bench/diag/call_breakdown.py
+    TOK=128 CAP=4096 torchrun --nproc-per-node 4 bench/diag/call_breakdown.py   # a prefill-sized layer
 
 Per rank and T: the torch profiler's GPU activities (kernels, copies, memsets) of the median of
 ITERS profiled calls, each as [start, end] in µs after the marker kernel launched right before the
@@ -53,7 +54,8 @@ def main():
     call_end_marker_kernel[(1,)](mark, 0)
     for T in [int(t) for t in os.environ.get("TOK", "128").split(",")]:
         x, idx, w, w1, w2 = layer_inputs(T, rank, W)
-        layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
+        cap = int(os.environ.get("CAP", "0")) or T  # layer capacity (max_tokens); default: the call's T
+        layer = FusedMoE(None, E, H, I, max(cap, T), K, torch.bfloat16)
         with torch.no_grad():
             for _ in range(5):
                 layer(x, idx, w, w1, w2)
@@ -80,7 +82,7 @@ def main():
         for c in calls:
             for s, e, name in c:
                 total[name[:60]] += (e - s) / len(calls)
-        lines = [f"[rank {rank}] T={T}: GPU span after the marker, median {statistics.median(spans):.0f} us "
+        lines = [f"[rank {rank}] T={T} (layer max_tokens={max(cap, T)}): GPU span after the marker, median {statistics.median(spans):.0f} us "
                  f"(min {min(spans):.0f}, max {max(spans):.0f}); median call:"]
         lines += [f"    {s:8.1f} {e:8.1f}  {e - s:8.1f}  {name[:90]}" for s, e, name in calls[med]]
         lines.append("  mean GPU time per call, by activity:")

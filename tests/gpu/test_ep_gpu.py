@@ -633,6 +633,9 @@ def _error_check(dev, buffers: list) -> list[str]:
     if W > 1:
         catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, max_t, K, torch.float32))
     catch("topk_too_large", lambda: EPBuffer(None, E, H, max_t, E + 1, torch.float32))
+    if W > 1:  # a bad argument on one rank only: every rank raises, none waits in the heap set-up
+        catch("one_rank_bad", lambda: EPBuffer(None, E, H, max_t, K, torch.float32,
+                                               block_hidden=24 if rank == W - 1 else None))
     # recovery: a valid call works and is right (out = x + x: exact in fp32)
     recovered = None
     for attempt in range(2):
@@ -677,6 +680,7 @@ def _error_check(dev, buffers: list) -> list[str]:
         expect["idx_on_cpu"] = ["DitronConfigError", "cpu"]
     if W > 1:
         expect["experts_not_multiple"] = ["DitronConfigError", "multiple of the world size"]
+        expect["one_rank_bad"] = ["DitronConfigError", "block_hidden", f"on rank(s) {W - 1}"]
     for key, words in expect.items():
         got = res.get(key, "(not reached)")
         if not all(wd in got for wd in words):
