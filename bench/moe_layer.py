@@ -402,10 +402,15 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
             e["check"] = checks.get(S)
         # ---- ours, overlap, every call's launches issued from the host (no CUDA-graph replay)
         if ctx.device.type == "cuda":
-            measure_direct(ctx, cfg, T, wts, fl)
+            # what the default path's CUDA-graph replay saves
+            measure_layer_variant(ctx, cfg, wts, fl, "ours FusedMoE overlap, graph cache off (launches issued every "
+                                  "call)", "layer without graph cache", T, graph_cache=0)
         # ---- ours, overlap, one layer sized for the sweep's largest T (prefill) serving this T
         if T < max(ctx.args.tokens):
-            measure_capacity(ctx, cfg, max(ctx.args.tokens), wts, fl)
+            # what one layer serving both prefill and decode pays for its capacity
+            cap = max(ctx.args.tokens)
+            measure_layer_variant(ctx, cfg, wts, fl, f"ours FusedMoE overlap, layer sized for T={cap}",
+                                  f"layer sized for {cap} tokens", cap)
         # ---- overlap, measured: the megakernel's task trace (logical clock of task starts/ends)
         if "overlap" in SCHEDULES:
             record_overlap(ctx, T, wts, cfg)
@@ -432,45 +437,25 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
             clear_cache()
 
 
-def measure_direct(ctx: Ctx, cfg: Config, T: int, wts: Weights, flops: float | None) -> None:
-    """The overlap layer with graph_cache=0: what the default path's CUDA-graph replay saves."""
+def measure_layer_variant(ctx: Ctx, cfg: Config, wts: Weights, flops: float | None, impl: str, what: str,
+                          max_tokens: int, **layer_kwargs: Any) -> None:
+    """One overlap FusedMoE built differently from what `moe()` caches (`max_tokens` capacity,
+    `layer_kwargs`), timed on this config's inputs and checked bit for bit against `moe()`:
+    neither the graph cache nor the capacity may change a result bit. `what` names it in logs;
+    the keyword arguments are kept in the JSON entry."""
     layer: list[FusedMoE] = []
     a = ctx.args
     try:
-        guarded(ctx, "layer without graph cache", lambda: layer.append(
-            FusedMoE(None, a.experts, a.hidden, a.inter, T, a.topk, ctx.dtype, graph_cache=0)))
-        e = measure(ctx, cfg, "ours FusedMoE overlap, graph cache off (launches issued every call)", "ours",
-                    lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops, schedule="overlap",
-                    graph_cache=0)
-        same = guarded(ctx, "graph cache off: bitwise check", lambda: torch.equal(
+        guarded(ctx, what, lambda: layer.append(
+            FusedMoE(None, a.experts, a.hidden, a.inter, max_tokens, a.topk, ctx.dtype, **layer_kwargs)))
+        e = measure(ctx, cfg, impl, "ours", lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops,
+                    schedule="overlap", layer_max_tokens=max_tokens, **layer_kwargs)
+        same = guarded(ctx, f"{what}: bitwise check", lambda: torch.equal(
             layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
             moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap")))
         e["check"] = "== overlap bits" if all_ranks(ctx, same) else "DIFFERS"
     except StageFailed as exc:
-        log(f"  layer without graph cache failed: {exc}")
-    finally:
-        for lay in layer:
-            lay.free()
-
-
-def measure_capacity(ctx: Ctx, cfg: Config, max_tokens: int, wts: Weights, flops: float | None) -> None:
-    """The overlap layer sized for `max_tokens` called with this config's fewer tokens: what one
-    layer serving both prefill and decode pays for its capacity. Same bits as the layer sized
-    for T (the plan's tile configs do not depend on max_tokens)."""
-    layer: list[FusedMoE] = []
-    a = ctx.args
-    try:
-        guarded(ctx, f"layer sized for {max_tokens} tokens", lambda: layer.append(
-            FusedMoE(None, a.experts, a.hidden, a.inter, max_tokens, a.topk, ctx.dtype)))
-        e = measure(ctx, cfg, f"ours FusedMoE overlap, layer sized for T={max_tokens}", "ours",
-                    lambda: layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2), flops, schedule="overlap",
-                    layer_max_tokens=max_tokens)
-        same = guarded(ctx, "sized layer: bitwise check", lambda: torch.equal(
-            layer[0](cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2),
-            moe(cfg.x, cfg.idx, cfg.w, wts.w1, wts.w2, schedule="overlap")))
-        e["check"] = "== overlap bits" if all_ranks(ctx, same) else "DIFFERS"
-    except StageFailed as exc:
-        log(f"  layer sized for {max_tokens} tokens failed: {exc}")
+        log(f"  {what} failed: {exc}")
     finally:
         for lay in layer:
             lay.free()

@@ -503,6 +503,12 @@ class MoEPlan:
         """Source rank of dispatch_recv coordinate source_pos on `rank`: rank, rank+1, ..."""
         return (rank + source_pos) % self.routing.world_size
 
+    def dispatch_chunks(self, call_max_tokens: int) -> int:
+        """Chunks per (rank pair) the dispatch stages ticket in a call whose largest T over all
+        ranks is call_max_tokens (skip "chunk_past_call"; the megakernel computes the same)."""
+        r = self.routing
+        return min(max(cdiv(call_max_tokens, r.chunk_rows), 1), r.n_chunks)
+
     def combine_task(self, q: int, tokens: int) -> tuple[int, int, int]:
         """(token block, first column, end column) of combine_reduce task q in a call with `tokens`
         tokens on this rank (combine_task_split); a block >= cdiv(tokens, block_t) is empty."""

@@ -447,7 +447,7 @@ def verify_instance(plan: MoEPlan, topk_idx_per_rank: Sequence[torch.Tensor]) ->
     # Only ticketed tasks run: a stage that skips empty row tiles takes positions [0, max(n, 1))
     # of the rank's n row tiles (the kernel's n_pos), all of them in plan order; the dispatch
     # stages take the chunks below the call's largest T over all ranks (at least one chunk).
-    n_call = min(max(cdiv(max(len(rows) for rows in inst.idx), plan.routing.chunk_rows), 1), plan.routing.n_chunks)
+    n_call = plan.dispatch_chunks(max(len(rows) for rows in inst.idx))
 
     def ticketed(t: _Task) -> bool:
         if t.stage.skip == "chunk_past_call":

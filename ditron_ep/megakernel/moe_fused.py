@@ -197,7 +197,8 @@ def moe_fused_kernel(
     # Dispatch chunks this call uses: those below the largest T of any rank (the layout exchange
     # gave every rank every rank's T, so all ranks agree). Chunks past it hold no token for any
     # (source, destination) pair and get no ticket: a layer sized for prefill does not walk its
-    # empty chunks at decode. At least one, so that the sequential barriers are stamped.
+    # empty chunks at decode. At least one, so that the sequential barriers are stamped
+    # (MoEPlan.dispatch_chunks on the host).
     n_call = tl.cdiv(tl.max(tl.load(src_info_ptr + o_w * 2 + 1, mask=o_w < world, other=0), axis=0), BLOCK_S)
     n_call = tl.minimum(tl.maximum(n_call, 1), n_chunks)
     F1c = world * n_call   # send tickets [0, F1c), interleaved with the receive tickets [F1c, F2c)

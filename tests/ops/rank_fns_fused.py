@@ -72,8 +72,7 @@ def check_ticketed(layer: FusedMoE, call_max_tokens: int) -> str:
     T (at least one chunk runs), which got no ticket. Returns "ok" or what is wrong."""
     tr = layer.last_trace.tolist()
     dev = layer.plan.device
-    rows = layer.plan.routing.chunk_rows
-    n_call = min(max(-(-call_max_tokens // rows), 1), layer.plan.routing.n_chunks)
+    n_call = layer.plan.dispatch_chunks(call_max_tokens)
     n_used = sum(1 for t in layer.heap.local_view("gemm/tiles").tolist() if t[2] > 0)
     n_pos = max(n_used, 1)
     row_major = dev.gemm_tile_order == "row_major"
