@@ -1,0 +1,192 @@
+"""Diagnostic (one GPU, not a benchmark): which gate-up tile program closes the gap to
+torch._grouped_mm on the MoE layer's rank-0 rows?
+
+    python bench/diag/gate_up_variants.py        # one line per (variant, config, grid)
+
+Shape: the `layer` shape of bench/grouped_gemm.py (T=4096 on each of 4 ranks, top-8 uniform over
+E=64, rank 0's 16 experts: ~2060 rows each, gathered by index from 16384 tokens), H=7168,
+I=2048, bf16. Variants of the gate-up tile, all with rows gathered in the kernel:
+  two-dot  the library's swiglu_tile: gate and up as two [BK, BN] weight tiles, two tl.dot;
+  one-dot  gate and up columns loaded as one [BK, 2*BN] tile (two column blocks of W1) and one
+           tl.dot of N = 2*BN (one wgmma of twice the width: A is read from shared memory once
+           instead of twice); the epilogue splits the accumulator into its halves.
+Each on a persistent grid (PROGRAMS_PER_SM programs per SM) and a one-tile-per-program grid;
+torch._grouped_mm (rows pre-gathered, + silu*mul) in the same run; every variant's h checked
+bitwise against the library kernel's and against torch's within bf16 tolerance.
+Down-GEMM configs of the library kernel too (deeper pipelines with BK=32).
+"""
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from ditron_ep.compiler.core_config import GemmTileConfig as C  # noqa: E402
+from ditron_ep.determinism import make_routing  # noqa: E402
+from ditron_ep.megakernel.grouped_gemm import build_tile_map, max_m_tiles, swiglu_tile, tile_coords  # noqa: E402
+from ditron_ep.ops.grouped_ffn import launch_grouped_down  # noqa: E402
+
+E, H, I, RANKS, T, K = 16, 7168, 2048, 4, 4096, 8
+
+
+@triton.jit
+def one_dot_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, n0, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    o_m = tl.arange(0, BM)
+    o_j = tl.arange(0, 2 * BN)
+    o_k = tl.arange(0, BK)
+    m_m = o_m < n_rows
+    col = n0 + o_j % BN + (o_j // BN) * I  # [gate n0:n0+BN | up I+n0:I+n0+BN]
+    m_j = n0 + o_j % BN < I
+    i_a = tl.load(a_idx_ptr + row0 + o_m, mask=m_m, other=0).to(tl.int64)
+    p_a = a_ptr + i_a[:, None] * H + o_k[None, :]
+    p_w = w1_ptr + e.to(tl.int64) * H * (2 * I) + o_k[:, None] * (2 * I) + col[None, :]
+    acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        m_k = o_k < H - k0
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_j[None, :], other=0.0)
+        acc = tl.dot(b_a, b_w, acc)
+        p_a += BK
+        p_w += BK * (2 * I)
+    g, u = acc.reshape(BM, 2, BN).permute(0, 2, 1).split()
+    o_n = n0 + tl.arange(0, BN)
+    p_h = h_ptr + (row0 + o_m).to(tl.int64)[:, None] * I + o_n[None, :]
+    tl.store(p_h, (g * tl.sigmoid(g) * u).to(h_ptr.dtype.element_ty), mask=m_m[:, None] & (o_n < I)[None, :])
+
+
+@triton.jit
+def gate_up_probe(a_ptr, a_idx_ptr, w1_ptr, h_ptr, tile_start_ptr, expert_off_ptr, rows_cap, m_tiles_cap, H, I,
+                  E_local, ONE_DOT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    n_n = tl.cdiv(I, BN)
+    n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
+    for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
+        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t // n_n, E_local, rows_cap, BM, BLOCK_E)
+        if ONE_DOT:
+            one_dot_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, (t % n_n) * BN, H, I, BM, BN, BK)
+        else:
+            swiglu_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, (t % n_n) * BN, H, I,
+                        True, BM, BN, BK, "tf32")
+
+
+def median_us(fn, n=10, warm=3):
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
+
+
+def main():
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    gen = torch.Generator().manual_seed(7)
+    topk_idx, _ = make_routing(RANKS * T, E * RANKS, K, "uniform", generator=gen)
+    token, slot = torch.nonzero(topk_idx < E, as_tuple=True)
+    order = torch.argsort(topk_idx[token, slot] * (RANKS * T) + token)
+    row_index = token[order].to(torch.int32).to(dev)
+    sizes = torch.bincount(topk_idx[topk_idx < E], minlength=E)
+    offsets = torch.zeros(E + 1, dtype=torch.int32)
+    offsets[1:] = sizes.cumsum(0)
+    offsets = offsets.to(dev)
+    rows = int(offsets[-1])
+    g = torch.Generator(device=dev).manual_seed(7)
+    x = torch.randn(RANKS * T, H, generator=g, device=dev).to(torch.bfloat16)
+    w1 = (torch.randn(E, H, 2 * I, generator=g, device=dev) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, I, H, generator=g, device=dev) * I**-0.5).to(torch.bfloat16)
+    print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, triton {triton.__version__}, torch {torch.__version__}; "
+          f"rows={rows} (min {int(sizes.min())}, max {int(sizes.max())} per expert), H={H}, I={I}, bf16", flush=True)
+    flop_gu = 2.0 * rows * H * 2 * I
+    flop_dn = 2.0 * rows * I * H
+
+    def line(name, us, flop, ref_us=None, extra=""):
+        med, p20, p80 = us
+        rel = f" ({ref_us / med:.3f} of torch)" if ref_us else ""
+        print(f"{name:58s} {med:8.1f} us (p20 {p20:.0f}, p80 {p80:.0f}) {flop / med / 1e6:6.1f} TF/s{rel}{extra}",
+              flush=True)
+
+    x_rows = x[row_index.long()]
+    offs = offsets[1:].to(torch.int32)
+
+    def torch_gu():
+        y = torch._grouped_mm(x_rows, w1, offs=offs, out_dtype=torch.bfloat16)
+        return F.silu(y[:, :I]) * y[:, I:]
+
+    h_ref = torch_gu()
+    t_gu = median_us(torch_gu)
+    line("torch._grouped_mm gate-up + silu*mul", t_gu, flop_gu)
+    t_gu_mm = median_us(lambda: torch._grouped_mm(x_rows, w1, offs=offs, out_dtype=torch.bfloat16))
+    line("torch._grouped_mm gate-up GEMM only", t_gu_mm, flop_gu)
+    h_torch_dn = h_ref.contiguous()
+    t_dn = median_us(lambda: torch._grouped_mm(h_torch_dn, w2, offs=offs, out_dtype=torch.bfloat16))
+    line("torch._grouped_mm down", t_dn, flop_dn)
+
+    h_base = None
+    variants = [(False, C(128, 128, 64, 8, 4)), (True, C(128, 128, 64, 8, 4)), (False, C(128, 128, 32, 8, 8)),
+                (True, C(128, 128, 32, 8, 8)), (True, C(128, 128, 32, 8, 6)), (True, C(64, 128, 64, 4, 2)),
+                (True, C(64, 128, 32, 4, 4)), (True, C(128, 64, 64, 8, 4)), (True, C(128, 128, 64, 8, 3))]
+    for one_dot, cfg in variants:
+        tile_start = build_tile_map(offsets, cfg.block_m)
+        m_cap = max_m_tiles(rows, E, cfg.block_m)
+        n_tiles = m_cap * triton.cdiv(I, cfg.block_n)
+        per_sm = 2 if cfg.block_m == 64 else 1
+        for grid_name, grid in ((f"persistent {per_sm * sms}", per_sm * sms), ("one-tile", n_tiles)):
+            h = torch.full((rows, I), float("nan"), device=dev, dtype=torch.bfloat16)
+
+            def run():
+                gate_up_probe[(min(grid, n_tiles),)](
+                    x, row_index, w1, h, tile_start, offsets, rows, m_cap, H, I, E, one_dot,
+                    cfg.block_m, cfg.block_n, cfg.block_k, 16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+            name = f"gate-up {'one-dot' if one_dot else 'two-dot'} {cfg} {grid_name}"
+            try:
+                run()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001  (a config that does not compile is a result too)
+                print(f"{name:58s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+                continue
+            if h_base is None:
+                h_base = h.clone()
+            same = torch.equal(h, h_base)
+            err = ((h.float() - h_ref.float()).abs().max() / h_ref.float().abs().max()).item()
+            line(name, median_us(run), flop_gu, t_gu[0], f"; bitwise = library two-dot: {same}; max rel err vs "
+                 f"torch {err:.1e}")
+
+    h_in = h_base if h_base is not None else h_ref.contiguous()
+    y_base = None
+    for cfg in (C(128, 256, 64, 8, 4), C(128, 256, 32, 8, 8), C(128, 256, 32, 8, 6), C(128, 128, 64, 8, 4)):
+        tile_start = build_tile_map(offsets, cfg.block_m)
+        for grid_name, programs in ((f"persistent {sms}", sms), ("one-tile", 2**31 - 1)):
+            y = torch.full((rows, H), float("nan"), device=dev, dtype=torch.bfloat16)
+            name = f"down {cfg} {grid_name}"
+
+            def run_dn():
+                launch_grouped_down(h_in, w2, y, offsets, tile_start, cfg, programs, "tf32")
+
+            try:
+                run_dn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                print(f"{name:58s} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}", flush=True)
+                continue
+            if y_base is None:
+                y_base = y.clone()
+            line(name, median_us(run_dn), flop_dn, t_dn[0], f"; bitwise = first: {torch.equal(y, y_base)}")
+
+
+if __name__ == "__main__":
+    main()
