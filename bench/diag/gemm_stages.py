@@ -5,11 +5,14 @@ persistent GEMM kernels on the same rows, in the same run.
 
 Per rank: two traced calls of `FusedMoE` per schedule (after an untimed traced call that compiles
 the traced kernel), each printed as `stage first_start-last_end (busy µs per program)` from
-`timeline()`; then the standalone `grouped_swiglu_kernel` and `grouped_down_kernel` (one program
-per SM, default tiles) timed alone on this rank's rows as `ditron_ep.ops.dispatch` lays them out
-(median of 10, CUDA events). Busy per program of a fused GEMM stage against the standalone
-kernel's time says what the stage costs inside the megakernel beyond the GEMM itself. Shapes:
-E=64, top-8, H=7168, I=2048, bf16; inputs as bench/moe_timeline.py draws them (seed 1234 + rank).
+`timeline()`, with the spread of each GEMM stage's task durations; then the standalone
+`grouped_swiglu_kernel` and `grouped_down_kernel` (one program per SM, default tiles) timed alone
+on this rank's rows as `ditron_ep.ops.dispatch` lays them out (median of 10, CUDA events). Busy per
+program of a fused GEMM stage against the standalone kernel's time says what the stage costs
+inside the megakernel beyond the GEMM itself; a fused task's duration against the standalone's
+time per tile (time x programs / tiles) says whether that cost is in every tile or in a few.
+Shapes: E=64, top-8, H=7168, I=2048, bf16; inputs as bench/moe_timeline.py draws them (seed
+1234 + rank).
 LABEL (optional) tags the lines, e.g. for a patched build.
 """
 import os
@@ -17,6 +20,7 @@ import statistics
 
 import torch
 import torch.distributed as dist
+import triton
 
 from ditron_ep.compiler.core_config import default_gemm_configs
 from ditron_ep.megakernel.grouped_gemm import build_tile_map
@@ -60,9 +64,13 @@ def main():
             for rep in range(2):
                 dist.barrier()
                 layer(x, idx, w, w1, w2, trace=True)
+                timeline = layer.timeline()
                 lines.append(f"[rank {rank}] {label} T={T} {sched} traced {rep}: " + "  ".join(
                     f"{r['stage']} {r['first_start_us']:.0f}-{r['last_end_us']:.0f} ({r['busy_us_per_program']:.0f})"
-                    for r in layer.timeline()))
+                    for r in timeline))
+                lines.append(f"[rank {rank}] {label} T={T} {sched} traced {rep} task us min/p50/p90/max: " + "  ".join(
+                    f"{r['stage']} {r['task_min_us']:.1f}/{r['task_p50_us']:.1f}/{r['task_p90_us']:.1f}/"
+                    f"{r['task_max_us']:.1f}" for r in timeline if r["stage"].startswith("gemm")))
             layer.free()
         recv_x, handle = dispatch(x, idx, num_experts=E)
         offsets = handle.expert_offsets
@@ -75,8 +83,12 @@ def main():
         gate_up = median_us(lambda: launch_grouped_swiglu(recv_x, None, w1, h, offsets, tile_start, gate_up_cfg,
                                                           n_prog, "tf32"))
         down = median_us(lambda: launch_grouped_down(h, w2, y, offsets, tile_start, down_cfg, n_prog, "tf32"))
+        n_m = int(tile_start[-1])  # M-tiles of this routing
+        tiles_gu = n_m * triton.cdiv(I, gate_up_cfg.block_n)
+        tiles_dn = n_m * triton.cdiv(H, down_cfg.block_n)
         lines.append(f"[rank {rank}] {label} standalone persistent ({n_prog} programs) on {rows} rows: "
-                     f"gate-up {gate_up:.0f} us, down {down:.0f} us")
+                     f"gate-up {gate_up:.0f} us ({gate_up * n_prog / tiles_gu:.1f} us per tile of {tiles_gu}), "
+                     f"down {down:.0f} us ({down * n_prog / tiles_dn:.1f} us per tile of {tiles_dn})")
     for r in range(W):
         if r == rank:
             print("\n".join(lines), flush=True)

@@ -387,7 +387,8 @@ class FusedMoE:
     def timeline(self) -> list[dict[str, float | int | str]]:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
         last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
-        its task durations / programs, µs), over the tasks that ran ("tasks": GEMM tasks of row
+        its task durations / programs, µs) and the spread of its task durations (task_min_us,
+        task_p50_us, task_p90_us, task_max_us), over the tasks that ran ("tasks": GEMM tasks of row
         tiles without rows, and dispatch tasks of chunks past the call's largest T, are not
         ticketed). The first row, "call_barrier", is program 0's wait
         for every rank to enter the launch."""
@@ -405,9 +406,12 @@ class FusedMoE:
             seg = seg[seg[:, 0] != 0]  # the timer buffer starts zeroed: a task that never ran
             if not len(seg):
                 continue
+            dur = (seg[:, 1] - seg[:, 0]).sort().values
             rows.append({"stage": s.name, "tasks": len(seg), "first_start_us": float(seg[:, 0].min()) - t0,
                          "last_end_us": float(seg[:, 1].max()) - t0,
-                         "busy_us_per_program": float((seg[:, 1] - seg[:, 0]).sum()) / self.plan.device.num_programs})
+                         "busy_us_per_program": float(dur.sum()) / self.plan.device.num_programs,
+                         **{f"task_{name}_us": float(dur[min(int(q * len(dur)), len(dur) - 1)])
+                            for name, q in (("min", 0.0), ("p50", 0.5), ("p90", 0.9), ("max", 1.0))}})
         return rows
 
     def _status_snapshot(self, words: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -176,6 +176,9 @@ def test_fused_timeline_from_the_device_timer(dist_env, layers):
     for r in rows:
         assert 0.0 <= r["first_start_us"] <= r["last_end_us"] < 1e6, r  # a launch of well under a second
         assert r["busy_us_per_program"] >= 0.0, r
+        if r["stage"] != "call_barrier":  # task durations: ordered, none longer than the stage's span
+            assert 0.0 <= r["task_min_us"] <= r["task_p50_us"] <= r["task_p90_us"] <= r["task_max_us"], r
+            assert r["task_max_us"] <= r["last_end_us"] - r["first_start_us"] + 1e-6, r
     gemm = next(r for r in rows if r["stage"] == "gemm_gate_up")
     assert gemm["busy_us_per_program"] > 0.0, gemm
 
