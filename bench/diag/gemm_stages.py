@@ -13,7 +13,9 @@ inside the megakernel beyond the GEMM itself; a fused task's duration against th
 time per tile (time x programs / tiles) says whether that cost is in every tile or in a few.
 Shapes: E=64, top-8, H=7168, I=2048, bf16; inputs as bench/moe_timeline.py draws them (seed
 1234 + rank).
-LABEL (optional) tags the lines, e.g. for a patched build.
+LABEL (optional) tags the lines, e.g. for a patched build. VARIANTS="comm_programs=0;recv_lag=0"
+(optional) adds overlap runs with those Device-level plan overrides; every run also prints the
+median gate-up task duration by start time, to show when in the launch tasks run slow.
 """
 import os
 import statistics
@@ -42,6 +44,33 @@ def median_us(fn, n=10):
     return statistics.median(times)
 
 
+BIN_US = 500
+
+
+def parse_overrides(text):
+    """"comm_programs=0,recv_lag=4" -> {"comm_programs": 0, "recv_lag": 4} (plan overrides; ints stay ints)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, value = item.split("=")
+        out[name] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
+def binned_p50(layer, stage_name):
+    """Median duration of a stage's tasks by the time they started (BIN_US bins after program 0's entry)."""
+    tm = layer.last_timer.cpu().double() / 1e3  # µs (CUDA's global timer counts ns)
+    t0 = float(tm[-1, 0])
+    s = layer.plan.device.stage(stage_name)
+    seg = tm[s.first_task:s.first_task + s.num_tasks]
+    seg = seg[seg[:, 0] != 0]
+    start, dur = seg[:, 0] - t0, seg[:, 1] - seg[:, 0]
+    cells = []
+    for b in range(int(start.max() // BIN_US) + 1):
+        d = dur[(start >= b * BIN_US) & (start < (b + 1) * BIN_US)]
+        cells.append(f"{d.median():.0f}({len(d)})" if len(d) else "-")
+    return " ".join(cells)
+
+
 def main():
     dist.init_process_group("nccl")
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -56,8 +85,11 @@ def main():
     w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
     lines = []
     with torch.no_grad():
-        for sched in os.environ.get("SCHEDS", "overlap,sequential").split(","):
-            layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16, schedule=sched)
+        runs = [(sched, "") for sched in os.environ.get("SCHEDS", "overlap,sequential").split(",")]
+        runs += [("overlap", v) for v in os.environ.get("VARIANTS", "").split(";") if v]
+        for sched, variant in runs:
+            layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16, schedule=sched, **parse_overrides(variant))
+            sched = f"{sched}{' ' + variant if variant else ''}"
             for _ in range(3):
                 layer(x, idx, w, w1, w2)
             layer(x, idx, w, w1, w2, trace=True)  # compiles the traced kernel
@@ -71,6 +103,8 @@ def main():
                 lines.append(f"[rank {rank}] {label} T={T} {sched} traced {rep} task us min/p50/p90/max: " + "  ".join(
                     f"{r['stage']} {r['task_min_us']:.1f}/{r['task_p50_us']:.1f}/{r['task_p90_us']:.1f}/"
                     f"{r['task_max_us']:.1f}" for r in timeline if r["stage"].startswith("gemm")))
+                lines.append(f"[rank {rank}] {label} T={T} {sched} traced {rep} gemm_gate_up task p50 us by start "
+                             f"time (bins of {BIN_US} us): {binned_p50(layer, 'gemm_gate_up')}")
             layer.free()
         recv_x, handle = dispatch(x, idx, num_experts=E)
         offsets = handle.expert_offsets
