@@ -4,7 +4,11 @@ Before every iteration all ranks meet (`dist.barrier`) and drain their device
 (`torch.cuda.synchronize`); the iteration is timed with CUDA events on the GPU, or with
 `time.perf_counter` on the CPU (emulated ranks: interpreter timings, not performance). The figure
 of an iteration is the slowest rank's (all_reduce MAX); benchmarks report the median and the
-20th / 80th percentiles of those figures.
+20th / 80th percentiles of those figures. The ranks leave the barrier at different times (host
+wake-up), and that skew counts. `time_fn(..., align=True)` also meets on the device right
+before the start event (an all_reduce queued on the stream), so that every rank's clock starts
+when the last rank has arrived: the skew of leaving the barrier drops out, each rank's own host
+time to issue the call does not (a diagnostic rule; the benchmarks' figures use the first).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch.distributed as dist
 
 def time_fn(fn: Callable[[], object], iters: int, warmup: int, group: dist.ProcessGroup | None = None,
             device: torch.device | str | None = None,
-            on_iteration: Callable[[int], None] | None = None) -> list[float]:
+            on_iteration: Callable[[int], None] | None = None, align: bool = False) -> list[float]:
     """Time `fn` `iters` times after `warmup` untimed calls; return the slowest rank's µs per iteration.
 
     Every rank of `group` must call this with the same `iters` and `warmup` (it is collective:
@@ -28,6 +32,8 @@ def time_fn(fn: Callable[[], object], iters: int, warmup: int, group: dist.Proce
     `on_iteration(i)` runs after call i (warm-up calls first, i = 0 .. warmup + iters - 1).
     If `fn` raises on some rank, that rank stops calling it but keeps joining the barriers and
     the all_reduce, then re-raises: the ranks' collectives stay matched.
+    align=True (with torch.distributed initialised): before each start, an all_reduce of one
+    element on the current stream (synchronous on a CPU group), so the ranks start together.
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")
@@ -39,14 +45,20 @@ def time_fn(fn: Callable[[], object], iters: int, warmup: int, group: dist.Proce
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     local: list[float] = []
     error: BaseException | None = None
+    meet = torch.zeros(1, device=device) if align and distributed else None
     for i in range(warmup + iters):
         if distributed:
             dist.barrier(group=group)
+        if error is None and on_cuda:
+            try:
+                torch.cuda.synchronize(device)
+            except Exception as exc:  # noqa: BLE001 - re-raised after the collectives below
+                error = exc
+        if meet is not None:
+            dist.all_reduce(meet, group=group)  # every rank, every iteration: the collectives stay matched
         if error is not None:
             continue
         try:
-            if on_cuda:
-                torch.cuda.synchronize(device)
             j = i - warmup
             if j < 0:
                 fn()

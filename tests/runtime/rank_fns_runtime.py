@@ -135,3 +135,42 @@ def bad_inputs() -> dict:
     heap.free()
     catch("after_free", lambda: heap.alloc("x", (1,), torch.float32))
     return msgs
+
+
+def timing_with_skew(align: bool, skew_s: float) -> list:
+    """time_fn of a one-element all_reduce while rank 1 leaves every barrier skew_s late (the
+    host skew the timing rule may or may not count); returns the slowest rank's times (µs)."""
+    from ditron_ep.bench import timing
+
+    rank = dist.get_rank()
+    real_barrier = dist.barrier
+
+    def late_barrier(*args, **kwargs):
+        real_barrier(*args, **kwargs)
+        if rank == 1:
+            time.sleep(skew_s)
+
+    t = torch.zeros(1)
+    dist.barrier = late_barrier
+    try:
+        return timing.time_fn(lambda: dist.all_reduce(t), iters=3, warmup=1, align=align)
+    finally:
+        dist.barrier = real_barrier
+
+
+def timing_error_on_one_rank(align: bool) -> str:
+    """time_fn where rank 1's third call raises: every rank returns or raises, none hangs."""
+    from ditron_ep.bench import timing
+
+    rank, calls = dist.get_rank(), []
+
+    def fn():
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            raise ValueError("boom on rank 1")
+
+    try:
+        times = timing.time_fn(fn, iters=4, warmup=1, align=align)
+    except ValueError as err:
+        return f"raised: {err}"
+    return f"returned {len(times)} times"
