@@ -13,8 +13,9 @@ inside the megakernel beyond the GEMM itself; a fused task's duration against th
 time per tile (time x programs / tiles) says whether that cost is in every tile or in a few.
 Shapes: E=64, top-8, H=7168, I=2048, bf16; inputs as bench/moe_timeline.py draws them (seed
 1234 + rank).
-LABEL (optional) tags the lines, e.g. for a patched build. VARIANTS="comm_programs=0;recv_lag=0"
-(optional) adds overlap runs with those Device-level plan overrides; every run also prints the
+LABEL (optional) tags the lines, e.g. for a patched build. VARIANTS (optional) adds overlap runs
+with Device-level plan overrides: runs separated by ";", a run's overrides by ",", e.g.
+VARIANTS="comm_programs=0;comm_programs=33,recv_lag=132" is two runs. Every run also prints the
 median gate-up task duration by start time, to show when in the launch tasks run slow.
 """
 import os
@@ -58,7 +59,7 @@ def parse_overrides(text):
 
 def binned_p50(layer, stage_name):
     """Median duration of a stage's tasks by the time they started (BIN_US bins after program 0's entry)."""
-    tm = layer.last_timer.cpu().double() / 1e3  # µs (CUDA's global timer counts ns)
+    tm = layer.last_timer.cpu().double() * layer._timer_ns_per_tick / 1e3  # µs, as timeline() converts
     t0 = float(tm[-1, 0])
     s = layer.plan.device.stage(stage_name)
     seg = tm[s.first_task:s.first_task + s.num_tasks]

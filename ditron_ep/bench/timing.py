@@ -7,8 +7,9 @@ of an iteration is the slowest rank's (all_reduce MAX); benchmarks report the me
 20th / 80th percentiles of those figures. The ranks leave the barrier at different times (host
 wake-up), and that skew counts. `time_fn(..., align=True)` also meets on the device right
 before the start event (an all_reduce queued on the stream), so that every rank's clock starts
-when the last rank has arrived: the skew of leaving the barrier drops out, each rank's own host
-time to issue the call does not (a diagnostic rule; the benchmarks' figures use the first).
+when the last rank has arrived: the skew of leaving the barrier drops out. What stays is the
+host time the last-arriving rank needs to issue the call (an early rank issues it while its
+device waits in the all_reduce). A diagnostic rule; the benchmarks' figures use the first.
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def time_fn(fn: Callable[[], object], iters: int, warmup: int, group: dist.Proce
     the all_reduce, then re-raises: the ranks' collectives stay matched.
     align=True (with torch.distributed initialised): before each start, an all_reduce of one
     element on the current stream (synchronous on a CPU group), so the ranks start together.
+    The collectives stay matched across Python exceptions; a device fault (a sticky CUDA error)
+    breaks them, as it breaks every collective after it.
     """
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters}, warmup={warmup}")

@@ -5,7 +5,8 @@ tuner. `default_gemm_configs` gives the starting points of the grouped SwiGLU FF
 
 * NVIDIA (sm_90), bf16/fp16: gate-up BM=128 BN=128 BK=64 (gate and up column blocks of BN
   each, one dot of width 2*BN: a tile covers 256 columns of W1), 8 warps, 4 stages; down
-  BM=128 BN=256 BK=64, 8 warps, 4 stages — the tile that reached 649 TFLOP/s on an H200 (DESIGN.md, 7168→4096, rows gathered).
+  BM=128 BN=256 BK=64, 8 warps, 4 stages — the tile that reached 649 TFLOP/s on an H200
+  (7168→4096, rows gathered; measured when the project started).
   Shared memory per stage: gate-up (BM·BK + 2·BK·BN)·2 B, down (BM·BK + BK·BN)·2 B, 48 KiB each;
   192 KiB for 4 stages (sm_90 allows 227 KiB); 255 registers a thread, no spills (ptxas).
 * AMD (gfx942) has 64 KiB of LDS per workgroup: the same tiles with 2 stages (48 KiB). Untuned:

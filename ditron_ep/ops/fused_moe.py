@@ -8,6 +8,7 @@ stage by stage (schedule "sequential": same binary, same tiles, stage barriers f
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -388,7 +389,8 @@ class FusedMoE:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
         last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
         its task durations / programs, µs) and the spread of its task durations (task_min_us,
-        task_p50_us, task_p90_us, task_max_us), over the tasks that ran ("tasks": GEMM tasks of row
+        task_p50_us, task_p90_us, task_max_us: nearest-rank percentiles, e.g. p50 of 4 tasks is the
+        2nd shortest), over the tasks that ran ("tasks": GEMM tasks of row
         tiles without rows, and dispatch tasks of chunks past the call's largest T, are not
         ticketed). The first row, "call_barrier", is program 0's wait
         for every rank to enter the launch."""
@@ -410,7 +412,7 @@ class FusedMoE:
             rows.append({"stage": s.name, "tasks": len(seg), "first_start_us": float(seg[:, 0].min()) - t0,
                          "last_end_us": float(seg[:, 1].max()) - t0,
                          "busy_us_per_program": float(dur.sum()) / self.plan.device.num_programs,
-                         **{f"task_{name}_us": float(dur[min(int(q * len(dur)), len(dur) - 1)])
+                         **{f"task_{name}_us": float(dur[max(math.ceil(q * len(dur)) - 1, 0)])  # nearest rank
                             for name, q in (("min", 0.0), ("p50", 0.5), ("p90", 0.9), ("max", 1.0))}})
         return rows
 
