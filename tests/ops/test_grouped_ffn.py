@@ -65,6 +65,8 @@ CASES = {  # id: (sizes, H, I, rows, n_x, dtype, config)
     "BM32-gather": ([21, 2, 17], 48, 24, 45, 31, torch.float32,  # rows not a multiple of BM = 32
                     (GemmTileConfig(32, 16, 16, 4, 1), GemmTileConfig(32, 64, 32, 4, 1))),
     "no-rows-routed": ([0, 0, 0], 48, 24, 8, None, torch.float32, None),
+    # I below the gate-up block: the [gate | up] weight tile of width 2*BN is mostly masked columns
+    "I-below-block": ([13, 0, 27], 48, 8, None, 29, torch.float32, None),
 }
 
 
