@@ -24,10 +24,10 @@ import triton.language as tl  # noqa: E402
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
-from ditron_ep.determinism import make_routing  # noqa: E402
 from ditron_ep.megakernel.grouped_gemm import build_tile_map, max_m_tiles, swiglu_tile, tile_coords  # noqa: E402
 
-E, H, I, RANKS, T, K = 16, 7168, 2048, 4, 4096, 8
+from gate_up_variants import E, H, I, layer_case  # noqa: E402  (the script beside this one)
+
 LATE, DELAY_US = 33, 430
 
 
@@ -56,18 +56,8 @@ def stamped_gate_up(a_ptr, a_idx_ptr, w1_ptr, h_ptr, tile_start_ptr, expert_off_
 def main():
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    gen = torch.Generator().manual_seed(7)
-    topk_idx, _ = make_routing(RANKS * T, E * RANKS, K, "uniform", generator=gen)
-    token, slot = torch.nonzero(topk_idx < E, as_tuple=True)
-    order = torch.argsort(topk_idx[token, slot] * (RANKS * T) + token)
-    row_index = token[order].to(torch.int32).to(dev)
-    offsets = torch.zeros(E + 1, dtype=torch.int32)
-    offsets[1:] = torch.bincount(topk_idx[topk_idx < E], minlength=E).cumsum(0)
-    offsets = offsets.to(dev)
+    x, row_index, _, offsets, w1, _ = layer_case(dev, with_down=False)
     rows = int(offsets[-1])
-    g = torch.Generator(device=dev).manual_seed(7)
-    x = torch.randn(RANKS * T, H, generator=g, device=dev).to(torch.bfloat16)
-    w1 = (torch.randn(E, H, 2 * I, generator=g, device=dev) * H**-0.5).to(torch.bfloat16)
     cfg, _ = default_gemm_configs(torch.bfloat16, "cuda")
     tile_start = build_tile_map(offsets, cfg.block_m)
     m_cap = max_m_tiles(rows, E, cfg.block_m)

@@ -19,7 +19,6 @@ checked bitwise against the first variant's and against torch's within bf16 tole
 Result (8d5310e, before the library took the one-dot tile): gate_up_variants_H200_20261122_s8_8d5310e.log.
 Down-GEMM configs of the library kernel too (deeper pipelines with BK=32).
 """
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig as C  # noqa: E402
 from ditron_ep.determinism import make_routing  # noqa: E402
 from ditron_ep.megakernel.grouped_gemm import build_tile_map, max_m_tiles, tile_coords  # noqa: E402
@@ -103,25 +103,10 @@ def gate_up_probe(a_ptr, a_idx_ptr, w1_ptr, h_ptr, tile_start_ptr, expert_off_pt
             two_dot_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, (t % n_n) * BN, H, I, BM, BN, BK)
 
 
-def median_us(fn, n=10, warm=3):
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return statistics.median(times), times[len(times) // 5], times[(4 * len(times)) // 5]
-
-
-def main():
-    dev = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+def layer_case(dev, with_down=True):
+    """Rank 0's share of the layer shape, drawn on `dev` (seed 7): (x [RANKS*T, H] bf16, row_index
+    int32 [rows] expert-major then by token, sizes [E] rows per expert (CPU), offsets int32 [E + 1],
+    w1 [E, H, 2I], w2 [E, I, H] or None when not with_down)."""
     gen = torch.Generator().manual_seed(7)
     topk_idx, _ = make_routing(RANKS * T, E * RANKS, K, "uniform", generator=gen)
     token, slot = torch.nonzero(topk_idx < E, as_tuple=True)
@@ -130,12 +115,24 @@ def main():
     sizes = torch.bincount(topk_idx[topk_idx < E], minlength=E)
     offsets = torch.zeros(E + 1, dtype=torch.int32)
     offsets[1:] = sizes.cumsum(0)
-    offsets = offsets.to(dev)
-    rows = int(offsets[-1])
     g = torch.Generator(device=dev).manual_seed(7)
     x = torch.randn(RANKS * T, H, generator=g, device=dev).to(torch.bfloat16)
     w1 = (torch.randn(E, H, 2 * I, generator=g, device=dev) * H**-0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, I, H, generator=g, device=dev) * I**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, I, H, generator=g, device=dev) * I**-0.5).to(torch.bfloat16) if with_down else None
+    return x, row_index, sizes, offsets.to(dev), w1, w2
+
+
+def median_us(fn):
+    """(median, p20, p80) µs of 10 calls after 3, timed by the benchmarks' rule (ditron_ep.bench.timing)."""
+    s = summarize(time_fn(fn, 10, 3, device="cuda"))
+    return s["median"], s["p20"], s["p80"]
+
+
+def main():
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    x, row_index, sizes, offsets, w1, w2 = layer_case(dev)
+    rows = int(offsets[-1])
     print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs, triton {triton.__version__}, torch {torch.__version__}; "
           f"rows={rows} (min {int(sizes.min())}, max {int(sizes.max())} per expert), H={H}, I={I}, bf16", flush=True)
     flop_gu = 2.0 * rows * H * 2 * I

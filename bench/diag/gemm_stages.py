@@ -20,16 +20,21 @@ median gate-up task duration by start time, to show when in the launch tasks run
 """
 import os
 import statistics
+import sys
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import triton
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: `bench.moe_timeline`
 
-from ditron_ep.compiler.core_config import default_gemm_configs
-from ditron_ep.megakernel.grouped_gemm import build_tile_map
-from ditron_ep.ops.functional import clear_cache, dispatch
-from ditron_ep.ops.fused_moe import FusedMoE
-from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import triton  # noqa: E402
+
+from bench.moe_timeline import parse_variant  # noqa: E402  (--variant's syntax, one run's overrides)
+from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
+from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
+from ditron_ep.ops.functional import clear_cache, dispatch  # noqa: E402
+from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
+from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
 
 
 def median_us(fn, n=10):
@@ -48,23 +53,10 @@ def median_us(fn, n=10):
 BIN_US = 500
 
 
-def parse_overrides(text):
-    """"comm_programs=0,recv_lag=4" -> {"comm_programs": 0, "recv_lag": 4} (plan overrides; ints stay ints)."""
-    out = {}
-    for item in filter(None, text.split(",")):
-        name, value = item.split("=")
-        out[name] = int(value) if value.lstrip("-").isdigit() else value
-    return out
-
-
 def binned_p50(layer, stage_name):
     """Median duration of a stage's tasks by the time they started (BIN_US bins after program 0's entry)."""
-    tm = layer.last_timer.cpu().double() * layer._timer_ns_per_tick / 1e3  # µs, as timeline() converts
-    t0 = float(tm[-1, 0])
-    s = layer.plan.device.stage(stage_name)
-    seg = tm[s.first_task:s.first_task + s.num_tasks]
-    seg = seg[seg[:, 0] != 0]
-    start, dur = seg[:, 0] - t0, seg[:, 1] - seg[:, 0]
+    seg = layer.task_times(stage_name)
+    start, dur = seg[:, 0], seg[:, 1] - seg[:, 0]
     cells = []
     for b in range(int(start.max() // BIN_US) + 1):
         d = dur[(start >= b * BIN_US) & (start < (b + 1) * BIN_US)]
@@ -89,7 +81,7 @@ def main():
         runs = [(sched, "") for sched in os.environ.get("SCHEDS", "overlap,sequential").split(",")]
         runs += [("overlap", v) for v in os.environ.get("VARIANTS", "").split(";") if v]
         for sched, variant in runs:
-            layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16, schedule=sched, **parse_overrides(variant))
+            layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16, schedule=sched, **parse_variant(variant))
             sched = f"{sched}{' ' + variant if variant else ''}"
             for _ in range(3):
                 layer(x, idx, w, w1, w2)

@@ -3,10 +3,10 @@ variant of the library's GEMM and megakernel kernels in this process.
 
     torchrun --nproc-per-node 2 bench/diag/kernel_resources.py     # rank 0 prints
 
-Runs one FusedMoE call (E=64, top-8, H=7168, I=2048, bf16, T=TOK tokens, default 4096) and one
-standalone `grouped_swiglu_ffn` on its dispatched rows, then lists, per compiled kernel, what
-ptxas reported: a GEMM loop that spills (n_spills > 0) or a megakernel that needs more registers
-than the standalone tile is a cost the stage timings alone do not show.
+Runs one FusedMoE call (layer_inputs.py's shape: E=64, top-8, H=7168, I=2048, bf16; T=TOK tokens,
+default 4096) and one standalone `grouped_swiglu_ffn` on its dispatched rows, then lists, per
+compiled kernel, what ptxas reported: a GEMM loop that spills (n_spills > 0) or a megakernel that
+needs more registers than the standalone tile is a cost the stage timings alone do not show.
 """
 import os
 
@@ -18,6 +18,7 @@ from ditron_ep.megakernel.moe_fused import moe_fused_kernel
 from ditron_ep.ops.fused_moe import FusedMoE
 from ditron_ep.ops.functional import dispatch
 from ditron_ep.ops.grouped_ffn import grouped_swiglu_ffn
+from layer_inputs import E, H, I, K, layer_inputs
 
 
 def report(fn, name):
@@ -35,13 +36,8 @@ def main():
     dist.init_process_group("nccl")
     rank, W = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    dev = torch.device("cuda", rank)
-    E, K, H, I, T = 64, 8, 7168, 2048, int(os.environ.get("TOK", "4096"))
-    gen = torch.Generator(device=dev).manual_seed(1234 + rank)
-    w1 = (torch.randn(E // W, H, 2 * I, device=dev, generator=gen) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E // W, I, H, device=dev, generator=gen) * I ** -0.5).bfloat16()
-    x = torch.randn(T, H, device=dev, generator=gen).bfloat16()
-    w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
+    T = int(os.environ.get("TOK", "4096"))
+    x, idx, w, w1, w2 = layer_inputs(T, rank, W)
     with torch.no_grad():
         layer = FusedMoE(None, E, H, I, T, K, torch.bfloat16)
         layer(x, idx, w, w1, w2)

@@ -67,6 +67,13 @@ def _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, hidden, topk, w1_shap
             and all(t.device == device and t.is_contiguous() for t in ts))
 
 
+def _ran_tasks(tm: torch.Tensor, t0: float, stage) -> torch.Tensor:
+    """Rows of the µs timer `tm` for `stage`'s tasks that ran (the timer buffer starts zeroed: a
+    task that never ran keeps 0), relative to t0."""
+    seg = tm[stage.first_task:stage.first_task + stage.num_tasks]
+    return seg[seg[:, 0] != 0] - t0
+
+
 # x of at least this many bytes is copied into a replay's static buffer on a side stream, beside
 # the layout graph: the copy takes ~28 µs at T=4096 (58 MiB) on an H200, while at T=128 (1.8 MiB)
 # it takes ~2 µs and the side stream's own host calls (~15 µs) would delay a host-bound call.
@@ -385,6 +392,18 @@ class FusedMoE:
         return {"gate_up_tiles": worked, "started_before_last_remote_chunk": started,
                 "last_remote_chunk_clock": last_remote}
 
+    def _timer_us(self) -> tuple[torch.Tensor, float]:
+        """`last_timer` in µs (float64 [NT + 1, 2]) and program 0's entry (its last row)."""
+        if self.last_timer is None:
+            raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")
+        tm = self.last_timer.cpu().double() * self._timer_ns_per_tick / 1e3
+        return tm, float(tm[-1, 0])
+
+    def task_times(self, stage: str) -> torch.Tensor:
+        """From `last_timer`: float64 [n, 2], start and end (µs after program 0 entered the kernel)
+        of each task of `stage` that ran, in the plan's task order (see `timeline`)."""
+        return _ran_tasks(*self._timer_us(), self.plan.device.stage(stage))
+
     def timeline(self) -> list[dict[str, float | int | str]]:
         """From `last_timer` (a traced GPU launch): per stage, when its first task started and its
         last ended (µs after program 0 entered the kernel), and how busy it kept the grid (sum of
@@ -394,23 +413,18 @@ class FusedMoE:
         tiles without rows, and dispatch tasks of chunks past the call's largest T, are not
         ticketed). The first row, "call_barrier", is program 0's wait
         for every rank to enter the launch."""
-        if self.last_timer is None:
-            raise DitronConfigError("call forward(..., trace=True) on a GPU first (the interpreter has no device timer)")
-        tm = self.last_timer.cpu().double() * self._timer_ns_per_tick / 1e3  # µs
-        t0 = float(tm[-1, 0])  # program 0 entered the kernel
+        tm, t0 = self._timer_us()
         rows = [{"stage": "call_barrier", "tasks": 1, "first_start_us": 0.0, "last_end_us": float(tm[-1, 1]) - t0,
                  "busy_us_per_program": float(tm[-1, 1]) - t0}]
-        tm = tm[:-1]
         for s in self.plan.device.stages:
             if not s.num_tasks:
                 continue
-            seg = tm[s.first_task:s.first_task + s.num_tasks]
-            seg = seg[seg[:, 0] != 0]  # the timer buffer starts zeroed: a task that never ran
+            seg = _ran_tasks(tm, t0, s)
             if not len(seg):
                 continue
             dur = (seg[:, 1] - seg[:, 0]).sort().values
-            rows.append({"stage": s.name, "tasks": len(seg), "first_start_us": float(seg[:, 0].min()) - t0,
-                         "last_end_us": float(seg[:, 1].max()) - t0,
+            rows.append({"stage": s.name, "tasks": len(seg), "first_start_us": float(seg[:, 0].min()),
+                         "last_end_us": float(seg[:, 1].max()),
                          "busy_us_per_program": float(dur.sum()) / self.plan.device.num_programs,
                          **{f"task_{name}_us": float(dur[max(math.ceil(q * len(dur)) - 1, 0)])  # nearest rank
                             for name, q in (("min", 0.0), ("p50", 0.5), ("p90", 0.9), ("max", 1.0))}})
