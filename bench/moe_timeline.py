@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                 first_out = out
             d = layer.plan.device
             name = (f"{schedule} comm_programs={d.comm_programs} recv_lag={d.recv_lag} "
-                    f"chunk_rows={layer.plan.routing.chunk_rows} block_t={d.block_t}")
+                    f"chunk_rows={layer.plan.routing.chunk_rows} block_t={d.block_t} "
+                    f"gemm_tile_order={d.gemm_tile_order}/{d.gemm_group_rows}")
             lines = [f"[rank {rank}] T={T} {name}: {layer.overlap_report()}  "
                      f"bitwise == first variant: {torch.equal(out, first_out)}"]
             if args.iters > 0:
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             if on_gpu:
                 for r in layer.timeline():
                     lines.append(f"    {r['stage']:16s} tasks {r['tasks']:6d}  start {r['first_start_us']:9.1f}  "
-                                 f"end {r['last_end_us']:9.1f}  busy/program {r['busy_us_per_program']:9.1f} us")
+                                 f"end {r['last_end_us']:9.1f}  busy/program {r['busy_us_per_program']:9.1f} us"
+                                 + (f"  task p50 {r['task_p50_us']:7.1f} us" if "task_p50_us" in r else ""))
             for r in range(world):  # one rank at a time, in rank order
                 if r == rank:
                     print("\n".join(lines), flush=True)

@@ -36,11 +36,20 @@ __all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_block_t", "default_co
 DEFAULT_NUM_PROGRAMS = {"cuda": 132, "hip": 304, "cpu": 2}
 DEFAULT_CHUNK_ROWS = 16
 DEFAULT_BLOCK_T = 16
+# The megakernel's GEMM tasks walk the row tiles in groups of 8 (plan.gemm_task_tile): the
+# programs sharing a weight column block take consecutive tickets. Programs take tickets as they
+# free up, and with the role split a quarter of them join the GEMM late, so in row-major order
+# the sharers of a column block drift apart; at T=4096 on 2xH200 a gate-up tile then took 94-99 us
+# (median) against 88.5-92 us in groups of 8 (4: 91-93, 16: 90.5-95), and a call 6.03-6.08 ms
+# against 5.70-5.80 (bench/results/moe_timeline_H200x2_20261122_s9_tile_order.log). The
+# interpreter gets 2 so that small test shapes have several groups, short ones too.
+DEFAULT_GEMM_TILE_ORDER = "grouped"
+DEFAULT_GEMM_GROUP_ROWS = {"cuda": 8, "hip": 8, "cpu": 2}
 
 # Spec fields `lower(spec, **overrides)` accepts: the decisions, not the op's shapes.
 OVERRIDABLE = ("schedule", "chunk_rows", "ranks_per_node", "num_programs", "comm_programs", "recv_lag",
                "source_order",
-               "gemm_tile_order", "combine_fused", "block_t", "heap_bytes", "gate_up_config",
+               "gemm_tile_order", "gemm_group_rows", "combine_fused", "block_t", "heap_bytes", "gate_up_config",
                "down_config", "block_h")
 
 
@@ -71,7 +80,9 @@ def lower(spec: MoESpec, **overrides) -> MoEPlan:
     device = DevicePlan(
         schedule=spec.schedule, num_programs=spec.num_programs, comm_programs=spec.comm_programs,
         recv_lag=spec.recv_lag, source_order=spec.source_order,
-        gemm_tile_order=spec.gemm_tile_order, combine_fused=spec.combine_fused,
+        gemm_tile_order=spec.gemm_tile_order,
+        gemm_group_rows=gemm_group_rows(spec, row_tiles_bound(routing, core.gate_up.block_m)),
+        combine_fused=spec.combine_fused,
         block_t=spec.block_t, n_row_tiles_max=row_tiles_bound(routing, core.gate_up.block_m),
         n_tiles1=cdiv(routing.ffn_hidden, core.gate_up.block_n),
         n_tiles2=cdiv(routing.hidden, core.down.block_n),
@@ -105,13 +116,17 @@ def apply_overrides(spec: MoESpec, overrides: dict) -> MoESpec:
 def fill_defaults(spec: MoESpec) -> MoESpec:
     """Check the spec and decide every field it leaves open (None), at every level."""
     spec.check()
+    if spec.gemm_group_rows is not None and spec.gemm_tile_order not in (None, "grouped"):
+        raise ValueError(f"gemm_group_rows={spec.gemm_group_rows} sizes the groups of gemm_tile_order='grouped', "
+                         f"but gemm_tile_order={spec.gemm_tile_order!r}; drop one of the two")
     gate_up, down = default_gemm_configs(getattr(torch, spec.dtype), spec.device_type)
     # A copy / reduce block moves 1 KiB of each row: 512 columns of 2-byte values, 256 of fp32.
     block_h = min(1024 // DTYPE_BYTES[spec.dtype], triton.next_power_of_2(spec.hidden))
     decided = {
         "chunk_rows": DEFAULT_CHUNK_ROWS, "ranks_per_node": spec.world_size,
         "num_programs": DEFAULT_NUM_PROGRAMS[spec.device_type], "source_order": "ring",
-        "gemm_tile_order": "row_major", "combine_fused": True,
+        "gemm_tile_order": "grouped" if spec.gemm_group_rows is not None else DEFAULT_GEMM_TILE_ORDER,
+        "gemm_group_rows": DEFAULT_GEMM_GROUP_ROWS[spec.device_type], "combine_fused": True,
         "gate_up_config": gate_up, "down_config": down, "block_h": block_h,
     }
     spec = dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
@@ -131,6 +146,13 @@ def default_recv_lag(spec: MoESpec) -> int:
     if spec.schedule == "sequential":
         return spec.world_size * cdiv(spec.max_tokens, spec.chunk_rows)
     return spec.comm_programs or spec.num_programs
+
+
+def gemm_group_rows(spec: MoESpec, n_row_tiles: int) -> int:
+    """Row tiles a group of the GEMM task order (plan.gemm_task_tile): row_major 1, column_major
+    all of them, grouped the spec's (at most all of them)."""
+    return {"row_major": 1, "column_major": n_row_tiles}.get(spec.gemm_tile_order,
+                                                               min(spec.gemm_group_rows, n_row_tiles))
 
 
 def default_block_t(max_tokens: int, num_programs: int) -> int:
@@ -179,6 +201,9 @@ def plan_queue(spec: MoESpec, routing: RoutingPlan,
     fused = spec.combine_fused
 
     def gemm_grid(n_cols: int) -> tuple[tuple[str, int], ...]:
+        if spec.gemm_tile_order == "grouped":
+            g = gemm_group_rows(spec, n_rt)  # rows past n_rt in the last group: tasks never ticketed
+            return ("row_group", cdiv(n_rt, g)), ("col_tile", n_cols), ("row_in_group", g)
         grid = (("row_tile", n_rt), ("col_tile", n_cols))
         return grid if spec.gemm_tile_order == "row_major" else grid[::-1]
 

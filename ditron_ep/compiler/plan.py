@@ -46,13 +46,18 @@ __all__ = [
     "NOTIFY_ELEMENTS", "SCHEDULES", "SOURCE_ORDERS", "STAGE_NAMES", "WAIT_ELEMENTS",
     "BufferPlacement", "CorePlan", "DevicePlan", "Element", "MoEPlan", "MoESpec", "NotifySpec",
     "PlanError", "RoutingPlan", "SignalFamily", "StagePlan", "WaitSpec", "cdiv", "combine_task_split",
-    "index_space_size",
+    "gemm_task_tile", "index_space_size",
     "is_nonnegative_int", "is_positive_int", "is_pow2", "numel", "row_tiles_bound",
 ]
 
 SCHEDULES = ("overlap", "sequential")
 SOURCE_ORDERS = ("ring", "reverse_ring")
-GEMM_TILE_ORDERS = ("row_major", "column_major")
+# Orders of the (row tile, col tile) tasks of a GEMM stage. "grouped" walks the row tiles in groups
+# of gemm_group_rows: one column tile over the group's rows, then the next column tile, then the next
+# group, so the programs that share a weight column block take consecutive tickets and read it at
+# nearly the same K step, while the group's activation rows stay in L2 (a GROUP_M swizzle).
+# "row_major" is groups of one row tile, "column_major" one group of every row tile.
+GEMM_TILE_ORDERS = ("row_major", "column_major", "grouped")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8}
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -162,6 +167,17 @@ def combine_task_split(num_tasks: int, tokens: int, block_t: int, hidden: int, b
     n_col_blocks = cdiv(hidden, block_h)
     per = cdiv(n_col_blocks, min(max(num_tasks // n_blocks, 1), n_col_blocks))
     return cdiv(n_col_blocks, per), per * block_h
+
+
+def gemm_task_tile(q: int, n_rows: int, n_cols: int, group: int) -> tuple[int, int]:
+    """(row tile, col tile) of the q-th task of a GEMM stage over n_rows row tiles and n_cols
+    column tiles, walked in groups of `group` row tiles (the last group may be short): within a
+    group, column tile by column tile, each over the group's rows. group=1 is row-major,
+    group >= n_rows column-major. The kernels decode their tickets the same way
+    (megakernel/grouped_gemm.py::grouped_tile)."""
+    g, r = divmod(q, group * n_cols)
+    rows = min(group, n_rows - g * group)
+    return g * group + r % rows, r // rows
 
 
 def row_tiles_bound(routing: "RoutingPlan", block_m: int) -> int:
@@ -293,11 +309,19 @@ class StagePlan:
     barrier_before: bool
 
     def coords(self, q: int) -> dict[str, int]:
-        """Task coordinates of the q-th task of this stage (0 <= q < num_tasks)."""
+        """Task coordinates of the q-th task of this stage (0 <= q < num_tasks); a grouped GEMM
+        grid (row_group, col_tile, row_in_group) also gets its row_tile = row_group * G + row_in_group."""
         out: dict[str, int] = {}
         for name, extent in reversed(self.grid):
             q, out[name] = divmod(q, extent)
+        if "row_in_group" in out:
+            out["row_tile"] = out["row_group"] * dict(self.grid)["row_in_group"] + out["row_in_group"]
         return out
+
+    def coord_names(self) -> list[str]:
+        """The grid's coordinate names, plus the row_tile a grouped GEMM grid derives."""
+        names = [c for c, _ in self.grid]
+        return names + ["row_tile"] if "row_in_group" in names and "row_tile" not in names else names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +377,9 @@ class DevicePlan:
     # recv_lag >= the number of send tasks: every send first (what "sequential" needs).
     recv_lag: int
     source_order: str           # order of destinations in dispatch_send: "ring" | "reverse_ring"
-    gemm_tile_order: str        # order of (row tile, col tile) in the GEMM stages
+    gemm_tile_order: str        # order of (row tile, col tile) in the GEMM stages (GEMM_TILE_ORDERS)
+    # Row tiles per group of that order: 1 for row_major, n_row_tiles_max for column_major.
+    gemm_group_rows: int
     combine_fused: bool         # gemm_down sends its tiles itself (no combine_send stage)
     block_t: int                # tokens per combine_reduce task
     n_row_tiles_max: int        # host bound of GEMM row tiles per rank
@@ -397,7 +423,9 @@ class DevicePlan:
             "Device level (DevicePlan)",
             f"  schedule={d.schedule}  num_programs={d.num_programs}  comm_programs={d.comm_programs}  "
             f"recv_lag={d.recv_lag}  source_order={d.source_order}  "
-            f"gemm_tile_order={d.gemm_tile_order}  combine_fused={d.combine_fused}  block_t={d.block_t}",
+            f"gemm_tile_order={d.gemm_tile_order}"
+            f"{f' ({d.gemm_group_rows} row tiles a group)' if d.gemm_tile_order == 'grouped' else ''}  "
+            f"combine_fused={d.combine_fused}  block_t={d.block_t}",
             f"  GEMM tiles per rank: rows <= {d.n_row_tiles_max} (bound)  x  gate-up cols "
             f"{d.n_tiles1}, down cols {d.n_tiles2}",
             f"  queue: {d.num_tasks} tasks per rank (host bound; skipped tasks get no ticket), in this order:",
@@ -568,6 +596,7 @@ class MoESpec:
     recv_lag: int | None = None
     source_order: str | None = None
     gemm_tile_order: str | None = None
+    gemm_group_rows: int | None = None  # row tiles a group when gemm_tile_order="grouped"
     combine_fused: bool | None = None
     block_t: int | None = None
     heap_bytes: int | None = None
@@ -599,8 +628,10 @@ class MoESpec:
             v = getattr(self, name)
             if v is not None and not is_pow2(v):
                 raise ValueError(f"MoESpec.{name} must be a power of two, got {v!r}")
-        if self.num_programs is not None and not is_positive_int(self.num_programs):
-            raise ValueError(f"MoESpec.num_programs must be an int >= 1, got {self.num_programs!r}")
+        for name in ("num_programs", "gemm_group_rows"):
+            v = getattr(self, name)
+            if v is not None and not is_positive_int(v):
+                raise ValueError(f"MoESpec.{name} must be an int >= 1, got {v!r}")
         for name in ("comm_programs", "recv_lag"):
             v = getattr(self, name)
             if v is not None and not is_nonnegative_int(v):

@@ -125,6 +125,13 @@ def _check_device_params(plan: MoEPlan) -> None:
                         f"(its stage barrier waits for them): recv_lag={d.recv_lag} < {n_send} send tasks")
     if not is_pow2(d.block_t):
         raise PlanError(f"device.block_t must be a power of two, got {d.block_t}")
+    want_group = {"row_major": 1, "column_major": d.n_row_tiles_max}.get(d.gemm_tile_order)
+    if want_group is not None and d.gemm_group_rows != want_group:
+        raise PlanError(f"device.gemm_group_rows={d.gemm_group_rows!r}, but gemm_tile_order={d.gemm_tile_order} "
+                        f"walks row tiles in groups of {want_group}")
+    if not (is_positive_int(d.gemm_group_rows) and d.gemm_group_rows <= d.n_row_tiles_max):
+        raise PlanError(f"device.gemm_group_rows must be an int in [1, n_row_tiles_max={d.n_row_tiles_max}], "
+                        f"got {d.gemm_group_rows!r}")
     for name, want in (("n_row_tiles_max", row_tiles_bound(r, core.gate_up.block_m)),
                        ("n_tiles1", cdiv(r.ffn_hidden, core.gate_up.block_n)),
                        ("n_tiles2", cdiv(r.hidden, core.down.block_n))):
@@ -144,7 +151,10 @@ def _check_stages(plan: MoEPlan) -> None:
     if sorted(names) != sorted(want):
         raise PlanError(f"combine_fused={d.combine_fused} needs stages {want}, plan has {names}")
     extents = {"dest_pos": r.world_size, "source_pos": r.world_size, "chunk": r.n_chunks,
-               "row_tile": d.n_row_tiles_max, "token_block": cdiv(r.max_tokens, d.block_t)}
+               "row_tile": d.n_row_tiles_max, "token_block": cdiv(r.max_tokens, d.block_t),
+               "row_group": cdiv(d.n_row_tiles_max, d.gemm_group_rows), "row_in_group": d.gemm_group_rows}
+    gemm_grids = {("row_tile", "col_tile"): "row_major", ("col_tile", "row_tile"): "column_major",
+                  ("row_group", "col_tile", "row_in_group"): "grouped"}
     first = 0
     for i, s in enumerate(d.stages):
         if s.index != i:
@@ -152,6 +162,13 @@ def _check_stages(plan: MoEPlan) -> None:
         if s.first_task != first:
             raise PlanError(f"stage {s.name}: first_task={s.first_task}, but the stages before it "
                             f"hold {first} tickets")
+        coords = s.coord_names()
+        if s.name in ("gemm_gate_up", "gemm_down"):
+            order = gemm_grids.get(tuple(c for c, _ in s.grid))
+            if order != d.gemm_tile_order:
+                raise PlanError(f"stage {s.name}: grid {[c for c, _ in s.grid]} is "
+                                f"{order or 'no GEMM tile order'}, but gemm_tile_order={d.gemm_tile_order} "
+                                f"(grids: {gemm_grids})")
         for coord, extent in s.grid:
             want_extent = extents.get(coord)
             if coord == "col_tile":
@@ -161,12 +178,6 @@ def _check_stages(plan: MoEPlan) -> None:
                                 f"{coord}[{want_extent}]")
         if s.num_tasks != numel(tuple(e for _, e in s.grid)):
             raise PlanError(f"stage {s.name}: num_tasks={s.num_tasks} != product of its grid {s.grid}")
-        coords = [c for c, _ in s.grid]
-        if s.name in ("gemm_gate_up", "gemm_down"):
-            order = "row_major" if coords == ["row_tile", "col_tile"] else "column_major"
-            if order != d.gemm_tile_order:
-                raise PlanError(f"stage {s.name}: grid {coords} is {order}, but "
-                                f"gemm_tile_order={d.gemm_tile_order}")
         want_skip = ("empty_row_tile" if "row_tile" in coords else
                      "chunk_past_call" if s.name in COMM_STAGES else "never")
         if s.skip != want_skip:
@@ -561,7 +572,7 @@ def _check_element(where: str, element: str, vocab: dict, key: str, stage: Stage
     entry = vocab[element]
     if entry.key != key:
         raise PlanError(f"{where}: element {element} indexes {entry.key}, the family indexes {key}")
-    coords = [c for c, _ in stage.grid]
+    coords = stage.coord_names()
     missing = [c for c in entry.needs if c not in coords]
     if missing:
         raise PlanError(f"{where}: element {element} needs task coordinates {missing}, stage "

@@ -11,9 +11,13 @@ per task. `grouped_swiglu_kernel` / `grouped_down_kernel` are the standalone per
 P programs, program p takes tiles p, p + P, ...; the tile map (expert, first row, row count of
 every M-tile) is read from device memory, so a launch never waits on the host.
 
-Tile ids are M-tile major, N-tile minor: consecutive programs share the A rows of one M-tile and
-walk one expert's weight columns. No split-K: every output element is one fp32 dot over the whole
-K, so a tile's result does not depend on which program computes it, nor on the grid size.
+Tile ids walk the M-tiles in groups of `group_rows` (`grouped_tile`; the plan's gemm_task_tile):
+within a group one N-tile over the group's M-tiles, then the next N-tile. group_rows=1 is M-tile
+major (consecutive tiles share one M-tile's A rows and walk one expert's weight columns): the
+fastest order for the standalone kernels, whose program p takes tiles p, p + P, ...; the
+megakernel hands tiles out as programs free up and walks them in groups of 8 (lowering.py).
+No split-K: every output element is one fp32 dot over the whole K, so a tile's result does not
+depend on which program computes it, on the grid size or on the tile order.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import triton.language as tl
 from ..compiler.core_config import GemmTileConfig, default_gemm_configs
 from ..compiler.portability import register_device_function, register_kernel
 
-__all__ = ["build_tile_map", "down_acc", "down_tile", "grouped_down_kernel", "grouped_swiglu_kernel", "max_m_tiles",
+__all__ = ["build_tile_map", "down_acc", "down_tile", "grouped_down_kernel", "grouped_swiglu_kernel", "grouped_tile",
+           "max_m_tiles",
            "register_ffn_configs", "swiglu_tile", "tile_coords", "zero_tile"]
 
 _NO_TILE = tl.constexpr(2**31 - 1)  # tile_start padding: larger than any tile id
@@ -64,6 +69,18 @@ def tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap,
     row0 = tl.load(expert_off_ptr + e) + (t_m - tl.load(tile_start_ptr + e)) * BM
     row_end = tl.minimum(tl.load(expert_off_ptr + e + 1), rows_cap)
     return e, row0, tl.where(row0 >= 0, tl.minimum(row_end - row0, BM), 0)
+
+
+@register_device_function
+@triton.jit
+def grouped_tile(q, n_m, n_n, group):
+    """q-th tile (0 <= q < n_m * n_n) of n_m M-tiles x n_n N-tiles walked in groups of `group`
+    M-tiles (the last group may be short): within a group, N-tile by N-tile over the group's
+    M-tiles. Returns (M-tile, N-tile). The host's twin is plan.gemm_task_tile."""
+    g = q // (group * n_n)
+    r = q - g * (group * n_n)
+    rows = tl.minimum(group, n_m - g * group)
+    return g * group + r % rows, r // rows
 
 
 @register_device_function
@@ -169,7 +186,8 @@ def zero_tile(y_ptr, row0, n_rows, n0, N, BM: tl.constexpr, BN: tl.constexpr):
              mask=(o_m < n_rows)[:, None] & (o_n < N)[None, :])
 
 
-@triton.jit
+# group_rows stays an argument even when 1 (no recompile per order)
+@triton.jit(do_not_specialize=["group_rows"])
 def grouped_swiglu_kernel(
     a_ptr,           # (N, H) activations
     a_idx_ptr,       # int32 (rows_cap,) row of a for each row (read when HAS_IDX)
@@ -178,18 +196,20 @@ def grouped_swiglu_kernel(
     tile_start_ptr,  # int32 (E_local + 1,) build_tile_map(expert_off, BM)
     expert_off_ptr,  # int32 (E_local + 1,)
     rows_cap, m_tiles_cap, H, I, E_local,
+    group_rows,      # M-tiles a group of the tile order (grouped_tile)
     HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     n_n = tl.cdiv(I, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
     for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
-        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t // n_n, E_local, rows_cap, BM, BLOCK_E)
-        swiglu_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, (t % n_n) * BN, H, I,
+        t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
+        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
+        swiglu_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, t_n * BN, H, I,
                     HAS_IDX, BM, BN, BK, INPUT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group_rows"])
 def grouped_down_kernel(
     h_ptr,           # (rows_cap, I)
     w2_ptr,          # (E_local, I, H)
@@ -197,6 +217,7 @@ def grouped_down_kernel(
     tile_start_ptr,  # int32 (E_local + 1,) build_tile_map(expert_off, BM)
     expert_off_ptr,  # int32 (E_local + 1,)
     rows_cap, m_tiles_cap, I, H, E_local,
+    group_rows,      # M-tiles a group of the tile order (grouped_tile)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -205,8 +226,9 @@ def grouped_down_kernel(
     n_n = tl.cdiv(H, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
     for t in range(pid, n_m * n_n, n_prog):
-        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t // n_n, E_local, rows_cap, BM, BLOCK_E)
-        down_tile(h_ptr, w2_ptr, y_ptr, e, row0, n_rows, (t % n_n) * BN, I, H, BM, BN, BK, INPUT_PRECISION)
+        t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
+        e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
+        down_tile(h_ptr, w2_ptr, y_ptr, e, row0, n_rows, t_n * BN, I, H, BM, BN, BK, INPUT_PRECISION)
     # Rows past the last expert belong to no expert: zero them (a separate loop keeps the branch
     # out of the pipelined one above).
     n_valid = tl.minimum(tl.maximum(tl.load(expert_off_ptr + E_local), 0), rows_cap)
@@ -231,6 +253,7 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     ptr = _TRITON_TYPES[dtype]
     dims = {} if shape is None else {"H": shape[0], "I": shape[1]}
     ints = {name: "i32" for name in ("rows_cap", "m_tiles_cap", "E_local", "H", "I") if name not in dims}
+    ints["group_rows"] = "i32"
     block_e = triton.next_power_of_2(num_local_experts)
     mult16 = [n for n in ("H", "I") if n not in dims]  # real hidden sizes are multiples of 16
     register_kernel(grouped_swiglu_kernel,

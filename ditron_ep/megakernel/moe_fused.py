@@ -9,7 +9,8 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
                      tickets, interleaved (plan field recv_lag; task_queue.py).
   S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU.
                      Row tiles come in arrival order (the layout launch sorts them: tiles of
-                     this rank's own rows first, then by the ring position of their last source)
+                     this rank's own rows first, then by the ring position of their last source),
+                     walked in the plan's groups of gemm_group tiles (plan.gemm_task_tile)
   S3 gemm_down       (row tile i, col tile j): wait for all gate-up tiles of row tile i; down
                      GEMM; the tile's rows go straight to their token's rank, landing at
                      [token, k] (+1 on that (token, k)'s counter there). The +1s are published
@@ -51,7 +52,7 @@ from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .ep_combine import reduce_landed
 from .ep_dispatch import stage_token_chunk
-from .grouped_gemm import down_acc, swiglu_tile
+from .grouped_gemm import down_acc, grouped_tile, swiglu_tile
 from .primitives import (call_begin, call_end, ctrl_ptr, heap_ptr, next_task_split, notify, notify_add,
                          take_role, wait, wait_all)
 from .task_queue import interleaved_task
@@ -65,16 +66,11 @@ STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barri
 
 @register_device_function
 @triton.jit
-def _gemm_tile(q, n_cols, n_rt, p_tiles, ROW_MAJOR: tl.constexpr):
-    """q-th task of a GEMM stage -> (row tile's natural index, column tile, expert, first row,
-    rows); the plan's gemm_tile_order picks row-major (all column tiles of a row tile together)
-    or column-major over the row tiles in the layout's arrival order (table at p_tiles)."""
-    if ROW_MAJOR:
-        i_m = q // n_cols
-        i_n = q % n_cols
-    else:
-        i_n = q // n_rt
-        i_m = q % n_rt
+def _gemm_tile(q, n_cols, group, p_tiles):
+    """q-th task of a GEMM stage (the plan's numbering: groups of `group` row-tile positions, the
+    last one padded, plan.gemm_task_tile) -> (row tile's natural index, column tile, expert,
+    first row, rows). Positions index the layout's arrival-ordered tile table at p_tiles."""
+    i_m, i_n = grouped_tile(q, (q // (group * n_cols) + 1) * group, n_cols, group)  # a whole group
     p_tile = p_tiles + i_m * 4
     # the table lists tiles in arrival order; a tile's signal words go by its natural index
     return tl.load(p_tile + 3), i_n, tl.load(p_tile), tl.load(p_tile + 1), tl.load(p_tile + 2)
@@ -82,19 +78,18 @@ def _gemm_tile(q, n_cols, n_rt, p_tiles, ROW_MAJOR: tl.constexpr):
 
 @register_device_function
 @triton.jit
-def _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_rt, ROW_MAJOR: tl.constexpr):
+def _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_t1, n_t2, group):
     """Ticket t >= F2 -> the plan's task id. Gate-up tickets [F2, G3) and down tickets [G3, G4)
-    walk the first n_pos row-tile positions of the tile table (row-major: all column tiles of a
-    position together; column-major: one column tile over all positions), combine tickets follow.
+    walk the first n_pos row-tile positions of the tile table in the plan's groups of `group`
+    positions (the last live group may be shorter than the plan's), combine tickets follow.
     Live tasks keep their order in the plan's queue; only tasks of row tiles without rows (past
     n_pos) are never ticketed. Tickets below F2 pass through."""
     in_gu = (t >= F2) & (t < G3)
     in_dn = (t >= G3) & (t < G4)
     q = tl.where(in_gu, t - F2, t - G3)
-    if ROW_MAJOR:
-        q_plan = q  # position * n_cols + column tile, as in the plan
-    else:
-        q_plan = (q // n_pos) * n_rt + q % n_pos  # column tile * n_rt + position
+    n_cols = tl.where(in_gu, n_t1, n_t2)
+    i_m, i_n = grouped_tile(q, n_pos, n_cols, group)
+    q_plan = (i_m // group) * (group * n_cols) + i_n * group + i_m % group  # the plan's whole groups
     return tl.where(in_gu, F2 + q_plan, tl.where(in_dn, F3 + q_plan, tl.where(t >= G4, F4 + t - G4, t)))
 
 
@@ -151,7 +146,8 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoc
 
 # refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
 # equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
-@triton.jit(do_not_specialize=["refuse_flagged"])
+# gemm_group (1 for row_major) likewise: every tile order runs one binary.
+@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
@@ -173,6 +169,7 @@ def moe_fused_kernel(
     refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises on the host)
     comm_programs,    # role split: the first comm_programs programs to start take the dispatch stages; 0: one queue
     recv_lag,         # plan: dispatch_recv task g follows dispatch_send task g + recv_lag (>= F1: sends first)
+    gemm_group,       # plan: GEMM tasks walk the row tiles in groups of gemm_group (plan.gemm_task_tile)
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
     sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)
@@ -181,7 +178,7 @@ def moe_fused_kernel(
     F1, F2, F3, F4, NT, budget,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, ROW_MAJOR: tl.constexpr, REVERSE_RING: tl.constexpr,
+    BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, REVERSE_RING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
 ):
     if TRACE:  # row NT of the timer: program 0's entry and its exit from the call barrier
@@ -245,7 +242,7 @@ def moe_fused_kernel(
         is_send, q_comm = interleaved_task(t, F1c, 1, F2c - F1c, 1, recv_lag)
         q_comm = (q_comm // n_call) * n_chunks + q_comm % n_call
         t = tl.where(busy & (t < F2c), tl.where(is_send, q_comm, F1 + q_comm), tl.where(t >= F2c, t + F2 - F2c, t))
-        t = _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_rt, ROW_MAJOR)
+        t = _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_t1, n_t2, gemm_group)
         if TRACE:
             if busy:
                 tl.store(trace_ptr + t * 2, tl.atomic_add(clock_ptr, 1, sem="relaxed", scope="gpu"))
@@ -309,7 +306,7 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2c - F1c, bar_recv,
                                              epoch, budget, True)
-                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, n_rt, p_tiles, ROW_MAJOR)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
                         swiglu_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I,
@@ -322,7 +319,7 @@ def moe_fused_kernel(
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, L1, 0, epoch, budget,
                                              False)
-                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, n_rt, p_tiles, ROW_MAJOR)
+                i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
                         acc = down_acc(p_h, w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
@@ -392,14 +389,14 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
         "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
-        "comm_programs": "i32", "recv_lag": "i32",
+        "comm_programs": "i32", "recv_lag": "i32", "gemm_group": "i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64",
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
                               "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget")}}
 _CONST = {"K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
-          "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "ROW_MAJOR": True, "REVERSE_RING": False,
+          "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}
 _MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")
 register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multiples_of_16=_MULT16)
@@ -412,5 +409,5 @@ _ONES = ("n_chunks", "n_t1", "n_t2", "rank")
 register_kernel(moe_fused_kernel, {n: v for n, v in _SIG.items() if n not in _ONES},
                 {**_CONST, **{n: 1 for n in _ONES}}, label="bf16-K8-overlap-ones", multiples_of_16=_MULT16)
 register_kernel(moe_fused_kernel, {**_SIG, "x_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out_ptr": "*fp32"},
-                {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "ROW_MAJOR": False, "REVERSE_RING": True,
+                {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "REVERSE_RING": True,
                  "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential", multiples_of_16=_MULT16)

@@ -128,7 +128,7 @@ class FusedMoE:
     """Fused EP MoE forward over `group`: out = combine(experts(dispatch(x))) in one launch.
 
     Args mirror `EPBuffer`, plus ffn_hidden (I), the schedule and Device-level plan overrides
-    (num_programs, chunk_rows, source_order, gemm_tile_order, block_t, tile configs): any of
+    (num_programs, chunk_rows, source_order, gemm_tile_order, gemm_group_rows, block_t, tile configs): any of
     them changes which program runs what and when (the trace) but not one bit of the result.
     `plan`: a plan lowered elsewhere (e.g. by a tuner); it must be verified.
     check_errors: default mode only: also read the device error slot after the megakernel (a
@@ -205,7 +205,7 @@ class FusedMoE:
         self._tiles = h.local_view("gemm/tiles")
         self._ring_step = -1 if dev.source_order == "reverse_ring" else 1
         self._plan_args = (  # comm_programs .. sequential-only words
-            dev.comm_programs, dev.recv_lag, h.ptr_table, h.signal_table,
+            dev.comm_programs, dev.recv_lag, dev.gemm_group_rows, h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
             dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
@@ -220,7 +220,7 @@ class FusedMoE:
         self._constexprs = dict(
             K=self.topk, BLOCK_K=triton.next_power_of_2(self.topk), BM=core.gate_up.block_m, BN1=core.gate_up.block_n,
             BK1=core.gate_up.block_k, BN2=core.down.block_n, BK2=core.down.block_k, BLOCK_S=core.block_rows,
-            BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq, ROW_MAJOR=dev.gemm_tile_order == "row_major",
+            BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq,
             REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(self.world_size),
             INPUT_PRECISION="ieee" if (interp or self.dtype == torch.float32) else "tf32",
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
@@ -381,12 +381,10 @@ class FusedMoE:
                   if self.plan.source_of(rank, q // n_chunks) != rank]
         last_remote = max((int(tr[t, 1]) for t in remote), default=-1)
         n_rows = self.heap.local_view("gemm/tiles")[:, 2].cpu()
-        order_row_major = self.plan.device.gemm_tile_order == "row_major"
-        n_t1, n_rt = self.plan.device.n_tiles1, self.plan.device.n_row_tiles_max
         started = worked = 0
         for q in range(gu.num_tasks):
-            i_m = q // n_t1 if order_row_major else q % n_rt
-            if int(n_rows[i_m]) > 0:
+            i_m = gu.coords(q)["row_tile"]  # a position of the tile table; past it: a grouped grid's padding
+            if i_m < len(n_rows) and int(n_rows[i_m]) > 0:
                 worked += 1
                 started += int(int(tr[gu.first_task + q, 0]) < last_remote)
         return {"gate_up_tiles": worked, "started_before_last_remote_chunk": started,

@@ -35,6 +35,7 @@ def grouped_swiglu_ffn(
     config: tuple[GemmTileConfig, GemmTileConfig] | None = None,
     num_programs: int | None = None,
     input_precision: str | None = None,
+    group_rows: int = 1,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU FFN of every local expert over its rows; returns y [rows, H] in x's dtype.
@@ -55,6 +56,12 @@ def grouped_swiglu_ffn(
             interpreter. Results are bitwise identical for every grid size (no split-K).
         input_precision: float32 inputs only: "tf32" (GPU default) or "ieee" (interpreter
             default; needed for float32-exact results on a GPU).
+        group_rows: tile order, M-tiles (row tiles) a group (`grouped_tile`): within a group each
+            weight column block goes over the group's rows before the next. Default 1, M-tile
+            major: on this op's fixed program-to-tile grid it was the fastest on an H200 (groups
+            of 2-16 took 11-15 % longer at the MoE layer's shapes,
+            bench/results/tile_order_H200_20261122_s9.log). Results are bitwise identical for
+            every order.
         out: optional [rows, H] contiguous output buffer in x's dtype (written and returned).
 
     Accumulation is fp32; the SwiGLU activation h is rounded to x's dtype before the down GEMM.
@@ -75,6 +82,8 @@ def grouped_swiglu_ffn(
         num_programs = 1 if device_type == "cpu" else torch.cuda.get_device_properties(x.device).multi_processor_count
     elif not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
+    if not isinstance(group_rows, int) or isinstance(group_rows, bool) or group_rows < 1:
+        raise ValueError(f"group_rows must be a positive int (row tiles a group of the tile order), got {group_rows!r}")
     if input_precision is None:
         input_precision = "ieee" if device_type == "cpu" else "tf32"
     elif input_precision not in _PRECISIONS:
@@ -91,16 +100,17 @@ def grouped_swiglu_ffn(
     h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     tile_maps = {cfg.block_m: build_tile_map(expert_offsets, cfg.block_m) for cfg in (gate_up_cfg, down_cfg)}
     launch_grouped_swiglu(x, row_index, w1, h, expert_offsets, tile_maps[gate_up_cfg.block_m], gate_up_cfg,
-                          num_programs, input_precision)
+                          num_programs, input_precision, group_rows)
     launch_grouped_down(h, w2, out, expert_offsets, tile_maps[down_cfg.block_m], down_cfg, num_programs,
-                        input_precision)
+                        input_precision, group_rows)
     return out
 
 
 def launch_grouped_swiglu(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,
                           expert_offsets: torch.Tensor, tile_start: torch.Tensor, cfg: GemmTileConfig,
-                          num_programs: int, input_precision: str) -> None:
-    """h[r] = silu(x_r @ gate) * (x_r @ up) for the rows of every expert (`grouped_swiglu_kernel`).
+                          num_programs: int, input_precision: str, group_rows: int) -> None:
+    """h[r] = silu(x_r @ gate) * (x_r @ up) for the rows of every expert (`grouped_swiglu_kernel`),
+    tiles in groups of group_rows M-tiles (`grouped_tile`).
 
     h: [rows, I]; rows of no expert are not written. tile_start = build_tile_map(expert_offsets,
     cfg.block_m). Inputs as validated by `grouped_swiglu_ffn`; this launcher checks nothing.
@@ -111,22 +121,23 @@ def launch_grouped_swiglu(x: torch.Tensor, row_index: torch.Tensor | None, w1: t
     grid = (min(num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
     grouped_swiglu_kernel[grid](
         x, row_index if row_index is not None else expert_offsets, w1, h, tile_start, expert_offsets,
-        rows, m_cap, hidden, inter, num_local,
+        rows, m_cap, hidden, inter, num_local, group_rows,
         HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, **cfg.launch_options())
 
 
 def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expert_offsets: torch.Tensor,
                         tile_start: torch.Tensor, cfg: GemmTileConfig, num_programs: int,
-                        input_precision: str) -> None:
+                        input_precision: str, group_rows: int) -> None:
     """y[r] = h[r] @ W2[e] for the rows of every expert, zeros in rows of no expert past the last
-    (`grouped_down_kernel`). y: [rows, H]; tile_start = build_tile_map(expert_offsets, cfg.block_m)."""
+    (`grouped_down_kernel`). y: [rows, H]; tile_start = build_tile_map(expert_offsets, cfg.block_m);
+    tiles in groups of group_rows M-tiles (`grouped_tile`)."""
     rows, hidden = y.shape
     num_local, inter = w2.shape[0], w2.shape[1]
     m_cap = max_m_tiles(rows, num_local, cfg.block_m)
     grid = (min(num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)
     grouped_down_kernel[grid](
-        h, w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local,
+        h, w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local, group_rows,
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=triton.next_power_of_2(num_local),
         INPUT_PRECISION=input_precision, **cfg.launch_options())
 

@@ -67,7 +67,9 @@ def test_lower_gives_verified_plan(shape, schedule):
     d = plan.device
     assert [s.name for s in d.stages] == [n for n in STAGE_NAMES if n != "combine_send"]
     assert d.stage("dispatch_send").num_tasks == W * plan.routing.n_chunks
-    assert d.stage("gemm_gate_up").num_tasks == d.n_row_tiles_max * d.n_tiles1
+    # grouped tile order (the default): the last group of row tiles is padded to a whole group
+    g = d.gemm_group_rows
+    assert d.stage("gemm_gate_up").num_tasks == -(-d.n_row_tiles_max // g) * g * d.n_tiles1
     assert all(s.barrier_before == (schedule == "sequential" and s.index > 0) for s in d.stages)
     assert all(b.offset % 256 == 0 for b in d.buffers)
     assert d.buffers[-1].offset + d.buffers[-1].nbytes <= d.heap_bytes
@@ -144,6 +146,11 @@ FIELD_CHANGES = [  # (override, value, what must hold in the new plan)
     ("source_order", "reverse_ring", lambda p: p.dest_of(1, 1) == 2),  # ring: rank-1 = 0
     ("gemm_tile_order", "column_major",
      lambda p: [c for c, _ in p.device.stage("gemm_down").grid] == ["col_tile", "row_tile"]),
+    ("gemm_tile_order", "row_major",  # the default: groups of the interpreter's 2 row tiles
+     lambda p: [c for c, _ in p.device.stage("gemm_gate_up").grid] == ["row_tile", "col_tile"]
+     and p.device.gemm_group_rows == 1),
+    ("gemm_group_rows", 3, lambda p: p.device.gemm_tile_order == "grouped" and p.device.gemm_group_rows == 3
+     and "3 row tiles a group" in p.describe()),
     ("combine_fused", False, lambda p: p.device.has_stage("combine_send")
      and p.device.stage("combine_send").num_tasks == p.device.n_row_tiles_max),
     ("schedule", "sequential", lambda p: p.device.stage("gemm_down").barrier_before),
@@ -171,6 +178,8 @@ PLAN_VARIANTS = {
     "overlap-unfused-colmajor": {"combine_fused": False, "gemm_tile_order": "column_major"},
     "sequential-unfused-reverse": {"schedule": "sequential", "combine_fused": False,
                                    "source_order": "reverse_ring", "chunk_rows": 4},
+    "overlap-grouped3": {"gemm_tile_order": "grouped", "gemm_group_rows": 3},
+    "sequential-grouped5-unfused": {"schedule": "sequential", "gemm_group_rows": 5, "combine_fused": False},
 }
 
 
@@ -381,3 +390,41 @@ def test_verified_only_while_unchanged(base):
     assert seal(changed).verified
     with pytest.raises(PlanError):
         seal(replace_device(base, num_programs=0))
+
+
+@pytest.mark.parametrize("n_rows,n_cols,group", [(7, 3, 1), (7, 3, 2), (7, 3, 3), (8, 4, 4), (5, 2, 9), (1, 5, 2)])
+def test_gemm_task_tile_walks_live_tiles_in_plan_order(n_rows, n_cols, group):
+    """The kernels' ticket decode (gemm_task_tile / grouped_tile) over the first n_rows row tiles
+    visits every live (row, col) tile once, in the order the plan's grouped grid lists them."""
+    from ditron_ep.compiler.plan import StagePlan, gemm_task_tile
+    n_groups = -(-n_rows // group)
+    stage = StagePlan("gemm_gate_up", 2, 0, (("row_group", n_groups), ("col_tile", n_cols), ("row_in_group", group)),
+                      n_groups * n_cols * group, "empty_row_tile", (), (), False)
+    in_plan = [(c["row_tile"], c["col_tile"]) for c in map(stage.coords, range(stage.num_tasks))
+               if c["row_tile"] < n_rows]
+    walked = [gemm_task_tile(q, n_rows, n_cols, group) for q in range(n_rows * n_cols)]
+    assert walked == in_plan and sorted(walked) == [(i, j) for i in range(n_rows) for j in range(n_cols)]
+    if group == 1:
+        assert walked == [(i, j) for i in range(n_rows) for j in range(n_cols)]  # row-major
+    if group >= n_rows:
+        assert walked == [(i, j) for j in range(n_cols) for i in range(n_rows)]  # column-major
+
+
+def test_rejects_inconsistent_gemm_groups(base):
+    assert base.device.gemm_tile_order == "grouped" and base.device.gemm_group_rows == 2  # the CPU default
+    grouped = lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=3)
+    row_major = lower(spec_of(4, 16, 2, 64, 96, 40), gemm_tile_order="row_major")
+    with pytest.raises(PlanError, match="gemm_tile_order=row_major walks row tiles in groups of 1"):
+        verify(replace_device(row_major, gemm_group_rows=2))
+    with pytest.raises(PlanError, match="grid coordinate row_group\\[8\\] should be row_group\\[6\\]"):
+        verify(replace_device(grouped, gemm_group_rows=4))  # the grid still has groups of 3
+    with pytest.raises(PlanError, match="is grouped, but gemm_tile_order=row_major"):
+        verify(replace_device(grouped, gemm_tile_order="row_major", gemm_group_rows=1))
+    with pytest.raises(PlanError, match="gemm_group_rows must be an int in"):
+        verify(replace_device(grouped, gemm_group_rows=0))
+    with pytest.raises(ValueError, match="gemm_group_rows=4 sizes the groups of gemm_tile_order='grouped'"):
+        lower(spec_of(4, 16, 2, 64, 96, 40), gemm_tile_order="column_major", gemm_group_rows=4)
+    with pytest.raises(ValueError, match="gemm_group_rows must be an int >= 1"):
+        lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=0)
+    big = lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=10**6)  # clamped to the row tiles
+    assert big.device.gemm_group_rows == big.device.n_row_tiles_max

@@ -15,6 +15,7 @@ import torch
 import ditron_ep  # noqa: F401
 from ditron_ep.determinism import ep_moe_oracle, make_routing
 from ditron_ep.ops.fused_moe import FusedMoE
+from ditron_ep.ops.grouped_ffn import grouped_swiglu_ffn
 
 H, I, K = 1024, 512, 4
 
@@ -54,7 +55,9 @@ def test_fused_bitwise_across_schedules_grids_and_plan_fields(dist_env, layers):
     variants = [{}, {"schedule": "sequential"}, {"num_programs": 1}, {"num_programs": 7},
                 {"gemm_tile_order": "column_major", "source_order": "reverse_ring", "chunk_rows": 8},
                 {"comm_programs": 0}, {"comm_programs": 100, "source_order": "reverse_ring"},
-                {"comm_programs": 0, "recv_lag": 0}, {"comm_programs": 8, "recv_lag": 1}]
+                {"comm_programs": 0, "recv_lag": 0}, {"comm_programs": 8, "recv_lag": 1},
+                {"gemm_tile_order": "row_major"}, {"gemm_group_rows": 3, "num_programs": 7},
+                {"gemm_group_rows": 2, "schedule": "sequential"}]
     outs, problems = [], []
     for v in variants:
         layer = FusedMoE(None, E, H, I, max(tokens), K, torch.bfloat16, **v)
@@ -249,4 +252,35 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers, mon
     if not torch.equal(cached(*args, w1, w2), direct(*args, w1, w2)):
         problems.append("after the bad call, the replayed layer differs from direct launches")
     cached.check()
+    assert not problems, problems
+
+
+def test_grouped_ffn_tile_orders_and_grids_bitwise(dist_env):
+    """The standalone grouped SwiGLU FFN (bf16, gathered rows, ragged experts, an empty one): tile
+    orders (group_rows 1, 2, 8, all M-tiles) and grid sizes give the same bits, within bf16
+    tolerance of a float64 reference."""
+    dev = dist_env.device
+    g = torch.Generator().manual_seed(11)
+    sizes = [300, 0, 517, 64, 129, 1, 256, 77, 1000, 3]
+    E, n_x = len(sizes), 900
+    x = torch.randn(n_x, H, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(torch.bfloat16)
+    idx = torch.randint(0, n_x, (sum(sizes),), generator=g, dtype=torch.int32)
+    off = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    args = _on(dev, x, off, w1, w2)
+    runs = {(p, gr): grouped_swiglu_ffn(*args, row_index=idx.to(dev), num_programs=p, group_rows=gr)
+            for p, gr in ((132, 1), (132, 2), (132, 8), (132, 10**6), (7, 8), (1, 3))}
+    ref_y = []
+    for e in range(E):
+        a = x[idx[off[e]:off[e + 1]].long()].double()
+        gu = a @ w1[e].double()
+        h = (torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]).to(torch.bfloat16).double()
+        ref_y.append(h @ w2[e].double())
+    ref = torch.cat(ref_y)
+    first = next(iter(runs.values()))
+    problems = [f"{k} differs from {next(iter(runs))}" for k, y in runs.items() if not torch.equal(y, first)]
+    rel = float((first.double().cpu() - ref).abs().max() / ref.abs().max())
+    if rel > 2e-2:
+        problems.append(f"off the float64 reference: max|err|/max|ref| = {rel:.3g}")
     assert not problems, problems

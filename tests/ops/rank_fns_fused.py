@@ -75,12 +75,14 @@ def check_ticketed(layer: FusedMoE, call_max_tokens: int) -> str:
     n_call = layer.plan.dispatch_chunks(call_max_tokens)
     n_used = sum(1 for t in layer.heap.local_view("gemm/tiles").tolist() if t[2] > 0)
     n_pos = max(n_used, 1)
-    row_major = dev.gemm_tile_order == "row_major"
     for s in dev.stages:
-        n_cols = {"gemm_gate_up": dev.n_tiles1, "gemm_down": dev.n_tiles2}.get(s.name)
+        gemm = s.name in ("gemm_gate_up", "gemm_down")
+        starts = []  # start clocks of the stage's tasks that ran, in the plan's order
         for q in range(s.num_tasks):
-            pos = (q // n_cols if row_major else q % dev.n_row_tiles_max) if n_cols else 0
+            pos = s.coords(q)["row_tile"] if gemm else 0
             ran = tr[s.first_task + q][0] >= 0
+            if ran:
+                starts.append(tr[s.first_task + q][0])
             if s.name in ("dispatch_send", "dispatch_recv"):
                 if ran != (s.coords(q)["chunk"] < n_call):
                     return f"{s.name} task {q} ({s.coords(q)}, {n_call} chunks this call) {'ran' if ran else 'did not run'}"
@@ -88,6 +90,11 @@ def check_ticketed(layer: FusedMoE, call_max_tokens: int) -> str:
                 return f"{s.name} task {q} (row-tile position {pos}, {n_used} used) {'ran' if ran else 'did not run'}"
             if ran and not 0 <= tr[s.first_task + q][0] < tr[s.first_task + q][1]:
                 return f"{s.name} task {q}: trace {tr[s.first_task + q]}"
+        # The interpreter runs one program's whole queue before the next program starts, so the
+        # logical clock follows the tickets: the kernel hands out a GEMM stage's tickets in the
+        # plan's task order (a grouped grid's short last group included).
+        if gemm and starts != sorted(starts):
+            return f"{s.name}: tasks started out of the plan's order ({dev.gemm_tile_order}): {starts}"
     return "ok"
 
 

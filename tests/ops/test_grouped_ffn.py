@@ -88,10 +88,10 @@ def test_unwritten_rows_poisoned_with_nan():
     y = torch.full((30, 48), float("nan"))
     off = inp["expert_offsets"]
     launch_grouped_swiglu(inp["x"], inp["row_index"], inp["w1"], h, off, build_tile_map(off, gate_up.block_m),
-                          gate_up, 2, "ieee")
+                          gate_up, 2, "ieee", 2)
     assert torch.isfinite(h[:19]).all(), "a row of an expert was not written"
     assert torch.isnan(h[19:]).all(), "rows past the last expert were written"
-    launch_grouped_down(h, inp["w2"], y, off, build_tile_map(off, down.block_m), down, 2, "ieee")
+    launch_grouped_down(h, inp["w2"], y, off, build_tile_map(off, down.block_m), down, 2, "ieee", 3)
     assert torch.equal(y[19:], torch.zeros(11, 48))
     assert_close_to_oracle(y, oracle(inp), torch.float32, "poisoned launch")
 
@@ -113,9 +113,13 @@ def test_bad_offsets_never_write_outside_the_rows(offsets):
     assert torch.isnan(canvas[:3]).all() and torch.isnan(canvas[23:]).all()
 
 
-def test_grid_size_does_not_change_bits():
-    inp = make_inputs([13, 0, 27, 1], 48, 24, rows=44, n_x=23, seed=3)
-    runs = [grouped_swiglu_ffn(**inp, num_programs=p) for p in (1, 3, 1000)]
+def test_grid_size_and_tile_order_do_not_change_bits():
+    """Grid sizes and tile orders (groups of 1 = M-tile major, 2 with a short last group, 3, all
+    M-tiles in one group) give the same bits, and each equals the oracle."""
+    inp = make_inputs([13, 0, 27, 1, 40], 48, 24, rows=90, n_x=23, seed=3)  # 7 M-tiles of 16 rows
+    runs = [grouped_swiglu_ffn(**inp, num_programs=p, group_rows=g) for p, g in
+            ((1, 1), (3, 1), (1000, 1), (3, 2), (2, 3), (3, 7), (1, 100))]
+    assert_close_to_oracle(runs[0], oracle(inp), torch.float32, "group_rows=1")
     for y in runs[1:]:
         assert torch.equal(y, runs[0])
 
@@ -161,6 +165,7 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
         ("config", {"config": (cfg[0], None)}, "config must be a pair of GemmTileConfig"),
         ("config-single", {"config": cfg[0]}, "config must be a pair of GemmTileConfig"),
         ("programs", {"num_programs": 0}, "num_programs must be a positive int"),
+        ("group_rows", {"group_rows": 0}, "group_rows must be a positive int"),
         ("precision", {"input_precision": "tf32x3"}, "input_precision must be one of"),
         ("out", {"out": torch.empty(7, 15)}, "out must be a contiguous torch.float32 tensor of shape [rows=7, H=16]"),
     ]

@@ -11,8 +11,8 @@ VARIANTS = (
     {"schedule": "sequential"},
     {"num_programs": 3, "chunk_rows": 4, "gemm_tile_order": "column_major", "source_order": "reverse_ring",
      "block_t": 4},
-    {"comm_programs": 0, "recv_lag": 0},        # no role split: one queue; receives right after sends
-    {"num_programs": 3, "comm_programs": 2, "source_order": "reverse_ring", "recv_lag": 3},
+    {"comm_programs": 0, "recv_lag": 0, "gemm_tile_order": "row_major"},  # one queue; receives right after sends
+    {"num_programs": 3, "comm_programs": 2, "source_order": "reverse_ring", "recv_lag": 3, "gemm_group_rows": 3},
     {"schedule": "sequential", "gemm_tile_order": "column_major", "num_programs": 3},  # barriers count live tasks
 )
 CASES = [  # (W, tokens per rank, H, I, E, K, routing)
@@ -20,7 +20,7 @@ CASES = [  # (W, tokens per rank, H, I, E, K, routing)
     (3, [9, 0, 17], 40, 16, 6, 3, "zipf"),          # empty rank, H/I not block multiples
     (3, [10, 10, 10], 32, 24, 9, 2, "one_expert"),  # every token to expert 0
     (4, [5, 12, 3, 8], 32, 16, 8, 4, "one_rank"),   # every token to rank 0's experts
-    (3, [24, 30, 27], 32, 16, 3, 2, "uniform"),     # several row tiles per expert, from mixed sources
+    (3, [24, 30, 27], 64, 40, 3, 2, "uniform"),     # several row and column tiles per expert, mixed sources
 ]
 
 
