@@ -196,9 +196,9 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
             tiles = build_tile_map(off, cfg.block_m)
             for grid_name, programs in grids.items():
                 if stage == "gate-up":
-                    fn = lambda: launch_grouped_swiglu(x, idx, w1, h, off, tiles, cfg, programs, precision)  # noqa: E731
+                    fn = lambda: launch_grouped_swiglu(x, idx, w1, h, off, tiles, cfg, programs, precision, 1)  # noqa: E731
                 else:
-                    fn = lambda: launch_grouped_down(h, w2, y, off, tiles, cfg, programs, precision)  # noqa: E731
+                    fn = lambda: launch_grouped_down(h, w2, y, off, tiles, cfg, programs, precision, 1)  # noqa: E731
                 label = f"ours {cfg}" + (" (default)" if cfg in (default_gu, default_dn) else "")
                 us = r.measure(name, stage, label, grid_name, flops, fn, torch_us.get(stage))
                 if us is not None and us < best.get(stage, (float("inf"),))[0]:

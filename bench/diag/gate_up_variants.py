@@ -200,7 +200,7 @@ def main():
             name = f"down {cfg} {grid_name}"
 
             def run_dn():
-                launch_grouped_down(h_in, w2, y, offsets, tile_start, cfg, programs, "tf32")
+                launch_grouped_down(h_in, w2, y, offsets, tile_start, cfg, programs, "tf32", 1)
 
             try:
                 run_dn()

@@ -108,8 +108,8 @@ def main():
         tile_start = build_tile_map(offsets, gate_up_cfg.block_m)  # both configs share block_m
         n_prog = torch.cuda.get_device_properties(dev).multi_processor_count
         gate_up = median_us(lambda: launch_grouped_swiglu(recv_x, None, w1, h, offsets, tile_start, gate_up_cfg,
-                                                          n_prog, "tf32"))
-        down = median_us(lambda: launch_grouped_down(h, w2, y, offsets, tile_start, down_cfg, n_prog, "tf32"))
+                                                          n_prog, "tf32", 1))  # grouped_swiglu_ffn's tile order
+        down = median_us(lambda: launch_grouped_down(h, w2, y, offsets, tile_start, down_cfg, n_prog, "tf32", 1))
         n_m = int(tile_start[-1])  # M-tiles of this routing
         tiles_gu = n_m * triton.cdiv(I, gate_up_cfg.block_n)
         tiles_dn = n_m * triton.cdiv(H, down_cfg.block_n)
