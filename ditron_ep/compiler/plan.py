@@ -54,9 +54,9 @@ SCHEDULES = ("overlap", "sequential")
 SOURCE_ORDERS = ("ring", "reverse_ring")
 # Orders of the (row tile, col tile) tasks of a GEMM stage. "grouped" walks the row tiles in groups
 # of gemm_group_rows: one column tile over the group's rows, then the next column tile, then the next
-# group, so the programs that share a weight column block take consecutive tickets and read it at
-# nearly the same K step, while the group's activation rows stay in L2 (a GROUP_M swizzle).
-# "row_major" is groups of one row tile, "column_major" one group of every row tile.
+# group (a GROUP_M swizzle), so the programs that share a weight column block take consecutive
+# tickets (lowering.DEFAULT_GEMM_TILE_ORDER says what that bought). "row_major" is groups of one
+# row tile, "column_major" one group of every row tile.
 GEMM_TILE_ORDERS = ("row_major", "column_major", "grouped")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8}
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
