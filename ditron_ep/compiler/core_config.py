@@ -112,4 +112,3 @@ def default_gemm_configs(dtype: torch.dtype, device_type: str) -> tuple[GemmTile
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r} "
                          f"(ROCm devices report torch device type 'cuda': pass 'hip' for them)")
     return _DEFAULTS[(device_type, dtype in _HALF)]
-

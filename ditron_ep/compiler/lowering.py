@@ -126,10 +126,12 @@ def fill_defaults(spec: MoESpec) -> MoESpec:
         "chunk_rows": DEFAULT_CHUNK_ROWS, "ranks_per_node": spec.world_size,
         "num_programs": DEFAULT_NUM_PROGRAMS[spec.device_type], "source_order": "ring",
         "gemm_tile_order": "grouped" if spec.gemm_group_rows is not None else DEFAULT_GEMM_TILE_ORDER,
-        "gemm_group_rows": DEFAULT_GEMM_GROUP_ROWS[spec.device_type], "combine_fused": True,
+        "combine_fused": True,
         "gate_up_config": gate_up, "down_config": down, "block_h": block_h,
     }
     spec = dataclasses.replace(spec, **{k: v for k, v in decided.items() if getattr(spec, k) is None})
+    if spec.gemm_tile_order == "grouped" and spec.gemm_group_rows is None:  # other orders leave it None
+        spec = dataclasses.replace(spec, gemm_group_rows=DEFAULT_GEMM_GROUP_ROWS[spec.device_type])
     if spec.block_t is None:
         spec = dataclasses.replace(spec, block_t=default_block_t(spec.max_tokens, spec.num_programs))
     if spec.comm_programs is None:
@@ -151,8 +153,9 @@ def default_recv_lag(spec: MoESpec) -> int:
 def gemm_group_rows(spec: MoESpec, n_row_tiles: int) -> int:
     """Row tiles a group of the GEMM task order (plan.gemm_task_tile): row_major 1, column_major
     all of them, grouped the spec's (at most all of them)."""
-    return {"row_major": 1, "column_major": n_row_tiles}.get(spec.gemm_tile_order,
-                                                               min(spec.gemm_group_rows, n_row_tiles))
+    if spec.gemm_tile_order == "grouped":
+        return min(spec.gemm_group_rows, n_row_tiles)
+    return 1 if spec.gemm_tile_order == "row_major" else n_row_tiles
 
 
 def default_block_t(max_tokens: int, num_programs: int) -> int:

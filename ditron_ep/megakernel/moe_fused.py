@@ -86,7 +86,7 @@ def _gemm_task_of_ticket(t, F2, F3, F4, G3, G4, n_pos, n_t1, n_t2, group):
     n_pos) are never ticketed. Tickets below F2 pass through."""
     in_gu = (t >= F2) & (t < G3)
     in_dn = (t >= G3) & (t < G4)
-    q = tl.where(in_gu, t - F2, t - G3)
+    q = tl.where(in_gu, t - F2, tl.where(in_dn, t - G3, 0))  # 0 elsewhere: no division by a 0-row group
     n_cols = tl.where(in_gu, n_t1, n_t2)
     i_m, i_n = grouped_tile(q, n_pos, n_cols, group)
     q_plan = (i_m // group) * (group * n_cols) + i_n * group + i_m % group  # the plan's whole groups

@@ -58,8 +58,8 @@ def grouped_swiglu_ffn(
             default; needed for float32-exact results on a GPU).
         group_rows: tile order, M-tiles (row tiles) a group (`grouped_tile`): within a group each
             weight column block goes over the group's rows before the next. Default 1, M-tile
-            major: on this op's fixed program-to-tile grid it was the fastest on an H200 (groups
-            of 2-16 took 11-15 % longer at the MoE layer's shapes,
+            major: on this op's fixed program-to-tile grid it was the fastest on an H200 at the
+            MoE layer's shapes (groups of 2-16: gate-up up to 14 % slower, down 15-22 %;
             bench/results/tile_order_H200_20261122_s9.log). Results are bitwise identical for
             every order.
         out: optional [rows, H] contiguous output buffer in x's dtype (written and returned).
@@ -121,7 +121,7 @@ def launch_grouped_swiglu(x: torch.Tensor, row_index: torch.Tensor | None, w1: t
     grid = (min(num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
     grouped_swiglu_kernel[grid](
         x, row_index if row_index is not None else expert_offsets, w1, h, tile_start, expert_offsets,
-        rows, m_cap, hidden, inter, num_local, group_rows,
+        rows, m_cap, hidden, inter, num_local, min(group_rows, m_cap),  # no int32 overflow of group * N-tiles
         HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, **cfg.launch_options())
 
@@ -137,7 +137,7 @@ def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expe
     m_cap = max_m_tiles(rows, num_local, cfg.block_m)
     grid = (min(num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)
     grouped_down_kernel[grid](
-        h, w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local, group_rows,
+        h, w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local, min(group_rows, m_cap),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=triton.next_power_of_2(num_local),
         INPUT_PRECISION=input_precision, **cfg.launch_options())
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ditron_ep.compiler.core_config import GemmTileConfig
-from ditron_ep.compiler.lowering import lower, number_stages, seal
+from ditron_ep.compiler.lowering import fill_defaults, lower, number_stages, seal
 from ditron_ep.compiler.plan import STAGE_NAMES, MoEPlan, MoESpec, PlanError
 from ditron_ep.compiler.verifier import verify, verify_instance
 from ditron_ep.determinism.routing import make_routing
@@ -146,7 +146,7 @@ FIELD_CHANGES = [  # (override, value, what must hold in the new plan)
     ("source_order", "reverse_ring", lambda p: p.dest_of(1, 1) == 2),  # ring: rank-1 = 0
     ("gemm_tile_order", "column_major",
      lambda p: [c for c, _ in p.device.stage("gemm_down").grid] == ["col_tile", "row_tile"]),
-    ("gemm_tile_order", "row_major",  # the default: groups of the interpreter's 2 row tiles
+    ("gemm_tile_order", "row_major",  # the default is "grouped", in groups of 2 under the interpreter
      lambda p: [c for c, _ in p.device.stage("gemm_gate_up").grid] == ["row_tile", "col_tile"]
      and p.device.gemm_group_rows == 1),
     ("gemm_group_rows", 3, lambda p: p.device.gemm_tile_order == "grouped" and p.device.gemm_group_rows == 3
@@ -428,3 +428,7 @@ def test_rejects_inconsistent_gemm_groups(base):
         lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=0)
     big = lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=10**6)  # clamped to the row tiles
     assert big.device.gemm_group_rows == big.device.n_row_tiles_max
+    for order in ("row_major", "column_major", "grouped"):  # filled specs lower again unchanged
+        spec = fill_defaults(spec_of(4, 16, 2, 64, 96, 40, gemm_tile_order=order))
+        assert fill_defaults(spec) == spec and lower(spec) == lower(spec_of(4, 16, 2, 64, 96, 40,
+                                                                          gemm_tile_order=order))
