@@ -4,12 +4,15 @@ a peer GPU over NVLink, against the copy engine and NCCL moving the same bytes?
     torchrun --nproc-per-node 2 bench/diag/nvlink_store.py [--mib 112] [--iters 10]
 
 Every rank writes --mib MiB of bf16 rows (H=7168) into the next rank's symmetric buffer at the
-same time (a ring: every link busy in both directions, as in an all-to-all), with a persistent
+same time (a ring: every rank sends and receives at once, as in an all-to-all), with a persistent
 copy kernel (program p takes tiles p, p + P, ...; a tile is BLOCK_R rows x BLOCK_H columns, one
 masked load from local HBM and one store to the peer), for P programs and tile shapes. Baselines
 in the same run: the same kernel writing into local memory (HBM to HBM), the copy engine
 (`peer.copy_(src)`, cudaMemcpyAsync between devices) and NCCL `all_to_all_single` moving the
-same bytes to the peer. Times: per iteration the slowest rank (CUDA events after a barrier),
+same bytes to the peer. Then "all peers": every rank splits the same bytes evenly over every
+other rank (tiles alternate between peers), through the library's heap (`heap_ptr`), to see
+whether a rank's outgoing rate grows with the number of peers (on 2 ranks it is the ring again).
+Times: per iteration the slowest rank (CUDA events after a barrier),
 median of --iters; GB/s = bytes one rank sends / that time. Results are checked (the peer's
 buffer equals the sender's rows) once per variant.
 """
@@ -21,6 +24,9 @@ import torch.distributed as dist
 import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
+
+from ditron_ep.megakernel.primitives import heap_ptr
+from ditron_ep.runtime.heap import SymmetricHeap
 
 H = 7168
 
@@ -35,6 +41,25 @@ def push_rows_kernel(src_ptr, dst_ptr, n_rows, H: tl.constexpr, BLOCK_R: tl.cons
         m = (o_r < n_rows)[:, None]
         v = tl.load(src_ptr + o_r[:, None] * H + o_c[None, :], mask=m)
         tl.store(dst_ptr + o_r[:, None] * H + o_c[None, :], v, mask=m)
+
+
+@triton.jit
+def push_all_peers_kernel(src_ptr, table_ptr, land_off, slot_elems, n_rows, rank, world, H: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Rows [0, n_rows) of src to every other rank p, into slot `rank` of p's landing buffer
+    (world, n_rows, H) at land_off (slot_elems = rank * n_rows * H); consecutive tiles go to
+    different peers."""
+    n_col = H // BLOCK_H
+    n_tiles = tl.cdiv(n_rows, BLOCK_R) * n_col * (world - 1)
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        q = t // (world - 1)
+        peer = (rank + 1 + t % (world - 1)) % world
+        o_r = ((q // n_col) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        o_c = (q % n_col) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = (o_r < n_rows)[:, None]
+        dst = heap_ptr(table_ptr, peer, land_off, tl.bfloat16) + slot_elems
+        v = tl.load(src_ptr + o_r[:, None] * H + o_c[None, :], mask=m)
+        tl.store(dst + o_r[:, None] * H + o_c[None, :], v, mask=m)
 
 
 def timed(fn, iters):
@@ -113,6 +138,30 @@ def main():
     # every rank sends `rows` rows to each rank (itself included); bytes per peer as above
     us = timed(lambda: dist.all_to_all_single(a2a_out, a2a_in), args.iters)
     line(f"NCCL all_to_all_single ({rows} rows to every rank, self included)", us)
+    # ---- all peers at once, through the library's heap
+    per_peer = max(rows // max(world - 1, 1), 1)
+    heap = SymmetricHeap(None, backend="torch", size_bytes=world * per_peer * H * 2 + 2**20)
+    heap.alloc("land", (world, per_peer, H), torch.bfloat16)
+    sent = (world - 1) * per_peer * H * 2
+    for programs in (33, 66, 132, 264):
+        def push_all():
+            push_all_peers_kernel[(programs,)](src, heap.ptr_table, heap.offset_of("land"), rank * per_peer * H,
+                                               per_peer, rank, world, H, 32, 1024, num_warps=8)
+        us = timed(push_all, args.iters)
+        torch.cuda.synchronize()
+        dist.barrier()
+        buf = [torch.empty_like(src) for _ in range(world)]
+        dist.all_gather(buf, src)
+        got = heap.local_view("land")
+        bad = sum(0 if torch.equal(got[s], buf[s][:per_peer]) else 1 for s in range(world) if s != rank)
+        flag = torch.tensor([bad], device="cuda")
+        dist.all_reduce(flag)
+        got.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        lines.append(f"{f'SM stores to all {world - 1} peers  R32 H1024 w8 P={programs}':52s} {us:9.1f} us  "
+                     f"{sent / us / 1e3:7.1f} GB/s out of each rank{'' if int(flag) == 0 else '  WRONG DATA'}")
+    heap.free()
     for r in range(world):
         if r == rank:
             print("\n".join(f"[rank {rank}] {s}" for s in lines), flush=True)
