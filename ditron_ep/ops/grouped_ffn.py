@@ -15,6 +15,7 @@ import torch
 import triton
 
 from ..compiler.core_config import GemmTileConfig, default_gemm_configs
+from ..compiler.plan import is_positive_int
 from ..megakernel.grouped_gemm import build_tile_map, grouped_down_kernel, grouped_swiglu_kernel, max_m_tiles
 from ..runtime.mode import kernels_interpreted
 
@@ -80,9 +81,9 @@ def grouped_swiglu_ffn(
     gate_up_cfg, down_cfg = config
     if num_programs is None:
         num_programs = 1 if device_type == "cpu" else torch.cuda.get_device_properties(x.device).multi_processor_count
-    elif not isinstance(num_programs, int) or isinstance(num_programs, bool) or num_programs < 1:
+    elif not is_positive_int(num_programs):
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
-    if not isinstance(group_rows, int) or isinstance(group_rows, bool) or group_rows < 1:
+    if not is_positive_int(group_rows):
         raise ValueError(f"group_rows must be a positive int (row tiles a group of the tile order), got {group_rows!r}")
     if input_precision is None:
         input_precision = "ieee" if device_type == "cpu" else "tf32"
@@ -98,7 +99,8 @@ def grouped_swiglu_ffn(
     if rows == 0:
         return out
     h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    tile_maps = {cfg.block_m: build_tile_map(expert_offsets, cfg.block_m) for cfg in (gate_up_cfg, down_cfg)}
+    # one map per distinct block_m (the default configs share it)
+    tile_maps = {bm: build_tile_map(expert_offsets, bm) for bm in {gate_up_cfg.block_m, down_cfg.block_m}}
     launch_grouped_swiglu(x, row_index, w1, h, expert_offsets, tile_maps[gate_up_cfg.block_m], gate_up_cfg,
                           num_programs, input_precision, group_rows)
     launch_grouped_down(h, w2, out, expert_offsets, tile_maps[down_cfg.block_m], down_cfg, num_programs,
