@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_block_t", "default_co
 DEFAULT_NUM_PROGRAMS = {"cuda": 132, "hip": 304, "cpu": 2}
 DEFAULT_CHUNK_ROWS = 16
 DEFAULT_BLOCK_T = 16
-# The megakernel's GEMM tasks walk the row tiles in groups of 8 (plan.gemm_task_tile): the
+# The megakernel's GEMM tasks walk the row tiles in groups of 8 (plan.GEMM_TILE_ORDERS): the
 # programs sharing a weight column block take consecutive tickets. Programs take tickets as they
 # free up, and with the role split a quarter of them join the GEMM late, so in row-major order
 # the sharers of a column block drift apart; at T=4096 on 2xH200 a gate-up tile then took 94-99 us
@@ -77,13 +77,14 @@ def lower(spec: MoESpec, **overrides) -> MoEPlan:
     if spec.schedule == "sequential":
         stages, families = insert_stage_barriers(stages, families, routing)
     stages, families = number_stages(stages), assign_signal_words(families)
+    n_rt = row_tiles_bound(routing, core.gate_up.block_m)
     device = DevicePlan(
         schedule=spec.schedule, num_programs=spec.num_programs, comm_programs=spec.comm_programs,
         recv_lag=spec.recv_lag, source_order=spec.source_order,
         gemm_tile_order=spec.gemm_tile_order,
-        gemm_group_rows=gemm_group_rows(spec, row_tiles_bound(routing, core.gate_up.block_m)),
+        gemm_group_rows=gemm_group_rows(spec, n_rt),
         combine_fused=spec.combine_fused,
-        block_t=spec.block_t, n_row_tiles_max=row_tiles_bound(routing, core.gate_up.block_m),
+        block_t=spec.block_t, n_row_tiles_max=n_rt,
         n_tiles1=cdiv(routing.ffn_hidden, core.gate_up.block_n),
         n_tiles2=cdiv(routing.hidden, core.down.block_n),
         stages=stages, signals=families, num_signals=sum(f.count for f in families),
@@ -151,7 +152,7 @@ def default_recv_lag(spec: MoESpec) -> int:
 
 
 def gemm_group_rows(spec: MoESpec, n_row_tiles: int) -> int:
-    """Row tiles a group of the GEMM task order (plan.gemm_task_tile): row_major 1, column_major
+    """Row tiles a group of the GEMM task order (plan.GEMM_TILE_ORDERS): row_major 1, column_major
     all of them, grouped the spec's (at most all of them)."""
     if spec.gemm_tile_order == "grouped":
         return min(spec.gemm_group_rows, n_row_tiles)

@@ -46,7 +46,7 @@ __all__ = [
     "NOTIFY_ELEMENTS", "SCHEDULES", "SOURCE_ORDERS", "STAGE_NAMES", "WAIT_ELEMENTS",
     "BufferPlacement", "CorePlan", "DevicePlan", "Element", "MoEPlan", "MoESpec", "NotifySpec",
     "PlanError", "RoutingPlan", "SignalFamily", "StagePlan", "WaitSpec", "cdiv", "combine_task_split",
-    "gemm_task_tile", "index_space_size",
+    "index_space_size",
     "is_nonnegative_int", "is_positive_int", "is_pow2", "numel", "row_tiles_bound",
 ]
 
@@ -56,7 +56,8 @@ SOURCE_ORDERS = ("ring", "reverse_ring")
 # of gemm_group_rows: one column tile over the group's rows, then the next column tile, then the next
 # group (a GROUP_M swizzle), so the programs that share a weight column block take consecutive
 # tickets (lowering.DEFAULT_GEMM_TILE_ORDER says what that bought). "row_major" is groups of one
-# row tile, "column_major" one group of every row tile.
+# row tile, "column_major" one group of every row tile. The kernels decode tickets with
+# megakernel/grouped_gemm.py::grouped_tile; StagePlan.coords gives the plan's numbering.
 GEMM_TILE_ORDERS = ("row_major", "column_major", "grouped")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8}
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
@@ -167,17 +168,6 @@ def combine_task_split(num_tasks: int, tokens: int, block_t: int, hidden: int, b
     n_col_blocks = cdiv(hidden, block_h)
     per = cdiv(n_col_blocks, min(max(num_tasks // n_blocks, 1), n_col_blocks))
     return cdiv(n_col_blocks, per), per * block_h
-
-
-def gemm_task_tile(q: int, n_rows: int, n_cols: int, group: int) -> tuple[int, int]:
-    """(row tile, col tile) of the q-th task of a GEMM stage over n_rows row tiles and n_cols
-    column tiles, walked in groups of `group` row tiles (the last group may be short): within a
-    group, column tile by column tile, each over the group's rows. group=1 is row-major,
-    group >= n_rows column-major. The kernels decode their tickets the same way
-    (megakernel/grouped_gemm.py::grouped_tile)."""
-    g, r = divmod(q, group * n_cols)
-    rows = min(group, n_rows - g * group)
-    return g * group + r % rows, r // rows
 
 
 def row_tiles_bound(routing: "RoutingPlan", block_m: int) -> int:

@@ -11,7 +11,7 @@ per task. `grouped_swiglu_kernel` / `grouped_down_kernel` are the standalone per
 P programs, program p takes tiles p, p + P, ...; the tile map (expert, first row, row count of
 every M-tile) is read from device memory, so a launch never waits on the host.
 
-Tile ids walk the M-tiles in groups of `group_rows` (`grouped_tile`; the plan's gemm_task_tile):
+Tile ids walk the M-tiles in groups of `group_rows` (`grouped_tile`; plan.GEMM_TILE_ORDERS):
 within a group one N-tile over the group's M-tiles, then the next N-tile. group_rows=1 is M-tile
 major (consecutive tiles share one M-tile's A rows and walk one expert's weight columns): the
 fastest order for the standalone kernels, whose program p takes tiles p, p + P, ...; the
@@ -76,7 +76,8 @@ def tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap,
 def grouped_tile(q, n_m, n_n, group):
     """q-th tile (0 <= q < n_m * n_n) of n_m M-tiles x n_n N-tiles walked in groups of `group`
     M-tiles (the last group may be short): within a group, N-tile by N-tile over the group's
-    M-tiles. Returns (M-tile, N-tile). The host's twin is plan.gemm_task_tile."""
+    M-tiles. Returns (M-tile, N-tile). The megakernel decodes its GEMM tickets with it
+    (tests/ops/test_gemm_tile_order.py checks that against the plan's StagePlan.coords)."""
     g = q // (group * n_n)
     r = q - g * (group * n_n)
     rows = tl.minimum(group, n_m - g * group)

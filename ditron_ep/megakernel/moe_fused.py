@@ -10,7 +10,7 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
   S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU.
                      Row tiles come in arrival order (the layout launch sorts them: tiles of
                      this rank's own rows first, then by the ring position of their last source),
-                     walked in the plan's groups of gemm_group tiles (plan.gemm_task_tile)
+                     walked in the plan's groups of gemm_group tiles (plan.GEMM_TILE_ORDERS)
   S3 gemm_down       (row tile i, col tile j): wait for all gate-up tiles of row tile i; down
                      GEMM; the tile's rows go straight to their token's rank, landing at
                      [token, k] (+1 on that (token, k)'s counter there). The +1s are published
@@ -68,7 +68,7 @@ STAGE_MOE_BARRIER = tl.constexpr(register_stage(14, "moe: sequential stage barri
 @triton.jit
 def _gemm_tile(q, n_cols, group, p_tiles):
     """q-th task of a GEMM stage (the plan's numbering: groups of `group` row-tile positions, the
-    last one padded, plan.gemm_task_tile) -> (row tile's natural index, column tile, expert,
+    last one padded, StagePlan.coords) -> (row tile's natural index, column tile, expert,
     first row, rows). Positions index the layout's arrival-ordered tile table at p_tiles."""
     i_m, i_n = grouped_tile(q, (q // (group * n_cols) + 1) * group, n_cols, group)  # a whole group
     p_tile = p_tiles + i_m * 4
@@ -169,7 +169,7 @@ def moe_fused_kernel(
     refuse_flagged,   # 1: run no task if any rank flagged bad input (default mode raises on the host)
     comm_programs,    # role split: the first comm_programs programs to start take the dispatch stages; 0: one queue
     recv_lag,         # plan: dispatch_recv task g follows dispatch_send task g + recv_lag (>= F1: sends first)
-    gemm_group,       # plan: GEMM tasks walk the row tiles in groups of gemm_group (plan.gemm_task_tile)
+    gemm_group,       # plan: GEMM tasks walk the row tiles in groups of gemm_group (grouped_tile)
     table_ptr, sig_table_ptr,
     xs_off, meta_off, tiles_off, rows_off, h_off, land_off,    # bytes: plan buffers
     sig_flag, sig_rows, sig_gu, sig_land,                      # signal families (first word)

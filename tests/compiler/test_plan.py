@@ -392,24 +392,6 @@ def test_verified_only_while_unchanged(base):
         seal(replace_device(base, num_programs=0))
 
 
-@pytest.mark.parametrize("n_rows,n_cols,group", [(7, 3, 1), (7, 3, 2), (7, 3, 3), (8, 4, 4), (5, 2, 9), (1, 5, 2)])
-def test_gemm_task_tile_walks_live_tiles_in_plan_order(n_rows, n_cols, group):
-    """The kernels' ticket decode (gemm_task_tile / grouped_tile) over the first n_rows row tiles
-    visits every live (row, col) tile once, in the order the plan's grouped grid lists them."""
-    from ditron_ep.compiler.plan import StagePlan, gemm_task_tile
-    n_groups = -(-n_rows // group)
-    stage = StagePlan("gemm_gate_up", 2, 0, (("row_group", n_groups), ("col_tile", n_cols), ("row_in_group", group)),
-                      n_groups * n_cols * group, "empty_row_tile", (), (), False)
-    in_plan = [(c["row_tile"], c["col_tile"]) for c in map(stage.coords, range(stage.num_tasks))
-               if c["row_tile"] < n_rows]
-    walked = [gemm_task_tile(q, n_rows, n_cols, group) for q in range(n_rows * n_cols)]
-    assert walked == in_plan and sorted(walked) == [(i, j) for i in range(n_rows) for j in range(n_cols)]
-    if group == 1:
-        assert walked == [(i, j) for i in range(n_rows) for j in range(n_cols)]  # row-major
-    if group >= n_rows:
-        assert walked == [(i, j) for j in range(n_cols) for i in range(n_rows)]  # column-major
-
-
 def test_rejects_inconsistent_gemm_groups(base):
     assert base.device.gemm_tile_order == "grouped" and base.device.gemm_group_rows == 2  # the CPU default
     grouped = lower(spec_of(4, 16, 2, 64, 96, 40), gemm_group_rows=3)
