@@ -85,7 +85,7 @@ def main():
               flush=True)
     for T in toks:
         cap = max(T, 1)
-        ctx = RankContext(rank, world, dev, torch.bfloat16)
+        ctx = RankContext(rank=rank, world=world, device=dev, dtype=torch.bfloat16)
         inp = make_inputs(ctx, cap, 256, K, H, "uniform")
         x, idx, w = inp.x[:T], inp.idx[:T], inp.w[:T]
         buf = EPBuffer(None, 256, H, cap, K, torch.bfloat16)
