@@ -12,7 +12,9 @@ over ITERS):
 Operations: an empty one-program kernel (the launch floor); `call_begin` + `call_end` alone (the
 entry barrier every cross-rank launch pays); EPBuffer's layout (sender kernels + counts
 exchange), dispatch(sync=False) (layout + data kernel), combine; NCCL all_to_all_single moving
-dispatch's bytes; FusedMoE's layout launches (E=64 layer: + row-tile map, signal resets).
+dispatch's bytes; FusedMoE's layout launches (E=64 layer: + row-tile map, signal resets) and a
+whole eager FusedMoE call (timed as called: it replays its own CUDA graphs and reads the layout
+status on the host; "steady" = REPS calls in a row).
 Shapes: H=7168, top-8, bf16, uniform routing; EPBuffer E=256 sized for the call's T (>= 1).
 """
 import os
@@ -56,20 +58,27 @@ def graph_of(fn, reps):
     return capture_graph(many)[0]
 
 
-def measure(name, fn, iters, reps, dev):
+def measure(name, fn, iters, reps, dev, graph=True):
+    """graph=False: `fn` itself is timed (it may sync with the host; FusedMoE replays its own graphs)."""
     torch.cuda.synchronize()
     fn()  # eager warm-up (compiles outside the capture)
     torch.cuda.synchronize()
-    g1 = graph_of(fn, 1)
-    gn = graph_of(fn, reps)
+    if graph:
+        g1, gn = graph_of(fn, 1), graph_of(fn, reps)
+        one, many = g1.replay, gn.replay
+    else:
+        one = fn
+
+        def many():
+            for _ in range(reps):
+                fn()
     row = {}
-    row["barrier"] = statistics.median(time_fn(g1.replay, iters, 3, None, dev))
-    row["aligned"] = statistics.median(time_fn(g1.replay, iters, 3, None, dev, align=True))
-    row["steady"] = statistics.median(time_fn(gn.replay, iters, 3, None, dev)) / reps
+    row["barrier"] = statistics.median(time_fn(one, iters, 3, None, dev))
+    row["aligned"] = statistics.median(time_fn(one, iters, 3, None, dev, align=True))
+    row["steady"] = statistics.median(time_fn(many, iters, 3, None, dev)) / reps
     if dist.get_rank() == 0:
         print(f"  {name:34s} barrier {row['barrier']:8.1f}  aligned {row['aligned']:8.1f}  "
               f"steady {row['steady']:8.1f}", flush=True)
-    del g1, gn
 
 
 def main():
@@ -113,6 +122,10 @@ def main():
         layer = FusedMoE(None, LAYER_E, H, I, cap, K, torch.bfloat16)
         il = il[:T].to(torch.int32)
         measure("FusedMoE layout launches (E=64)", lambda: layer._launch_layout(il, wl[:T]), iters, reps, dev)
+        if T:
+            with torch.no_grad():
+                measure("FusedMoE call (E=64, I=2048)", lambda: layer(xl[:T], il, wl[:T], w1, w2), iters, reps, dev,
+                        graph=False)
         layer.free()
     dist.barrier()
     dist.destroy_process_group()

@@ -46,8 +46,9 @@ def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor,
     recv_w = torch.empty(rows, dtype=torch.float32, device=dev)
     recv_rows = torch.empty((buf.world_size, buf.max_tokens, buf.topk), dtype=torch.int32, device=dev)
     recv_tok = torch.empty((buf.world_size, buf.max_tokens), dtype=torch.int32, device=dev)
+    # replayed without its layout: the kernel keeps its entry barrier
     return (lambda: buf._launch_dispatch(x, w32, send, recv, rows, False, recv_x, recv_w, recv_rows,
-                                         recv_tok)), recv_x
+                                         recv_tok, after_layout=False)), recv_x
 
 
 @dataclass

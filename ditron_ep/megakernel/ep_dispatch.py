@@ -84,8 +84,9 @@ def ep_dispatch_kernel(
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
 ):
-    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     META: tl.constexpr = 1 + 2 * K

@@ -16,11 +16,19 @@ import triton.language as tl
 
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import SymmetricHeap, register_stage
-from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, notify, wait
+from .primitives import LAYOUT_SEQ, call_begin, call_end, ctrl_ptr, heap_ptr, notify, wait
 
 STAGE_LAYOUT = tl.constexpr(register_stage(2, "ep layout: counts exchange"))
 # Words per source row of the layout landing buffer: [E_local counts | tokens sent here | flags | T].
 LAYOUT_EXTRA = 3
+# The landing buffer has two halves, used by alternate exchanges (control word LAYOUT_SEQ): the
+# exchange needs no entry barrier then (see `ep_layout_kernel`).
+LAYOUT_HALVES = 2
+
+
+def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
+    """Shape of the symmetric int32 landing buffer of the counts exchange."""
+    return (LAYOUT_HALVES, world_size, num_local_experts + LAYOUT_EXTRA)
 # Bits of a rank's input flags (exchanged with the counts, so every rank sees every rank's).
 FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
@@ -289,7 +297,7 @@ def ep_layout_kernel(
     T,               # this rank's token count
     table_ptr,       # int64 (W,) arena bases
     sig_table_ptr,   # int64 (W,) signal bases
-    layout_offset,   # bytes: symmetric int32 (W, E_local + LAYOUT_EXTRA) landing buffer
+    layout_offset,   # bytes: symmetric int32 (2, W, E_local + LAYOUT_EXTRA) landing buffer
     sig_first,       # W signals: one per source rank
     num_recv_ptr,    # out int32 (E_local,) rows per local expert
     expert_off_ptr,  # out int32 (E_local + 1,) exclusive prefix of num_recv; last = total
@@ -302,16 +310,23 @@ def ep_layout_kernel(
     ring_step,       # +1: sources are received in ring order rank, rank+1, ...; -1: rank, rank-1, ...
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
 ):
-    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    # No entry barrier: the exchange writes into the half of every peer's landing buffer picked
+    # by the parity of this rank's exchange count (the same on every rank: every rank runs the
+    # same exchanges). A peer may still be reading the other half, for the previous exchange;
+    # this one cannot start until every peer has notified it in the previous exchange, which
+    # that peer does only after finishing the exchange before it, the last reader of this half.
+    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER=False)
     my_ctrl = ctrl_ptr(table_ptr, rank)
+    seq = tl.load(my_ctrl + LAYOUT_SEQ)
     row = E_local + 3
+    half = (seq & 1) * world * row
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E_local
     if ok:
         flags = tl.load(flags_ptr)
         for i in range(world):
             i_dst = (rank - i + world) % world
-            p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + rank * row
+            p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + half + rank * row
             b_cnt = tl.load(counts_ptr + i_dst * E_local + o_e, mask=m_e)  # [BLOCK_E]
             tl.store(p_dst + o_e, b_cnt, mask=m_e)
             tl.store(p_dst + E_local, tl.load(tokens_to_ptr + i_dst))
@@ -325,7 +340,7 @@ def ep_layout_kernel(
                         STAGE_LAYOUT, i_sig, budget)
             n_bad += (ok_s == 0).to(tl.int32)
         if n_bad == 0:
-            p_in = heap_ptr(table_ptr, rank, layout_offset, tl.int32)
+            p_in = heap_ptr(table_ptr, rank, layout_offset, tl.int32) + half
             o_w = tl.arange(0, BLOCK_W)
             m_w = o_w < world
             m = m_w[:, None] & m_e[None, :]
@@ -343,6 +358,9 @@ def ep_layout_kernel(
             if BLOCK_M > 0:
                 _row_tile_map(b_num, b_incl - b_num, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr,
                               rank, world, ring_step, BLOCK_M, BLOCK_I, BLOCK_W, 2 * BLOCK_W)
+    # Counted whether or not the exchange ran, so every rank's count stays the same (heap.reset()
+    # zeroes it everywhere). One program: the next launch on the stream sees the store.
+    tl.store(my_ctrl + LAYOUT_SEQ, seq + 1)
     call_end(table_ptr, rank)
 
 

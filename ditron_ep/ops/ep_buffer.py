@@ -15,8 +15,8 @@ from ..compiler.plan import is_positive_int
 from ..megakernel import task_queue
 from ..megakernel.ep_combine import ep_combine_kernel
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
-from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, LAYOUT_EXTRA, RecvLayout,
-                                    SendLayout, build_send_layout, exchange_layout)
+from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, RecvLayout,
+                                    SendLayout, build_send_layout, exchange_layout, layout_landing_shape)
 from ..runtime import control as C
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError, DitronError
@@ -147,7 +147,7 @@ class EPBuffer:
         elt = torch.empty((), dtype=dtype).element_size()
         W, T, K, H = world, max_tokens_per_rank, topk, hidden
         self._specs = [  # (name, shape, dtype)
-            ("ep/layout", (W, self.num_local_experts + LAYOUT_EXTRA), torch.int32),
+            ("ep/layout", layout_landing_shape(W, self.num_local_experts), torch.int32),
             ("ep/stage", (W, T, H), dtype),
             ("ep/meta", (W, T, 1 + 2 * K), torch.int32),
             ("ep/wstage", (W, T, K), torch.float32),
@@ -272,7 +272,11 @@ class EPBuffer:
 
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
-                         recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor) -> None:
+                         recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor, *,
+                         after_layout: bool) -> None:
+        """The data kernel. after_layout: this call's counts exchange ran right before on this
+        stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
+        False for a replay along an old handle (combine's backward)."""
         h = self.heap
         dummy_f = recv_x.new_empty(1, dtype=torch.float32)
         ep_dispatch_kernel[(self.num_programs,)](
@@ -283,8 +287,8 @@ class EPBuffer:
             h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
             self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
-            SCALE_ROWS=scale_rows,
-            BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden, num_warps=self.num_warps)
+            SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
+            ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
         h = self.heap
@@ -323,7 +327,8 @@ class EPBuffer:
         recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
         recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
-        self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok)
+        self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
+                              after_layout=True)
         self._finish(sync)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
                                 num_rows, sync)
@@ -343,7 +348,7 @@ class EPBuffer:
         recv_tok = torch.empty_like(handle.recv_tok)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
-                              grad, recv_w, recv_rows, recv_tok)
+                              grad, recv_w, recv_rows, recv_tok, after_layout=False)
         self._finish(handle.sync)
         return grad
 

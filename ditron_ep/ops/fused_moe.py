@@ -18,7 +18,7 @@ import triton
 
 from ..compiler.lowering import lower
 from ..compiler.plan import MoEPlan, MoESpec
-from ..megakernel.ep_layout import LAYOUT_EXTRA, build_send_layout, exchange_layout
+from ..megakernel.ep_layout import build_send_layout, exchange_layout, layout_landing_shape
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
@@ -165,7 +165,8 @@ class FusedMoE:
         self.check_errors = bool(check_errors)
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
         dev = self.plan.device
-        layout_bytes = triton.cdiv(world * (self.num_local_experts + LAYOUT_EXTRA) * 4, 256) * 256
+        landing = layout_landing_shape(world, self.num_local_experts)
+        layout_bytes = triton.cdiv(math.prod(landing) * 4, 256) * 256
         self.heap = SymmetricHeap(group, backend=backend, size_bytes=dev.heap_bytes + 256 + layout_bytes + 4 * world,
                                   num_signals=dev.num_signals + world, wait_budget=wait_budget)
         for fam in dev.signals:  # plan order: the heap hands out the same words
@@ -176,7 +177,7 @@ class FusedMoE:
             self.heap.alloc(b.name, b.shape, getattr(torch, b.dtype))
             if self.heap.offset_of(b.name) - self.heap.data_offset != b.offset - dev.data_offset:
                 raise DitronConfigError(f"buffer {b.name!r} does not land where the plan put it")
-        self.heap.alloc("moe/layout", (world, self.num_local_experts + LAYOUT_EXTRA), torch.int32)
+        self.heap.alloc("moe/layout", landing, torch.int32)
         self.device = self.heap.device
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Local counters the kernel expects at zero ("reset: layout launch" in the plan).

@@ -13,6 +13,7 @@ ARRIVALS = 1                 # programs of the current launch that have finished
 TASKS = 2                    # next ticket of the launch's ordered task queue
 TASKS_B = 3                  # next ticket of the compute queue when a launch splits roles
 ROLES = 4                    # programs of the current launch that have taken a role (role split)
+LAYOUT_SEQ = 5               # layout counts exchanges so far: its parity picks the landing half
 ERR_FLAG = 16                # 0 = fine, 1 = a bounded wait timed out
 ERR_RANK = 17
 ERR_STAGE = 18

@@ -280,3 +280,46 @@ def tiling_mismatch_case() -> str:
     except DitronConfigError as e:
         return f"DitronConfigError: {e}"
     return "no error"
+
+
+def layout_halves_case(W: int, E: int, K: int, calls: int, seed: int = 0) -> dict:
+    """Back-to-back counts exchanges, a different routing each. First `calls` in lock step (a
+    barrier after each): call n lands in half n % 2 of the landing buffer and leaves the other
+    half as it was. Then `calls` more with the ranks skewed by random sleeps and no barrier (a
+    rank may run an exchange ahead): every receive layout must still be its own call's."""
+    import random
+    import time
+
+    from ditron_ep.runtime import control as C
+
+    rank = dist.get_rank()
+    e_local = E // W
+    T = 12
+    buf = EPBuffer(None, E, 32, T, K, torch.float32)
+    landing = buf.heap.local_view("ep/layout")  # [2, W, E_local + LAYOUT_EXTRA] int32
+    landing.fill_(-7)
+    dist.barrier()
+    rng = random.Random(seed * 100 + rank)
+    rep = {"recv_ok": [], "halves_ok": [], "seq": []}
+    previous = torch.full_like(landing[0], -7)
+    for n in range(2 * calls):
+        lock_step = n < calls
+        idxs = [make_routing(T, E, K, "zipf" if (n + s) % 2 else "uniform",
+                             generator=torch.Generator().manual_seed(seed * 1000 + n * 10 + s), num_ranks=W)[0]
+                for s in range(W)]
+        if not lock_step:
+            time.sleep(rng.random() * 0.05)
+        send, recv = buf._launch_layout(idxs[rank])
+        counts = torch.stack([torch.bincount(i[i >= 0].reshape(-1), minlength=E)[rank * e_local:(rank + 1) * e_local]
+                              for i in idxs]).to(torch.int32)  # [source, local expert]
+        rep["recv_ok"].append(torch.equal(recv.num_recv.cpu(), counts.sum(0).to(torch.int32))
+                              and torch.equal(recv.src_off.cpu(), (counts.cumsum(0) - counts).to(torch.int32)))
+        if lock_step:
+            dist.barrier()  # every rank's exchange n has finished: no write of exchange n + 1 yet
+            rep["halves_ok"].append(torch.equal(landing[n % 2, :, :e_local], counts)
+                                    and torch.equal(landing[(n + 1) % 2], previous))
+            previous = landing[n % 2].clone()
+            dist.barrier()
+        rep["seq"].append(int(buf.heap._ctrl[C.LAYOUT_SEQ]))
+    buf.free()
+    return rep

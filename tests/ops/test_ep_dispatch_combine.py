@@ -56,6 +56,17 @@ def test_gradients(emulated_cluster, dtype, sync, block_h):
         assert rep["dw_dropped_zero"]
 
 
+@pytest.mark.parametrize("W", [2, 3])
+def test_layout_exchange_alternates_landing_halves(emulated_cluster, W):
+    """The counts exchange has no entry barrier: it relies on alternate exchanges writing
+    alternate halves of the landing buffer (ep_layout_kernel)."""
+    calls = 4
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.layout_halves_case, W, 4 * W, 3, calls)):
+        assert all(rep["halves_ok"]), f"rank {rank}: exchange n did not land in half n % 2 alone: {rep['halves_ok']}"
+        assert all(rep["recv_ok"]), f"rank {rank}: receive layout of another call: {rep['recv_ok']}"
+        assert rep["seq"] == list(range(1, 2 * calls + 1)), f"rank {rank}: exchange count {rep['seq']}"
+
+
 def test_bad_input(emulated_cluster):
     for rank, res in enumerate(emulated_cluster(2).run(fns.error_cases)):
         assert res["bad_expert"].startswith("RoutingError") and "ranks 1" in res["bad_expert"], res["bad_expert"]
