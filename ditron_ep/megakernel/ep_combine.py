@@ -19,7 +19,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import interleaved_task
+from .task_queue import call_chunks, interleaved_task
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
@@ -54,6 +54,7 @@ def ep_combine_kernel(
     recv_rows_ptr,    # int32 (W, MAXT, K) row of (source, slot, k), -1 if none
     recv_tok_ptr,     # int32 (W, MAXT) source token index of each staged token
     tokens_from_ptr,  # int32 (W,)
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the dispatch's layout exchange
     slot_ptr,         # int32 (T, W) staging slot of token t on rank d, -1 if t does not go there
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
     w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
@@ -67,7 +68,7 @@ def ep_combine_kernel(
     slice_cols,       # columns per slice, a multiple of BLOCK_H
     lag,              # chunks a reduce trails the send-backs by in the queue
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
     epoch, ok = call_begin(table_ptr, rank, world, budget)
@@ -75,11 +76,12 @@ def ep_combine_kernel(
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     A = world * n_slices   # send-back tasks per chunk: (ring position, column slice)
     n_blocks = tl.cdiv(T, BLOCK_T)
+    n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
-    while t < n_chunks * A + n_blocks * n_slices:
+    while t < n_call * A + n_blocks * n_slices:
         if ok:
-            is_send, idx = interleaved_task(t, n_chunks, A, n_blocks, n_slices, lag)
+            is_send, idx = interleaved_task(t, n_call, A, n_blocks, n_slices, lag)
             i_j = idx % n_slices
             h_lo = i_j * slice_cols
             h_hi = tl.minimum(h_lo + slice_cols, H)
@@ -127,17 +129,17 @@ def ep_combine_kernel(
 
 
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",
-        "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
+        "src_info_ptr": "*i32", "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
         "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
         "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32",
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
 _MULT16 = ("H", "land_offset", "slice_cols")
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512}, label="bf16-K8", multiples_of_16=_MULT16)
+                                          "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)
 # fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
 # slice, lag 1, rank 1)
 _ONES = ("n_chunks", "rank", "n_slices", "lag")
 register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                     "y_ptr": "*fp32", "out_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
-                 "BLOCK_H": 128}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
+                 "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import interleaved_task
+from .task_queue import call_chunks, interleaved_task
 
 STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
 
@@ -68,6 +68,7 @@ def ep_dispatch_kernel(
     expert_off_ptr,   # int32 (E_local + 1,)
     src_off_ptr,      # int32 (W, E_local)
     tokens_from_ptr,  # int32 (W,)
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
     recv_x_ptr,       # out (rows_cap, H) expert-major rows
     recv_w_ptr,       # out fp32 (rows_cap,) weight of each row (written when HAS_WEIGHTS)
     recv_rows_ptr,    # out int32 (W, MAXT, K) row of (source, slot, k), -1 if none
@@ -83,7 +84,7 @@ def ep_dispatch_kernel(
     slice_cols,       # columns per slice, a multiple of BLOCK_H
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
 ):
     epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER)
@@ -91,11 +92,12 @@ def ep_dispatch_kernel(
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     META: tl.constexpr = 1 + 2 * K
     A = world * n_slices  # tasks per chunk and side: (ring position, column slice)
+    n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
-    while t < 2 * n_chunks * A:
+    while t < 2 * n_call * A:
         if ok:
-            is_send, idx = interleaved_task(t, n_chunks, A, n_chunks, A, lag)
+            is_send, idx = interleaved_task(t, n_call, A, n_call, A, lag)
             i_c = idx // A
             i_pos = (idx % A) // n_slices
             i_j = idx % n_slices
@@ -167,14 +169,14 @@ def ep_dispatch_kernel(
 
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
-        "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
+        "src_info_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
         "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
 _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "slice_cols")  # real sizes; heap offsets
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
-                                           "BLOCK_S": 16, "BLOCK_H": 512}, label="bf16-K8",
+                                           "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8",
                 multiples_of_16=_MULT16)
 # fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
 # slice, lag 1, rank 1)
@@ -182,4 +184,4 @@ _ONES = ("n_chunks", "rank", "n_slices", "lag")
 register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                      "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16,
-                 "BLOCK_H": 128}, label="fp32-K2-scaled", multiples_of_16=_MULT16)
+                 "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K2-scaled", multiples_of_16=_MULT16)

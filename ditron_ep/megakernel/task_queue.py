@@ -48,6 +48,19 @@ def interleaved_task(t, n_groups, A, m, R, lag):
     return is_producer, index
 
 
+@register_device_function
+@triton.jit
+def call_chunks(src_info_ptr, world, n_chunks, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Chunks of BLOCK_S staging slots this call uses: those below the largest T of any rank
+    (src_info [W, 2] = every rank's (flags, T), from the layout exchange, so every rank gets the
+    same count and the queues keep the same producer groups everywhere). A rank sends a peer at
+    most T tokens, so later chunks are empty for every (source, destination) pair: a buffer sized
+    for prefill does not walk (and take tickets for) its empty chunks at decode."""
+    o_w = tl.arange(0, BLOCK_W)
+    max_t = tl.max(tl.load(src_info_ptr + o_w * 2 + 1, mask=o_w < world, other=0), axis=0)
+    return tl.minimum(tl.cdiv(max_t, BLOCK_S), n_chunks)
+
+
 def interleaved_order(n_groups: int, A: int, m: int, R: int, lag: int) -> list[tuple[bool, int]]:
     """The queue interleaved_task walks, in ticket order (host mirror, for tests and plans)."""
     order: list[tuple[bool, int]] = []

@@ -281,27 +281,27 @@ class EPBuffer:
         dummy_f = recv_x.new_empty(1, dtype=torch.float32)
         ep_dispatch_kernel[(self.num_programs,)](
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
-            recv.expert_off, recv.src_off, recv.tokens_from, recv_x,
+            recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
             h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
             self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
             SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
-            ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
+            BLOCK_W=triton.next_power_of_2(self.world_size), ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
         h = self.heap
         T = handle.num_tokens
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
         ep_combine_kernel[(self.num_programs,)](
-            y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.send.slot,
+            y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
             handle.send.topk_idx, w if w is not None else y.new_empty(1, dtype=torch.float32), out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
             self.slice_cols, self._combine_lag,
             K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
-            BLOCK_H=self.block_hidden, num_warps=self.num_warps)
+            BLOCK_H=self.block_hidden, BLOCK_W=triton.next_power_of_2(self.world_size), num_warps=self.num_warps)
         return out
 
     def _finish(self, sync: bool) -> None:

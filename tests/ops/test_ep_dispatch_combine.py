@@ -46,6 +46,18 @@ def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
             assert a["out_bytes"] == b["out_bytes"], "combine output bits depend on the grid or the slicing"
 
 
+def test_buffer_sized_past_the_call_gives_the_same_bits(emulated_cluster):
+    """A buffer sized for more tokens than the call (a prefill-sized buffer at decode) walks only
+    the chunks below the largest T of any rank, and returns the same bits."""
+    args = ([13, 0, 9], 40, 6, 2, torch.float32, "uniform", 5)
+    base = emulated_cluster(3).run(fns.dispatch_combine_case, *args)
+    big = emulated_cluster(3).run(fns.dispatch_combine_case, *args, 0.0, 70)  # 5 chunks of 16, the call uses 1
+    for rank, (a, b) in enumerate(zip(base, big)):
+        assert b["dispatch_exact"] and b["combine_ok"] and b["rerun_bitwise"] and b["graph_bitwise"], f"rank {rank}"
+        assert b["graph_rows_cap"] == 3 * 70 * 2
+        assert a["out_bytes"] == b["out_bytes"], f"rank {rank}: combine bits depend on the buffer size"
+
+
 @pytest.mark.parametrize("dtype,sync,block_h", [(torch.float32, True, None), (torch.bfloat16, False, None),
                                                  (torch.float32, True, 16)], ids=["fp32", "bf16-graph", "fp32-sliced"])
 def test_gradients(emulated_cluster, dtype, sync, block_h):

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.megakernel.task_queue import hidden_slices, interleaved_order, interleaved_task
+from ditron_ep.megakernel.task_queue import call_chunks, hidden_slices, interleaved_order, interleaved_task
 
 SHAPES = [  # (n_groups, A, m, R, lag)
     (5, 3, 5, 3, 0), (5, 3, 5, 3, 2), (6, 2, 3, 1, 1), (4, 4, 0, 2, 1), (3, 2, 3, 2, 7), (1, 1, 1, 1, 1),
@@ -66,3 +66,23 @@ def test_hidden_slices():
     assert hidden_slices(16, 2, 16, 40, 16, requested=2) == (2, 32)
     assert hidden_slices(16, 2, 16, 40, 16, requested=99) == (3, 16)
     assert hidden_slices(16, 2, 16, 40, 64) == (1, 64)
+
+
+@triton.jit
+def _call_chunks_kernel(src_info_ptr, out_ptr, world, n_chunks, BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
+    tl.store(out_ptr, call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W))
+
+
+@pytest.mark.parametrize("tokens,n_chunks,expected", [
+    ([0, 0, 0], 8, 0),          # nobody has tokens: no chunk, no ticket
+    ([5, 0, 17], 8, 2),         # the largest T decides: cdiv(17, 16)
+    ([16, 16, 16], 8, 1),       # exactly one chunk
+    ([128, 3, 0], 8, 8),        # a full buffer
+    ([300, 3, 0], 8, 8),        # T past the buffer (flagged input): capped at the buffer's chunks
+])
+def test_call_chunks_follows_the_largest_rank(tokens, n_chunks, expected):
+    """Dispatch and combine walk only the chunks below the largest T of any rank."""
+    src_info = torch.tensor([[0, t] for t in tokens], dtype=torch.int32)
+    out = torch.full((1,), -7, dtype=torch.int32)
+    _call_chunks_kernel[(1,)](src_info, out, len(tokens), n_chunks, BLOCK_S=16, BLOCK_W=4)
+    assert int(out) == expected
