@@ -19,7 +19,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import call_chunks, interleaved_task
+from .task_queue import call_chunks, call_slices, interleaved_task
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
@@ -64,8 +64,8 @@ def ep_combine_kernel(
     land_offset,      # bytes: symmetric (MAXT, K, H) landing buffer, y dtype
     sig_first,        # W * n_chunks * n_slices signals: (expert rank, chunk, column slice)
     T, H, rank, world, MAXT, n_chunks, budget,
-    n_slices,         # column slices per chunk and per token block (task_queue.hidden_slices)
-    slice_cols,       # columns per slice, a multiple of BLOCK_H
+    n_slices,         # the buffer's column slices per chunk and per token block (task_queue.hidden_slices;
+    slice_cols,       # a smaller call may use more, task_queue.call_slices), columns per slice
     lag,              # chunks a reduce trails the send-backs by in the queue
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -74,21 +74,23 @@ def ep_combine_kernel(
     epoch, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
-    A = world * n_slices   # send-back tasks per chunk: (ring position, column slice)
     n_blocks = tl.cdiv(T, BLOCK_T)
     n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
+    n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, world + 1, BLOCK_H)
+    A = world * n_sl   # send-back tasks per chunk: (ring position, column slice)
+    sig_per_rank = n_chunks * n_slices  # an expert rank's signal words: chunk * n_sl + slice
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
-    while t < n_call * A + n_blocks * n_slices:
+    while t < n_call * A + n_blocks * n_sl:
         if ok:
-            is_send, idx = interleaved_task(t, n_call, A, n_blocks, n_slices, lag)
-            i_j = idx % n_slices
-            h_lo = i_j * slice_cols
-            h_hi = tl.minimum(h_lo + slice_cols, H)
+            is_send, idx = interleaved_task(t, n_call, A, n_blocks, n_sl, lag_c)
+            i_j = idx % n_sl
+            h_lo = i_j * cols
+            h_hi = tl.minimum(h_lo + cols, H)
             if is_send:
                 # ---- send back: the slice's columns of the rows of chunk c of source s's tokens
                 i_c = idx // A
-                i_s = (rank - (idx % A) // n_slices + world) % world
+                i_s = (rank - (idx % A) // n_sl + world) % world
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
                     o_j = i_c * BLOCK_S + o_s
@@ -105,10 +107,10 @@ def ep_combine_kernel(
                             b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                             tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
                     notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_first +
-                           (rank * n_chunks + i_c) * n_slices + i_j, epoch)
+                           rank * sig_per_rank + i_c * n_sl + i_j, epoch)
             else:
                 # ---- reduce the slice's columns of a block of this rank's tokens
-                o_t = (idx // n_slices) * BLOCK_T + tl.arange(0, BLOCK_T)
+                o_t = (idx // n_sl) * BLOCK_T + tl.arange(0, BLOCK_T)
                 m_t = o_t < T
                 n_bad = 0
                 for d in range(world):
@@ -118,7 +120,7 @@ def ep_combine_kernel(
                     # No token of the block goes to d: an empty range (no signed division of -1).
                     hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
                     for c in range(lo, hi + 1):
-                        i_sig = sig_first + (d * n_chunks + c) * n_slices + i_j
+                        i_sig = sig_first + d * sig_per_rank + c * n_sl + i_j
                         ok_c = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:

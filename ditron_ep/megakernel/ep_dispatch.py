@@ -22,7 +22,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import call_chunks, interleaved_task
+from .task_queue import call_chunks, call_slices, interleaved_task
 
 STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
 
@@ -80,8 +80,8 @@ def ep_dispatch_kernel(
     wstage_offset,    # bytes: symmetric fp32 (W, MAXT, K) staged weights
     sig_first,        # W * n_chunks * n_slices signals: (source, chunk, column slice)
     H, rank, world, E_local, MAXT, n_chunks, rows_cap, budget,
-    n_slices,         # column slices per chunk (task_queue.hidden_slices)
-    slice_cols,       # columns per slice, a multiple of BLOCK_H
+    n_slices,         # the buffer's column slices per chunk (task_queue.hidden_slices; a smaller call
+    slice_cols,       # may use more, task_queue.call_slices) and columns per slice, a multiple of BLOCK_H
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -91,18 +91,20 @@ def ep_dispatch_kernel(
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     META: tl.constexpr = 1 + 2 * K
-    A = world * n_slices  # tasks per chunk and side: (ring position, column slice)
     n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
+    n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, 2 * world, BLOCK_H)
+    A = world * n_sl  # tasks per chunk and side: (ring position, column slice)
+    sig_per_rank = n_chunks * n_slices  # a source's signal words: chunk * n_sl + slice
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
     while t < 2 * n_call * A:
         if ok:
-            is_send, idx = interleaved_task(t, n_call, A, n_call, A, lag)
+            is_send, idx = interleaved_task(t, n_call, A, n_call, A, lag_c)
             i_c = idx // A
-            i_pos = (idx % A) // n_slices
-            i_j = idx % n_slices
-            h_lo = i_j * slice_cols
-            h_hi = tl.minimum(h_lo + slice_cols, H)
+            i_pos = (idx % A) // n_sl
+            i_j = idx % n_sl
+            h_lo = i_j * cols
+            h_hi = tl.minimum(h_lo + cols, H)
             o_j = i_c * BLOCK_S + o_s
             if is_send:
                 # ---- send: columns [h_lo, h_hi) of chunk c of the tokens going to rank d
@@ -114,14 +116,14 @@ def ep_dispatch_kernel(
                                       o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
                                       H, E_local, MAXT, K, HAS_WEIGHTS, BLOCK_H)
                     notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_first +
-                           (rank * n_chunks + i_c) * n_slices + i_j, epoch)
+                           rank * sig_per_rank + i_c * n_sl + i_j, epoch)
             else:
                 # ---- receive: the slice's columns of chunk c from source s, expanded into
                 # expert-major rows; sources rank, rank+1, ...
                 i_s = (rank + i_pos) % world
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
-                    i_sig = sig_first + (i_s * n_chunks + i_c) * n_slices
+                    i_sig = sig_first + i_s * sig_per_rank + i_c * n_sl
                     arrived = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
                     if i_j > 0:  # the metadata travels with slice 0
                         arrived = arrived & wait(p_sig + i_sig + i_j, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV,

@@ -24,6 +24,10 @@ import triton.language as tl
 
 from ..compiler.portability import register_device_function
 
+# Send tasks per side a small-T call should have: about one per SM of an H100/H200.
+TARGET_TASKS = 128
+TARGET_TASKS_C = tl.constexpr(TARGET_TASKS)
+
 
 @register_device_function
 @triton.jit
@@ -61,6 +65,30 @@ def call_chunks(src_info_ptr, world, n_chunks, BLOCK_S: tl.constexpr, BLOCK_W: t
     return tl.minimum(tl.cdiv(max_t, BLOCK_S), n_chunks)
 
 
+@register_device_function
+@triton.jit
+def call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, tasks_per_slice,
+                BLOCK_H: tl.constexpr):
+    """(slices, columns per slice, lag) of a call that uses n_call of the buffer's n_chunks chunks.
+
+    A buffer picks its column slices for its capacity (`hidden_slices`): a call with fewer tokens
+    gets more slices, as `hidden_slices` would give a buffer of the call's size (TARGET_TASKS send
+    tasks per side), within the buffer's signal words: a source's words (n_chunks * n_slices) are
+    indexed chunk * slices + slice, so n_call * slices must fit. Otherwise the buffer's own
+    (n_slices, slice_cols, lag). Every rank computes the same from shared values. lag: producer
+    groups a consumer trails by, about one grid of tickets (`default_lag`; tasks_per_slice = the
+    queue's tasks per chunk and column slice over both sides: 2 * world for dispatch)."""
+    n_used = tl.maximum(n_call, 1)
+    n_hb = tl.cdiv(H, BLOCK_H)
+    want = tl.minimum(tl.minimum(TARGET_TASKS_C // (world * n_used), n_hb), (n_chunks * n_slices) // n_used)
+    per = tl.cdiv(n_hb, tl.maximum(want, 1))
+    more = tl.cdiv(n_hb, per) > n_slices  # (equal: the same slices; keep the buffer's lag too)
+    s = tl.where(more, tl.cdiv(n_hb, per), n_slices)
+    cols = tl.where(more, per * BLOCK_H, slice_cols)
+    lag = tl.where(more, tl.cdiv(tl.num_programs(0), tasks_per_slice * s), lag)
+    return s, cols, lag
+
+
 def interleaved_order(n_groups: int, A: int, m: int, R: int, lag: int) -> list[tuple[bool, int]]:
     """The queue interleaved_task walks, in ticket order (host mirror, for tests and plans)."""
     order: list[tuple[bool, int]] = []
@@ -82,9 +110,6 @@ def default_lag(num_programs: int, tasks_per_group: int) -> int:
     was handed out a whole wave earlier and has usually landed."""
     return triton.cdiv(num_programs, max(tasks_per_group, 1))
 
-
-# Send tasks per side a small-T call should have: about one per SM of an H100/H200.
-TARGET_TASKS = 128
 
 
 def hidden_slices(max_tokens: int, world: int, block_rows: int, hidden: int, block_hidden: int,

@@ -48,14 +48,20 @@ def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
 
 def test_buffer_sized_past_the_call_gives_the_same_bits(emulated_cluster):
     """A buffer sized for more tokens than the call (a prefill-sized buffer at decode) walks only
-    the chunks below the largest T of any rank, and returns the same bits."""
+    the chunks below the largest T of any rank, split into more column slices when the buffer's
+    own would leave programs idle, and returns the same bits."""
     args = ([13, 0, 9], 40, 6, 2, torch.float32, "uniform", 5)
     base = emulated_cluster(3).run(fns.dispatch_combine_case, *args)
-    big = emulated_cluster(3).run(fns.dispatch_combine_case, *args, 0.0, 70)  # 5 chunks of 16, the call uses 1
-    for rank, (a, b) in enumerate(zip(base, big)):
-        assert b["dispatch_exact"] and b["combine_ok"] and b["rerun_bitwise"] and b["graph_bitwise"], f"rank {rank}"
-        assert b["graph_rows_cap"] == 3 * 70 * 2
-        assert a["out_bytes"] == b["out_bytes"], f"rank {rank}: combine bits depend on the buffer size"
+    # (max_tokens, programs, rows per chunk, columns per step) -> the buffer's own column slices
+    for max_tokens, block, block_h, slices in [(70, 16, None, 1),   # 5 chunks, the call uses 1
+                                               (70, 4, 16, 2)]:     # 18 chunks of 2 slices; the call: 4 of 3
+        big = emulated_cluster(3).run(fns.dispatch_combine_case, *args, 0.0, max_tokens, None, block, block_h)
+        for rank, (a, b) in enumerate(zip(base, big)):
+            assert b["n_slices"] == slices
+            assert b["dispatch_exact"] and b["combine_ok"] and b["rerun_bitwise"] and b["graph_bitwise"], \
+                f"rank {rank}, buffer of {max_tokens} tokens"
+            assert b["graph_rows_cap"] == 3 * max_tokens * 2
+            assert a["out_bytes"] == b["out_bytes"], f"rank {rank}: combine bits depend on the buffer size"
 
 
 @pytest.mark.parametrize("dtype,sync,block_h", [(torch.float32, True, None), (torch.bfloat16, False, None),

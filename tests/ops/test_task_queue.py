@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.megakernel.task_queue import call_chunks, hidden_slices, interleaved_order, interleaved_task
+from ditron_ep.megakernel.task_queue import (call_chunks, call_slices, default_lag, hidden_slices, interleaved_order,
+                                             interleaved_task)
 
 SHAPES = [  # (n_groups, A, m, R, lag)
     (5, 3, 5, 3, 0), (5, 3, 5, 3, 2), (6, 2, 3, 1, 1), (4, 4, 0, 2, 1), (3, 2, 3, 2, 7), (1, 1, 1, 1, 1),
@@ -86,3 +87,46 @@ def test_call_chunks_follows_the_largest_rank(tokens, n_chunks, expected):
     out = torch.full((1,), -7, dtype=torch.int32)
     _call_chunks_kernel[(1,)](src_info, out, len(tokens), n_chunks, BLOCK_S=16, BLOCK_W=4)
     assert int(out) == expected
+
+
+@triton.jit
+def _call_slices_kernel(out_ptr, n_call, world, n_chunks, n_slices, slice_cols, lag, H, tasks_per_slice,
+                        BLOCK_H: tl.constexpr):
+    s, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, tasks_per_slice, BLOCK_H)
+    tl.store(out_ptr, s)
+    tl.store(out_ptr + 1, cols)
+    tl.store(out_ptr + 2, lag_c)
+
+
+def _device_call_slices(programs, *args, block_h):
+    out = torch.full((3,), -7, dtype=torch.int32)
+    _call_slices_kernel[(programs,)](out, *args, BLOCK_H=block_h)
+    return tuple(int(v) for v in out)
+
+
+@pytest.mark.parametrize("world,max_tokens,block_rows,hidden,block_h", [
+    (2, 4096, 16, 7168, 1024), (4, 4096, 16, 7168, 1024), (3, 70, 4, 40, 16), (2, 256, 16, 4096, 256)])
+def test_call_slices(world, max_tokens, block_rows, hidden, block_h):
+    """A call using every chunk keeps the buffer's slicing; a smaller call gets the slicing of a
+    buffer of its size, as long as the buffer's signal words hold it."""
+    n_chunks = -(-max_tokens // block_rows)
+    n_slices, cols = hidden_slices(max_tokens, world, block_rows, hidden, block_h)
+    programs = 7
+    lag = 5
+    tps = 2 * world
+    assert _device_call_slices(programs, n_chunks, world, n_chunks, n_slices, cols, lag, hidden, tps,
+                               block_h=block_h) == (n_slices, cols, lag)
+    for n_call in range(0, n_chunks + 1, max(1, n_chunks // 9)):
+        got = _device_call_slices(programs, n_call, world, n_chunks, n_slices, cols, lag, hidden, tps, block_h=block_h)
+        want_s, want_cols = hidden_slices(max(n_call, 1) * block_rows, world, block_rows, hidden, block_h)
+        if want_s * max(n_call, 1) > n_chunks * n_slices:  # more than the signal words hold: capped
+            assert got[0] * max(n_call, 1) <= n_chunks * n_slices
+        elif want_s > n_slices:
+            assert got == (want_s, want_cols, default_lag(programs, tps * want_s)), f"n_call={n_call}"
+        else:
+            assert got == (n_slices, cols, lag), f"n_call={n_call}"
+    # the 4096-token buffer serving a 128-token call slices like a 128-token buffer
+    if (max_tokens, hidden, block_h) == (4096, 7168, 1024):
+        small = hidden_slices(128, world, block_rows, hidden, block_h)
+        assert _device_call_slices(programs, 8, world, n_chunks, n_slices, cols, lag, hidden, tps,
+                                   block_h=block_h)[:2] == small
