@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                 layer(x, idx, w, w1, w2)
             if on_gpu:
                 # The traced kernel is its own compile (TRACE is a constexpr): compile it untimed.
-                # Otherwise one rank waits out the other's compile in the call barrier, and traced
+                # Otherwise one rank waits out the other's compile in its first waits, and traced
                 # calls after such a wait showed dispatch copies ~8x slower than any timed call
                 # (bench/results/moe_timeline_H200x2_20261122_s5_T128_variants.log).
                 layer(x, idx, w, w1, w2, trace=True)

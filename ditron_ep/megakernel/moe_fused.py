@@ -181,7 +181,7 @@ def moe_fused_kernel(
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, REVERSE_RING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
 ):
-    if TRACE:  # row NT of the timer: program 0's entry and its exit from the call barrier
+    if TRACE:  # row NT of the timer: program 0's entry and its exit from call_begin
         if tl.program_id(0) == 0:
             _stamp_timer(timer_ptr + NT * 2, DEVICE_TIMER)
     # No entry barrier: FusedMoE always launches this right after the call's layout exchange,
@@ -370,7 +370,8 @@ def moe_fused_kernel(
                         reduce_landed(p_land_own, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo,
                                       tl.minimum(h_lo + per * BLOCK_H, H), H, K, True, BLOCK_T, BLOCK_H)
                         # Counters back to zero for the next call (peers add again only after the
-                        # next call barrier, i.e. after this launch has finished), by the block's
+                        # next call's layout exchange, which this rank joins once this launch has
+                        # finished), by the block's
                         # last slice to get here: every slice adds 1 once past its wait, so a
                         # reset never strands a slice still waiting (the waits ask for >= n_t2).
                         tl.debug_barrier()
