@@ -19,7 +19,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import call_chunks, call_slices, interleaved_task
+from .task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
@@ -78,7 +78,6 @@ def ep_combine_kernel(
     n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
     n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, world + 1, BLOCK_H)
     A = world * n_sl   # send-back tasks per chunk: (ring position, column slice)
-    sig_per_rank = n_chunks * n_slices  # an expert rank's signal words: chunk * n_sl + slice
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
     while t < n_call * A + n_blocks * n_sl:
@@ -106,8 +105,8 @@ def ep_combine_kernel(
                             m = m_r[:, None] & (o_h < h_hi)[None, :]
                             b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                             tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
-                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_first +
-                           rank * sig_per_rank + i_c * n_sl + i_j, epoch)
+                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) +
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
             else:
                 # ---- reduce the slice's columns of a block of this rank's tokens
                 o_t = (idx // n_sl) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -120,7 +119,7 @@ def ep_combine_kernel(
                     # No token of the block goes to d: an empty range (no signed division of -1).
                     hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
                     for c in range(lo, hi + 1):
-                        i_sig = sig_first + d * sig_per_rank + c * n_sl + i_j
+                        i_sig = chunk_signal(sig_first, d, n_chunks, n_slices, c, n_sl, i_j)
                         ok_c = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from .task_queue import call_chunks, call_slices, interleaved_task
+from .task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 
 STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
 
@@ -94,7 +94,6 @@ def ep_dispatch_kernel(
     n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
     n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, 2 * world, BLOCK_H)
     A = world * n_sl  # tasks per chunk and side: (ring position, column slice)
-    sig_per_rank = n_chunks * n_slices  # a source's signal words: chunk * n_sl + slice
     o_s = tl.arange(0, BLOCK_S)
     t = next_task(my_ctrl)
     while t < 2 * n_call * A:
@@ -115,15 +114,15 @@ def ep_dispatch_kernel(
                     stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
                                       o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
                                       H, E_local, MAXT, K, HAS_WEIGHTS, BLOCK_H)
-                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_first +
-                           rank * sig_per_rank + i_c * n_sl + i_j, epoch)
+                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) +
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
             else:
                 # ---- receive: the slice's columns of chunk c from source s, expanded into
                 # expert-major rows; sources rank, rank+1, ...
                 i_s = (rank + i_pos) % world
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
-                    i_sig = sig_first + i_s * sig_per_rank + i_c * n_sl
+                    i_sig = chunk_signal(sig_first, i_s, n_chunks, n_slices, i_c, n_sl, 0)
                     arrived = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
                     if i_j > 0:  # the metadata travels with slice 0
                         arrived = arrived & wait(p_sig + i_sig + i_j, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV,
@@ -177,13 +176,14 @@ _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
 _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "slice_cols")  # real sizes; heap offsets
+# the forward dispatch (right after its layout: no entry barrier) ...
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
-                                           "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8",
-                multiples_of_16=_MULT16)
-# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
-# slice, lag 1, rank 1)
+                                           "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False},
+                label="bf16-K8", multiples_of_16=_MULT16)
+# ... and combine's backward (scaled rows, along an old handle: with the barrier), fp32 also with
+# the arguments equal to 1 that Triton specialises into plain ints (one chunk, one slice, lag 1, rank 1)
 _ONES = ("n_chunks", "rank", "n_slices", "lag")
 register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                      "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16,
-                 "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K2-scaled", multiples_of_16=_MULT16)
+                 "BLOCK_H": 128, "BLOCK_W": 2, "ENTRY_BARRIER": True}, label="fp32-K2-scaled", multiples_of_16=_MULT16)

@@ -26,14 +26,19 @@ LAYOUT_EXTRA = 3
 LAYOUT_HALVES = 2
 
 
+
+
 def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
     """Shape of the symmetric int32 landing buffer of the counts exchange."""
     return (LAYOUT_HALVES, world_size, num_local_experts + LAYOUT_EXTRA)
+
 # Bits of a rank's input flags (exchanged with the counts, so every rank sees every rank's).
 FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
+FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange (written after the timeout)
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
+_FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
 
 
 @dataclass
@@ -339,6 +344,14 @@ def ep_layout_kernel(
             ok_s = wait(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig, epoch, my_ctrl, rank,
                         STAGE_LAYOUT, i_sig, budget)
             n_bad += (ok_s == 0).to(tl.int32)
+        if n_bad > 0:
+            # This rank gives up on the exchange: say so in the flags it sent. A rank that joins
+            # it late (one that missed the call, say after a local error) then refuses and raises
+            # instead of taking these counts as current and starting launches without a barrier
+            # against ranks that have moved on. (Every rank raises until heap.reset().)
+            for i in range(world):
+                p_dst = heap_ptr(table_ptr, i, layout_offset, tl.int32) + half + rank * row
+                tl.store(p_dst + E_local + 1, flags | _FLAG_PEER_GAVE_UP)
         if n_bad == 0:
             p_in = heap_ptr(table_ptr, rank, layout_offset, tl.int32) + half
             o_w = tl.arange(0, BLOCK_W)

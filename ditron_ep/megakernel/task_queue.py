@@ -89,6 +89,15 @@ def call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, tasks_per
     return s, cols, lag
 
 
+@register_device_function
+@triton.jit
+def chunk_signal(sig_first, rank, n_chunks, n_slices, chunk, n_sl, slice_j):
+    """Signal word of (rank, chunk, column slice) in a copy kernel's family, the one index both
+    the stamping and the waiting side use. Each rank owns the buffer's n_chunks * n_slices words,
+    indexed chunk * n_sl + slice with the call's slices n_sl (`call_slices` keeps that inside)."""
+    return sig_first + rank * (n_chunks * n_slices) + chunk * n_sl + slice_j
+
+
 def interleaved_order(n_groups: int, A: int, m: int, R: int, lag: int) -> list[tuple[bool, int]]:
     """The queue interleaved_task walks, in ticket order (host mirror, for tests and plans)."""
     order: list[tuple[bool, int]] = []
@@ -109,7 +118,6 @@ def default_lag(num_programs: int, tasks_per_group: int) -> int:
     """Producer groups a consumer trails by: about one grid of tickets, so the chunk it waits for
     was handed out a whole wave earlier and has usually landed."""
     return triton.cdiv(num_programs, max(tasks_per_group, 1))
-
 
 
 def hidden_slices(max_tokens: int, world: int, block_rows: int, hidden: int, block_hidden: int,

@@ -15,11 +15,11 @@ from ..compiler.plan import is_positive_int
 from ..megakernel import task_queue
 from ..megakernel.ep_combine import ep_combine_kernel
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
-from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, RecvLayout,
+from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_PEER_GAVE_UP, FLAG_TOO_MANY_TOKENS, RecvLayout,
                                     SendLayout, build_send_layout, exchange_layout, layout_landing_shape)
 from ..runtime import control as C
 from ..runtime.agreement import raise_unless_all_agree
-from ..runtime.errors import DitronConfigError, DitronError
+from ..runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ..runtime.heap import SymmetricHeap
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
@@ -364,6 +364,12 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
     who = ""
     if info is not None:
         who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+    if flags & FLAG_PEER_GAVE_UP:
+        raise DitronTimeoutError(
+            f"a rank timed out waiting for a peer in this call's layout exchange and gave up{who}: the ranks' "
+            f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
+            f"was moved. Call heap.reset() on every rank (collectively) before the next call",
+            stage="ep layout: counts exchange")
     if flags & FLAG_TOO_MANY_TOKENS:
         needed = max(t for _, t in info) if info is not None else max_tokens + 1
         raise CapacityError(

@@ -410,8 +410,9 @@ class FusedMoE:
         task_p50_us, task_p90_us, task_max_us: nearest-rank percentiles, e.g. p50 of 4 tasks is the
         2nd shortest), over the tasks that ran ("tasks": GEMM tasks of row
         tiles without rows, and dispatch tasks of chunks past the call's largest T, are not
-        ticketed). The first row, "call_barrier", is program 0's wait
-        for every rank to enter the launch."""
+        ticketed). The first row, "call_barrier", is program 0's time in `call_begin`: since
+        session 10 no wait for the other ranks (the layout exchange before the launch orders
+        them), so near zero."""
         tm, t0 = self._timer_us()
         rows = [{"stage": "call_barrier", "tasks": 1, "first_start_us": 0.0, "last_end_us": float(tm[-1, 1]) - t0,
                  "busy_us_per_program": float(tm[-1, 1]) - t0}]

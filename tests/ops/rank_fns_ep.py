@@ -43,6 +43,45 @@ def row_scale(e: int) -> float:
     return 1.0 + e / 8.0
 
 
+def call_slices_expected(n_call: int, W: int, buf: EPBuffer) -> int:
+    """Column slices the copy kernels should use for a call walking n_call of the buffer's chunks:
+    those of a buffer of the call's size, when more than the buffer's and within its signal words."""
+    from ditron_ep.megakernel.task_queue import hidden_slices
+
+    used = max(n_call, 1)
+    want, _ = hidden_slices(used * buf.block_rows, W, buf.block_rows, buf.hidden, buf.block_hidden)
+    if want <= buf.n_slices:
+        return buf.n_slices
+    cap = buf.n_chunks * buf.n_slices // used
+    n_hb = -(-buf.hidden // buf.block_hidden)
+    return -(-n_hb // -(-n_hb // min(want, cap)))
+
+
+def stamped_words_ok(buf: EPBuffer, idxs, rank: int, W: int, E: int) -> dict:
+    """After one dispatch + combine (the buffer's last two launches): the words each copy kernel
+    stamped with its epoch are exactly (source, chunk < the chunks holding that pair's tokens,
+    slice < the call's slices), at chunk_signal's index: dispatch's on the receiver, combine's on
+    the tokens' owner."""
+    e_local = E // W
+    goes = [[int(((i >= 0) & (i // e_local == d)).any(1).sum()) for d in range(W)] for i in idxs]  # [src][dst]
+    n_call = min(-(-max(i.shape[0] for i in idxs) // buf.block_rows), buf.n_chunks)
+    n_sl = call_slices_expected(n_call, W, buf)
+    per_rank = buf.n_chunks * buf.n_slices
+    sig = buf.heap.signals.cpu()
+    epoch = buf.heap.epoch  # the combine's; the dispatch data kernel's is one less
+    out = {"n_sl": n_sl}
+    for name, first, e, pairs in (("dispatch", buf._sig_dispatch, epoch - 1, [goes[s][rank] for s in range(W)]),
+                                  ("combine", buf._sig_combine, epoch, [goes[rank][d] for d in range(W)])):
+        ok = True
+        for peer, n in enumerate(pairs):
+            words = sig[first + peer * per_rank:first + (peer + 1) * per_rank]
+            got = set((words == e).nonzero().flatten().tolist())
+            want = {c * n_sl + j for c in range(-(-n // buf.block_rows)) for j in range(n_sl)}
+            ok = ok and got == want
+        out[name] = ok
+    return out
+
+
 def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
                           seed: int = 0, drop_prob: float = 0.0, max_tokens: int | None = None,
                           num_programs: int | None = None, block_rows: int = 16, block_hidden: int | None = None,
@@ -69,6 +108,7 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
         return recv_x, handle, n, y, out
 
     recv_x, handle, n, y, out = run(True)
+    report["stamped"] = stamped_words_ok(buf, idxs, rank, W, E)
     report["rows"] = (recv_x.shape[0], len(order))
     report["dispatch_exact"] = recv_x.shape[0] == len(order) and torch.equal(recv_x, ref)
     report["counts_ok"] = handle.num_recv_per_expert.tolist() == counts

@@ -150,8 +150,10 @@ def fused_refusals() -> dict:
 
 def fused_lone_rank_times_out() -> dict:
     """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out, its
-    megakernel refuses all work and the call raises DitronTimeoutError (no hang); after a
-    collective heap.reset() every rank's next call is bitwise the first call's result again."""
+    megakernel refuses all work and the call raises DitronTimeoutError (no hang). Rank 1 then
+    makes the call rank 0 gave up on (as after an error only rank 1 raised): it must refuse and
+    raise too, not run on the counts rank 0 left behind. After a collective heap.reset() every
+    rank's next call is bitwise the first call's result again."""
     from ditron_ep.runtime import DitronTimeoutError
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -170,6 +172,12 @@ def fused_lone_rank_times_out() -> dict:
             res["raised"] = str(err)
         finally:
             layer.heap.wait_budget = budget
+    dist.barrier()  # rank 0 has given up
+    if rank == 1:
+        try:
+            layer(*args)
+        except DitronTimeoutError as err:
+            res["raised"] = str(err)
     layer.heap.reset()
     res["recovers"] = bool(torch.equal(layer(*args), first))
     layer.free()

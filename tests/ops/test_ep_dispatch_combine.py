@@ -30,6 +30,7 @@ def test_dispatch_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, dro
         assert rep["rerun_bitwise"], f"rank {rank}: two runs differ"
         assert rep["graph_bitwise"], f"rank {rank}: graph mode differs from default mode"
         assert rep["graph_rows_cap"] == W * max(max(tokens), 1) * K
+        assert rep["stamped"]["dispatch"] and rep["stamped"]["combine"], f"rank {rank}: signal words {rep['stamped']}"
 
 
 def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
@@ -43,6 +44,7 @@ def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
         for a, b in zip(base, other):
             assert b["n_slices"] == used
             assert b["dispatch_exact"] and b["combine_ok"] and b["graph_bitwise"]
+            assert b["stamped"]["dispatch"] and b["stamped"]["combine"], b["stamped"]
             assert a["out_bytes"] == b["out_bytes"], "combine output bits depend on the grid or the slicing"
 
 
@@ -58,6 +60,9 @@ def test_buffer_sized_past_the_call_gives_the_same_bits(emulated_cluster):
         big = emulated_cluster(3).run(fns.dispatch_combine_case, *args, 0.0, max_tokens, None, block, block_h)
         for rank, (a, b) in enumerate(zip(base, big)):
             assert b["n_slices"] == slices
+            # the call's slices: 1 for the buffer of 70 rows of 16; 3 (the columns' blocks) for 18 chunks of 4
+            assert b["stamped"] == {"n_sl": {16: 1, 4: 3}[block], "dispatch": True, "combine": True}, \
+                f"rank {rank}: signal words of the call's chunks and slices: {b['stamped']}"
             assert b["dispatch_exact"] and b["combine_ok"] and b["rerun_bitwise"] and b["graph_bitwise"], \
                 f"rank {rank}, buffer of {max_tokens} tokens"
             assert b["graph_rows_cap"] == 3 * max_tokens * 2

@@ -51,6 +51,8 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
 def test_fused_lone_rank_times_out_raises_and_recovers(emulated_cluster):
     res = emulated_cluster(2).run(fns.fused_lone_rank_times_out)
     assert res[0]["raised"] and "rank 0" in res[0]["raised"], res[0]
+    # rank 1 joins the exchange rank 0 gave up on: it refuses and says so
+    assert res[1]["raised"] and "gave up (ranks 0)" in res[1]["raised"] and "heap.reset()" in res[1]["raised"], res[1]
     assert all(r["recovers"] for r in res), res
 
 

@@ -125,6 +125,12 @@ def test_call_slices(world, max_tokens, block_rows, hidden, block_h):
             assert got == (want_s, want_cols, default_lag(programs, tps * want_s)), f"n_call={n_call}"
         else:
             assert got == (n_slices, cols, lag), f"n_call={n_call}"
+    # a buffer whose own slices were asked for (1): a one-chunk call takes what its 2 chunks' words hold
+    capped = _device_call_slices(programs, 1, world, 2, 1, cols, lag, hidden, tps, block_h=block_h)
+    n_hb = -(-hidden // block_h)
+    if n_hb >= 2 and 128 // world >= 2:
+        per = -(-n_hb // 2)
+        assert capped == (-(-n_hb // per), per * block_h, default_lag(programs, tps * -(-n_hb // per))), capped
     # the 4096-token buffer serving a 128-token call slices like a 128-token buffer
     if (max_tokens, hidden, block_h) == (4096, 7168, 1024):
         small = hidden_slices(128, world, block_rows, hidden, block_h)
