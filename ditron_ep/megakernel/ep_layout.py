@@ -24,14 +24,6 @@ LAYOUT_EXTRA = 3
 # The landing buffer has two halves, used by alternate exchanges (control word LAYOUT_SEQ): the
 # exchange needs no entry barrier then (see `ep_layout_kernel`).
 LAYOUT_HALVES = 2
-
-
-
-
-def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
-    """Shape of the symmetric int32 landing buffer of the counts exchange."""
-    return (LAYOUT_HALVES, world_size, num_local_experts + LAYOUT_EXTRA)
-
 # Bits of a rank's input flags (exchanged with the counts, so every rank sees every rank's).
 FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
@@ -39,6 +31,11 @@ FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 _FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
+
+
+def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
+    """Shape of the symmetric int32 landing buffer of the counts exchange."""
+    return (LAYOUT_HALVES, world_size, num_local_experts + LAYOUT_EXTRA)
 
 
 @dataclass

@@ -371,9 +371,9 @@ def moe_fused_kernel(
                                       tl.minimum(h_lo + per * BLOCK_H, H), H, K, True, BLOCK_T, BLOCK_H)
                         # Counters back to zero for the next call (peers add again only after the
                         # next call's layout exchange, which this rank joins once this launch has
-                        # finished), by the block's
-                        # last slice to get here: every slice adds 1 once past its wait, so a
-                        # reset never strands a slice still waiting (the waits ask for >= n_t2).
+                        # finished), by the block's last slice to get here: every slice adds 1 once
+                        # past its wait, so a reset never strands a slice still waiting (the waits
+                        # ask for >= n_t2).
                         tl.debug_barrier()
                         p_cnt = p_sig + sig_land + o_tk
                         seen = tl.atomic_add(p_cnt, 1 + 0 * b_e, mask=valid, sem="relaxed", scope="gpu")

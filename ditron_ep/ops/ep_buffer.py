@@ -188,6 +188,7 @@ class EPBuffer:
         self._dispatch_lag = task_queue.default_lag(num_programs, 2 * W * self.n_slices)
         self._combine_lag = task_queue.default_lag(num_programs, (W + 1) * self.n_slices)
         self.num_warps = num_warps if num_warps is not None else (8 if self.device.type == "cuda" else 4)
+        self._block_w = triton.next_power_of_2(W)  # the copy kernels' BLOCK_W (reads every rank's src_info)
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._elt = elt
@@ -288,7 +289,7 @@ class EPBuffer:
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
             self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
             SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
-            BLOCK_W=triton.next_power_of_2(self.world_size), ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
+            BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
         h = self.heap
@@ -301,7 +302,7 @@ class EPBuffer:
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
             self.slice_cols, self._combine_lag,
             K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
-            BLOCK_H=self.block_hidden, BLOCK_W=triton.next_power_of_2(self.world_size), num_warps=self.num_warps)
+            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, num_warps=self.num_warps)
         return out
 
     def _finish(self, sync: bool) -> None:
