@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 4 bench/dispatch_combine.py [--tokens 128 4096 8192] [--hidden 7168]
         [--topk 8] [--experts 64 256] [--routing uniform zipf] [--mode eager graph]
-        [--num-programs N] [--iters 20] [--warmup 5] [--json [PATH]]
+        [--num-programs N] [--graph-cache 4] [--iters 20] [--warmup 5] [--json [PATH]]
     TRITON_INTERPRET=1 GLOO_SOCKET_IFNAME=lo torchrun --nproc-per-node 2 bench/dispatch_combine.py --smoke
 
 A config is (tokens T per rank, experts E, routing); every config runs every stage of every mode:
@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EPBuffer hidden_slices (column slices per chunk); default: the buffer's")
     p.add_argument("--buffer-per", choices=["config", "sweep"], default="config",
                    help="config: one EPBuffer per (E, T) sized max_tokens=T; sweep: one per E sized max(--tokens)")
+    p.add_argument("--graph-cache", type=int, default=4,
+                   help="EPBuffer graph_cache: dispatch signatures whose layout replays from a CUDA graph (0: off)")
     p.add_argument("--no-check-errors", action="store_true",
                    help="build EPBuffer(check_errors=False): no error-slot read after each public call")
     add_run_options(p, bench="dispatch_combine", iters=20, warmup=5, time_budget=480.0, pg_timeout=300.0,
@@ -428,8 +430,8 @@ def sweep(ctx: Ctx) -> None:
                 buf = guarded(ctx, "EPBuffer", lambda: EPBuffer(
                     None, E, a.hidden, max_t, a.topk, ctx.dtype, num_programs=a.num_programs,
                     block_rows=a.block_rows, block_hidden=a.block_hidden, hidden_slices=a.hidden_slices,
-                    check_errors=not a.no_check_errors))
-                log(f"  EPBuffer(E={E}, max_tokens={max_t}, num_programs={buf.num_programs}, "
+                    check_errors=not a.no_check_errors, graph_cache=a.graph_cache))
+                log(f"  EPBuffer(E={E}, max_tokens={max_t}, num_programs={buf.num_programs}, graph_cache={a.graph_cache}, "
                     f"block_hidden={buf.block_hidden}, hidden_slices={buf.n_slices}, "
                     f"heap {buf.heap.size_bytes / 2**20:.1f} MiB/rank)")
             except StageFailed as exc:

@@ -40,7 +40,7 @@ def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor,
     """EPBuffer.dispatch's data kernel alone: mirrors `EPBuffer._dispatch_raw` up to the kernel
     (layout, host read, allocations done here, once). Returns the call and the recv_x it fills."""
     send, recv = buf._launch_layout(idx)
-    rows = buf._read_layout_status(recv)
+    rows = buf._rows_from_status(recv, None)
     dev = buf.device
     recv_x = torch.empty((rows, buf.hidden), dtype=buf.dtype, device=dev)
     recv_w = torch.empty(rows, dtype=torch.float32, device=dev)

@@ -9,6 +9,7 @@ rows of local expert e are ordered by (source rank, source token) — no atomic 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -65,8 +66,27 @@ class SendLayout:
 SEND_LAYOUT_BLOCK_T = 16
 
 
+# Makes an int32 tensor of a given shape on the layout's device (the launches' outputs): plain
+# torch.empty by default, or views of one flat arena (ops/layout_replay.py).
+Int32Alloc = Callable[[tuple[int, ...]], torch.Tensor]
+
+
+def send_layout_shapes(num_tokens: int, topk: int, num_experts: int, world_size: int,
+                       max_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of the int32 tensors `build_send_layout` returns (`prefix` holds counts and tokens_to)."""
+    T, K, E, W = num_tokens, topk, num_experts, world_size
+    return {"prefix": (triton.cdiv(T, SEND_LAYOUT_BLOCK_T) + 1, E + W + 1), "topk_idx": (T, K), "pos": (T, K),
+            "slot": (T, W), "send_idx": (W, max_tokens), "flags": (1,)}
+
+
+def _int32_tensors(shapes: dict[str, tuple[int, ...]], alloc: Int32Alloc | None,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    make = alloc or (lambda shape: torch.empty(shape, dtype=torch.int32, device=device))
+    return {name: make(shape) for name, shape in shapes.items()}
+
+
 def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
-                      max_tokens: int) -> SendLayout:
+                      max_tokens: int, alloc: Int32Alloc | None = None) -> SendLayout:
     """Sender-side layout from `topk_idx` [T, K] (int32 or int64; device only, graph-capturable).
 
     Three launches: per-block counts (`send_layout_count_kernel`), their prefix over blocks
@@ -75,6 +95,7 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     Every position is a count of earlier pairs/tokens: no atomic decides one. Out-of-range expert
     ids and tokens beyond `max_tokens` are treated as dropped and flagged.
     send_idx entries past tokens_to[d] are left unwritten (kernels read j < tokens_to[d] only).
+    alloc makes the returned tensors (shapes: `send_layout_shapes`); default torch.empty.
     """
     if topk_idx.dim() != 2 or topk_idx.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_idx must be an int32/int64 [T, K] tensor, got {tuple(topk_idx.shape)} {topk_idx.dtype}")
@@ -85,6 +106,7 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     bt = SEND_LAYOUT_BLOCK_T
     n_blk = triton.cdiv(T, bt)
     n_col = E + W + 1  # per block: pairs per expert | tokens per rank | bad expert ids
+    out = _int32_tensors(send_layout_shapes(T, K, E, W, max_tokens), alloc, dev)
     counts = torch.empty((n_blk + 1, n_col), dtype=torch.int32, device=dev)
     consts = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BT=bt, BLOCK_E=triton.next_power_of_2(E + 1),
                   BLOCK_W=triton.next_power_of_2(W))
@@ -92,18 +114,14 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
         send_layout_count_kernel[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
     else:
         counts.zero_()
-    prefix = torch.empty_like(counts)  # row b: totals of the blocks before b
+    prefix = out["prefix"]  # row b: totals of the blocks before b
     bc = 128
     column_prefix_kernel[(triton.cdiv(n_col, bc),)](counts, prefix, n_blk + 1, n_col, BR=16, BC=bc)
-    out_idx = torch.empty((T, K), dtype=torch.int32, device=dev)
-    pos = torch.empty((T, K), dtype=torch.int32, device=dev)
-    slot = torch.empty((T, W), dtype=torch.int32, device=dev)
-    send_idx = torch.empty((W, max_tokens), dtype=torch.int32, device=dev)
-    flags = torch.empty(1, dtype=torch.int32, device=dev)
-    send_layout_place_kernel[(max(n_blk, 1),)](topk_idx, prefix, out_idx, pos, slot, send_idx, flags, T, E, E // W,
-                                               W, max_tokens, n_blk, **consts)
-    return SendLayout(topk_idx=out_idx, pos=pos, slot=slot, send_idx=send_idx, counts=prefix[n_blk, :E],
-                      tokens_to=prefix[n_blk, E:E + W], flags=flags)
+    send_layout_place_kernel[(max(n_blk, 1),)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
+                                               out["send_idx"], out["flags"], T, E, E // W, W, max_tokens, n_blk,
+                                               **consts)
+    return SendLayout(topk_idx=out["topk_idx"], pos=out["pos"], slot=out["slot"], send_idx=out["send_idx"],
+                      counts=prefix[n_blk, :E], tokens_to=prefix[n_blk, E:E + W], flags=out["flags"])
 
 
 @register_device_function
@@ -417,26 +435,32 @@ class RecvLayout:
     tile_start: torch.Tensor | None = None
 
 
+def recv_layout_shapes(world_size: int, num_local_experts: int, tile_rows: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of the int32 tensors `exchange_layout` returns (the fields of RecvLayout)."""
+    W, e_local = world_size, num_local_experts
+    shapes = {"num_recv": (e_local,), "expert_off": (e_local + 1,), "src_off": (W, e_local), "tokens_from": (W,),
+              "src_info": (W, 2)}
+    if tile_rows:
+        shapes["tile_start"] = (e_local + 1,)
+    return shapes
+
+
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
                     layout_name: str, sig_first: int, *, tile_rows: int = 0,
-                    tiles: torch.Tensor | None = None, ring_step: int = 1) -> RecvLayout:
+                    tiles: torch.Tensor | None = None, ring_step: int = 1,
+                    alloc: Int32Alloc | None = None) -> RecvLayout:
     """Launch the counts exchange (one program); returns the receive layout (no host sync).
 
     tile_rows > 0 also builds the GEMM row-tile map in the same launch: `tile_start`
     [E_local + 1] in the result and `tiles` [n_tiles, 4] filled in place, in the order the GEMM
     stages take them (rows that arrive first, first; see `_row_tile_map`); ring_step: +1 when
     sources are received in the order rank, rank + 1, ..., -1 for rank, rank - 1, ...
+    alloc makes the returned tensors (shapes: `recv_layout_shapes`); default torch.empty.
     """
     W = heap.world_size
     e_local = num_experts // W
     dev = heap.device
-    out = RecvLayout(
-        num_recv=torch.empty(e_local, dtype=torch.int32, device=dev),
-        expert_off=torch.empty(e_local + 1, dtype=torch.int32, device=dev),
-        src_off=torch.empty((W, e_local), dtype=torch.int32, device=dev),
-        tokens_from=torch.empty(W, dtype=torch.int32, device=dev),
-        src_info=torch.empty((W, 2), dtype=torch.int32, device=dev),
-        tile_start=torch.empty(e_local + 1, dtype=torch.int32, device=dev) if tile_rows else None)
+    out = RecvLayout(**_int32_tensors(recv_layout_shapes(W, e_local, tile_rows), alloc, dev))
     if tile_rows and (tiles is None or tiles.dim() != 2 or tiles.shape[1] != 4 or tiles.dtype != torch.int32):
         raise ValueError("tile_rows > 0 needs `tiles`, an int32 [n_tiles, 4] tensor")
     if ring_step not in (1, -1):

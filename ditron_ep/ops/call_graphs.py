@@ -13,12 +13,17 @@ layout buffers in its own graph memory pool). capacity 0 disables capture.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+import warnings
 from collections import OrderedDict
-from typing import Callable, Generic, Hashable, TypeVar
+from typing import Callable, Generic, Hashable, Iterator, TypeVar
+
+import torch
 
 from ..compiler.plan import is_nonnegative_int
 
-__all__ = ["CallGraphCache"]
+__all__ = ["CallGraphCache", "graph_capture"]
 
 Captured = TypeVar("Captured")
 
@@ -56,6 +61,18 @@ class CallGraphCache(Generic[Captured]):
         entry = self._entries[key] = capture()
         return entry
 
+    def lookup_or_give_up(self, key: Hashable, capture: Callable[[], Captured], owner: str) -> Captured | None:
+        """`lookup`, except that a capture raising RuntimeError (a CUDA capture problem) must not
+        fail the call: warn once, disable the cache (capacity 0) and return None (launch directly)."""
+        try:
+            return self.lookup(key, capture)
+        except RuntimeError as err:
+            warnings.warn(f"{owner}: capturing this call's launches in a CUDA graph failed ({err}); it launches "
+                          f"every call directly from now on (graph_cache=0)", RuntimeWarning, stacklevel=3)
+            self.clear()
+            self.capacity = 0
+            return None
+
     def clear(self) -> None:
         """Drop every captured entry (their graphs point into buffers about to be freed)."""
         self._entries.clear()
@@ -66,3 +83,15 @@ class CallGraphCache(Generic[Captured]):
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._entries
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """Capture into `graph` (sharing `pool` if given) with the garbage collector off: collecting a
+    symmetric-memory arena inside a capture would synchronise the device and break the capture."""
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        gc.enable()

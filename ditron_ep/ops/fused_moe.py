@@ -7,9 +7,7 @@ stage by stage (schedule "sequential": same binary, same tiles, stage barriers f
 """
 from __future__ import annotations
 
-import gc
 import math
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +21,7 @@ from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
-from .call_graphs import CallGraphCache
+from .call_graphs import CallGraphCache, graph_capture
 from .ep_buffer import (SUPPORTED_DTYPES, layout_status_numel, layout_status_words, raise_layout_status,
                         raise_pending_flags)
 from .input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
@@ -246,13 +244,8 @@ class FusedMoE:
         self._validate(x, topk_idx, topk_weights, w1, w2)
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)
-            try:
-                captured = self._graphs.lookup(key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2))
-            except RuntimeError as err:  # a capture problem must not fail the call: launch directly
-                warnings.warn(f"FusedMoE: capturing this call's launches in a CUDA graph failed ({err}); the layer "
-                              f"launches every call directly from now on (graph_cache=0)", RuntimeWarning, stacklevel=2)
-                self._graphs = CallGraphCache(0)
-                captured = None
+            captured = self._graphs.lookup_or_give_up(
+                key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2), "FusedMoE")
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
         h = self.heap
@@ -326,16 +319,12 @@ class FusedMoE:
                           # high-priority pool is less likely to share a stream with NCCL's)
                           copy_stream=torch.cuda.Stream(x.device, priority=-1),
                           status=self._pinned_status())
-        gc.disable()  # a collected symmetric arena would synchronise the device inside the capture
-        try:
-            with torch.cuda.graph(c.layout, capture_error_mode="thread_local"):
-                send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
-                c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
-            with torch.cuda.graph(c.kernel, pool=c.layout.pool(), capture_error_mode="thread_local"):
-                c.out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
-                self._launch_kernel(c.x, send, recv, weights, w1, w2, c.out, refuse_flagged=True, trace=False)
-        finally:
-            gc.enable()
+        with graph_capture(c.layout):
+            send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
+            c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
+        with graph_capture(c.kernel, pool=c.layout.pool()):
+            c.out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
+            self._launch_kernel(c.x, send, recv, weights, w1, w2, c.out, refuse_flagged=True, trace=False)
         return c
 
     def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:

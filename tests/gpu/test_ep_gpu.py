@@ -577,6 +577,85 @@ def test_no_collectives_on_the_data_path(dist_env, ep_buffers):
 
 
 # ---------------------------------------------------------------------------------------------
+# Replayed layouts (graph_cache): the bits of direct launches, handles valid past later replays
+
+
+def _replayed_layout_check(dev, buffers: list, calls: int = 5) -> list[str]:
+    """A buffer that replays its layout from a CUDA graph (from a signature's second call on)
+    against one launching directly, `calls` dispatches per mode with fresh routings at the same T.
+    Every handle is combined only after all of its mode's dispatches (the replays rewrote the
+    graph's buffers meanwhile): rows, offsets and combine bitwise equal to the direct buffer's and
+    the rows exact against the reference. Then bad expert ids on a replayed call raise on every
+    rank (default mode) or at `check()` (graph mode), and a valid replay afterwards is right."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K, dtype = _experts(32, W), 512, 4, torch.bfloat16
+    tokens = _tokens([40, 17, 0, 64], W)
+    direct = _new_buffer(buffers, E, H, max(tokens), K, dtype, graph_cache=0)
+    cached = _new_buffer(buffers, E, H, max(tokens), K, dtype, graph_cache=2)
+    problems: list[str] = []
+
+    def inputs(seed: int, bad: bool = False):
+        xs, idxs, ws = _make_inputs(W, tokens, H, E, K, dtype, "uniform", seed)
+        if bad and tokens[0]:
+            idxs[0][tokens[0] // 2, 1] = E + 7  # rank 0's slot out of range
+        return xs, idxs, ws
+
+    for sync in (True, False):
+        runs: dict[str, list] = {"direct": [], "cached": []}
+        refs = []
+        for i in range(calls):
+            xs, idxs, ws = inputs(300 + 10 * i + int(sync))
+            refs.append((_reference(xs, idxs, ws, rank, W, E), xs[rank], idxs[rank], ws[rank]))
+            for name, buf in (("direct", direct), ("cached", cached)):
+                recv_x, handle = buf.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev), sync=sync)
+                runs[name].append((recv_x, handle))
+        for i, ((rx_d, h_d), (rx_c, h_c), (ref, x, idx, w)) in enumerate(zip(runs["direct"], runs["cached"], refs)):
+            tag = f"{'default' if sync else 'graph'} mode call {i}"
+            n = int(h_c.expert_offsets[-1])
+            if n != ref.n or not _bits_equal(rx_c[:n], ref.rows):
+                problems.append(f"{tag}: replayed rows wrong: {n} rows, want {ref.n}")
+            if not (_bits_equal(rx_c[:n], rx_d[:n]) and _bits_equal(h_c.expert_offsets, h_d.expert_offsets)
+                    and _bits_equal(h_c.send.slot, h_d.send.slot)):
+                problems.append(f"{tag}: replayed layout or rows differ from direct launches")
+            y_c = _expert_forward(rx_c, ref.expert, n, dtype)
+            y_d = _expert_forward(rx_d, ref.expert, n, dtype)
+            out_c = cached.combine(y_c, h_c, w.to(dev))
+            out_d = direct.combine(y_d, h_d, w.to(dev))
+            if not _bits_equal(out_c, out_d):
+                problems.append(f"{tag}: combine along a replayed handle differs: {_describe_mismatch(out_c, out_d)}")
+            ok, err = _close(out_c, _combine_oracle(x.to(dev), idx, w, dtype), *TOLERANCES[dtype])
+            if not ok:
+                problems.append(f"{tag}: combine off the float64 oracle by {err:.3g}")
+    if dev.type == "cuda" and len(cached._layouts) != 2:  # CUDA graphs need a GPU: elsewhere none
+        problems.append(f"expected one captured layout per mode, found {len(cached._layouts)}")
+
+    xs, idxs, ws = inputs(999, bad=True)
+    try:
+        cached.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+        problems.append("a replayed default-mode call with a bad expert id did not raise")
+    except RoutingError as err:
+        if "ranks 0" not in str(err):
+            problems.append(f"RoutingError does not name rank 0: {err}")
+    cached.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev), sync=False)
+    try:
+        cached.check()
+        problems.append("a replayed graph-mode call with a bad expert id was not recorded")
+    except RoutingError:
+        pass
+    xs, idxs, ws = inputs(1001)
+    ref = _reference(xs, idxs, ws, rank, W, E)
+    recv_x, handle = cached.dispatch(xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev))
+    if not _bits_equal(recv_x, ref.rows):
+        problems.append("a valid replayed call after the bad ones received the wrong rows")
+    return problems
+
+
+def test_replayed_layouts_give_the_bits_of_direct_launches(dist_env, ep_buffers):
+    problems = _replayed_layout_check(dist_env.device, ep_buffers)
+    assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
 # Bad input: clear errors on every rank, before any token moves; graph mode records them
 
 

@@ -363,3 +363,93 @@ def layout_halves_case(W: int, E: int, K: int, calls: int, seed: int = 0) -> dic
         rep["seq"].append(int(buf.heap._ctrl[C.LAYOUT_SEQ]))
     buf.free()
     return rep
+
+
+class _RerunGraph:
+    """Stands in for a CUDA graph on the CPU: `replay()` reruns the captured launches."""
+
+    def __init__(self, launches) -> None:
+        self.launches = launches
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.launches()
+
+
+class _DoneEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:  # CPU kernels have finished when they return
+        pass
+
+
+def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor, sync: bool):
+    """EPBuffer._capture_layout for the CPU: the same arena, static input and status; the
+    "graph" reruns the launches into the same arena views on every replay (nothing runs at capture,
+    as with a CUDA graph: ranks may capture on different calls)."""
+    from ditron_ep.ops.ep_buffer import layout_status_numel, layout_status_words
+    from ditron_ep.ops.layout_replay import CapturedLayout, Int32Arena, layout_arena_words
+
+    W, T = buf.world_size, topk_idx.shape[0]
+    static_idx = torch.empty((T, buf.topk), dtype=topk_idx.dtype)
+    arena = Int32Arena(layout_arena_words(T, buf.topk, buf.num_experts, W, buf.max_tokens), buf.device)
+    arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
+    status = torch.empty(layout_status_numel(W), dtype=torch.int32) if sync else None
+
+    def launches() -> None:
+        arena.used = 0
+        c.send, c.recv = buf._launch_layout(static_idx, alloc=arena)
+        if sync:
+            status.copy_(layout_status_words(buf.heap, c.recv, buf._pending_flags))
+        else:
+            buf._record_pending_flags(c.recv)
+
+    c = CapturedLayout(topk_idx=static_idx, graph=_RerunGraph(launches), arena=arena, send=None, recv=None,
+                       status=status, ready=_DoneEvent() if sync else None)
+    return c
+
+
+def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, seed: int = 0) -> dict:
+    """A buffer replaying its layout (graph_cache, with the CPU stand-in for the graph) against
+    one launching directly: `calls` dispatches per mode with fresh routings (the same T), every
+    handle kept and combined only after all of them (a replay must not rewrite an earlier call's
+    layout); then a replayed call with a bad expert id on rank 0 raises on every rank."""
+    from ditron_ep.ops.ep_buffer import RoutingError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32
+    direct = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=0)
+    cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
+    cached._can_capture = lambda: True
+    cached._capture_layout = lambda idx, sync: _cpu_capture_layout(cached, idx, sync)
+    report = {"same": [], "replays": 0}
+    for sync in (True, False):
+        runs = {"direct": [], "cached": []}
+        for i in range(calls):
+            xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", seed * 100 + i + 50 * sync)
+            for name, buf in (("direct", direct), ("cached", cached)):
+                recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank], sync=sync)
+                runs[name].append((recv_x.clone(), handle, ws[rank]))
+        for (rx_d, h_d, w), (rx_c, h_c, _) in zip(runs["direct"], runs["cached"]):
+            out_d = direct.combine(rx_d * 1.5, h_d, w)
+            out_c = cached.combine(rx_c * 1.5, h_c, w)
+            n = int(h_d.expert_offsets[-1])  # graph mode: rows past the valid extent are unwritten
+            report["same"].append(torch.equal(rx_d[:n], rx_c[:n]) and torch.equal(out_d, out_c)
+                                  and torch.equal(h_d.expert_offsets, h_c.expert_offsets)
+                                  and torch.equal(h_d.send.slot, h_c.send.slot))
+    report["captured"] = len(cached._layouts)
+    report["replays"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", seed + 999)
+    if rank == 0 and tokens[0]:
+        idxs[0][0, 0] = E + 3
+    try:
+        cached.dispatch(xs[rank], idxs[rank], ws[rank])
+        report["bad"] = "no error"
+    except RoutingError as err:
+        report["bad"] = f"RoutingError: {err}"
+    report["replays_after_bad"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    direct.free()
+    cached.free()
+    return report

@@ -72,3 +72,40 @@ def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing) -
 def test_send_layout_rejects_a_bad_index_tensor() -> None:
     with pytest.raises(ValueError, match="int32/int64"):
         build_send_layout(torch.zeros(4, 2), 8, 2, 8)
+
+
+@pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
+def test_send_layout_in_an_arena_and_its_rebased_copy(T, K, E, W, max_tokens, dtype) -> None:
+    """With an Int32Arena as allocator (ops/layout_replay.py) the layout is the same; every tensor
+    is a view of the arena, 64-byte aligned; its rebased copy onto a clone of the arena keeps the
+    values after the arena is overwritten (what a handle needs past the next graph replay)."""
+    from ditron_ep.ops.layout_replay import Int32Arena, layout_arena_words, rebase_layout
+
+    g = torch.Generator().manual_seed(T + 11 * E)
+    idx = torch.randint(-1, E, (T, K), generator=g, dtype=dtype)
+    want = build_send_layout(idx, E, W, max_tokens)
+    arena = Int32Arena(layout_arena_words(T, K, E, W, max_tokens), torch.device("cpu"))
+    arena.flat.fill_(-777)
+    got = build_send_layout(idx, E, W, max_tokens, alloc=arena)
+    fields = ("topk_idx", "pos", "slot", "counts", "tokens_to", "flags")
+    for f in fields:
+        t = getattr(got, f)
+        assert t.untyped_storage().data_ptr() == arena.flat.untyped_storage().data_ptr(), f
+        assert t.data_ptr() % 64 == 0 or f in ("counts", "tokens_to"), f  # those two: views into prefix
+        assert torch.equal(t, getattr(want, f)), f
+    snap = arena.flat[:arena.used].clone()
+    moved = rebase_layout(got, arena.flat, snap)
+    arena.flat.fill_(-1)
+    for f in fields:
+        assert torch.equal(getattr(moved, f), getattr(want, f)), f
+    assert moved.send_idx.untyped_storage().data_ptr() == snap.untyped_storage().data_ptr()
+
+
+def test_arena_refuses_more_than_it_was_sized_for() -> None:
+    from ditron_ep.ops.layout_replay import Int32Arena
+
+    arena = Int32Arena(40, torch.device("cpu"))
+    assert arena((2, 3)).shape == (2, 3) and arena.used == 16  # every view starts 64-byte aligned
+    arena((24,))
+    with pytest.raises(RuntimeError, match="cannot hold"):
+        arena((1,))

@@ -1,0 +1,101 @@
+"""EPBuffer's layout launches replayed from a CUDA graph, each replay's layout copied out in one piece.
+
+Why: an eager dispatch at small T is bound by host time. Its layout stage is four Triton launches
+and about a dozen allocations: ~190 µs per call on a lent H200 host at T=128 (`layout`), against
+~22 µs when the same launches replay from a CUDA graph (`graph layout`;
+bench/results/dispatch_combine_H200x2_20261122_s10_*). FusedMoE replays its layout the same way,
+and ops/call_graphs.py says when a call signature is captured.
+
+Unlike the layer's, a dispatch's layout outlives the call: its handle keeps it for `combine` and
+the backward passes, while the next replay rewrites the graph's buffers. So inside the capture
+every layout tensor is a view of one flat int32 arena. Each replay clones the arena (one copy of
+a few KiB to ~1 MiB) and re-points the layout at the clone.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..megakernel.ep_layout import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
+
+__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebase_layout"]
+
+# Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
+# 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
+# first, direct call of a signature compiled) and keep their vector loads.
+ARENA_ALIGN_WORDS = 16
+
+
+def _aligned(words: int) -> int:
+    return -(-words // ARENA_ALIGN_WORDS) * ARENA_ALIGN_WORDS
+
+
+def layout_arena_words(num_tokens: int, topk: int, num_experts: int, world_size: int, max_tokens: int) -> int:
+    """int32 words an `Int32Arena` needs for one dispatch's send and receive layouts."""
+    shapes = [*send_layout_shapes(num_tokens, topk, num_experts, world_size, max_tokens).values(),
+              *recv_layout_shapes(world_size, num_experts // world_size).values()]
+    return sum(_aligned(math.prod(s)) for s in shapes)
+
+
+class Int32Arena:
+    """Bump allocator of int32 tensors, each a view of one flat buffer (`flat`).
+
+    Passed as `alloc` to build_send_layout / exchange_layout. Asking for more words than it was
+    sized for raises: the arena's size and the layout's shapes come from the same functions.
+    """
+
+    def __init__(self, words: int, device: torch.device) -> None:
+        self.flat = torch.empty(words, dtype=torch.int32, device=device)
+        self.used = 0
+
+    def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        end = self.used + n
+        if end > self.flat.numel():
+            raise RuntimeError(f"Int32Arena of {self.flat.numel()} words cannot hold {tuple(shape)} after "
+                               f"{self.used} words; size it with layout_arena_words")
+        view = self.flat[self.used:end].view(shape)
+        self.used = _aligned(end)
+        return view
+
+
+def _moved(t: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor | None:
+    """t's view of `src`'s storage, taken of `dst` (same offset, shape and strides) instead."""
+    if t is None or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
+        return t
+    return dst.as_strided(t.shape, t.stride(), t.storage_offset() - src.storage_offset())
+
+
+def rebase_layout(layout: SendLayout | RecvLayout, src: torch.Tensor, dst: torch.Tensor):
+    """A copy of `layout` whose tensors that view `src` (an arena's flat buffer) view `dst`
+    (a clone of it) instead; tensors elsewhere are kept."""
+    return dataclasses.replace(layout, **{f.name: _moved(getattr(layout, f.name), src, dst)
+                                          for f in dataclasses.fields(layout)})
+
+
+@dataclass
+class CapturedLayout:
+    """One dispatch signature's layout launches as a CUDA graph, and the static tensors it uses."""
+
+    topk_idx: torch.Tensor         # static input: each replay copies the call's routing in
+    graph: torch.cuda.CUDAGraph    # layout launches (+ the status copy, or the pending-flags update)
+    arena: Int32Arena              # every layout tensor the graph writes
+    send: SendLayout               # views of the arena
+    recv: RecvLayout
+    status: torch.Tensor | None    # default mode: pinned host copy of the layout status words
+    ready: torch.cuda.Event | None  # default mode: recorded after the replay (the status is in)
+
+    def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+        """Queue this call's layout on the current stream; return it, copied out of the graph's
+        memory (the handle keeps it past the next replay). No host sync: in default mode wait on
+        `ready` before reading `status`."""
+        self.topk_idx.copy_(topk_idx)
+        self.graph.replay()
+        if self.ready is not None:
+            self.ready.record()
+        flat = self.arena.flat
+        snap = flat[:self.arena.used].clone()
+        return rebase_layout(self.send, flat, snap), rebase_layout(self.recv, flat, snap)
