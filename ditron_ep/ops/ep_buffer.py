@@ -200,6 +200,7 @@ class EPBuffer:
         self._block_w = triton.next_power_of_2(W)  # the copy kernels' BLOCK_W (reads every rank's src_info)
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent weight pointers
         self._elt = elt
 
     # ------------------------------------------------------------------ public API
@@ -338,7 +339,7 @@ class EPBuffer:
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
         False for a replay along an old handle (combine's backward)."""
         h = self.heap
-        dummy_f = recv_x.new_empty(1, dtype=torch.float32)
+        dummy_f = self._dummy_f32
         ep_dispatch_kernel[(self.num_programs,)](
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
@@ -356,7 +357,7 @@ class EPBuffer:
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
         ep_combine_kernel[(self.num_programs,)](
             y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
-            handle.send.topk_idx, w if w is not None else y.new_empty(1, dtype=torch.float32), out,
+            handle.send.topk_idx, w if w is not None else self._dummy_f32, out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
             self.slice_cols, self._combine_lag,

@@ -21,7 +21,7 @@ import torch
 
 from ..megakernel.ep_layout import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
 
-__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebase_layout"]
+__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebase_layout", "rebuild_layout", "view_recipe"]
 
 # Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
 # 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
@@ -62,18 +62,31 @@ class Int32Arena:
         return view
 
 
-def _moved(t: torch.Tensor | None, src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor | None:
-    """t's view of `src`'s storage, taken of `dst` (same offset, shape and strides) instead."""
-    if t is None or t.untyped_storage().data_ptr() != src.untyped_storage().data_ptr():
-        return t
-    return dst.as_strided(t.shape, t.stride(), t.storage_offset() - src.storage_offset())
+def view_recipe(layout: SendLayout | RecvLayout, flat: torch.Tensor) -> tuple[type, list[tuple[str, object]]]:
+    """How to rebuild `layout` on a copy of `flat` (an arena's buffer): per field, (name, (shape,
+    strides, offset)) for a view of `flat`, or (name, value) for anything else (kept as is).
+    Worked out once per capture: a replay then only calls as_strided (~1 µs per tensor)."""
+    store = flat.untyped_storage().data_ptr()
+    recipe: list[tuple[str, object]] = []
+    for f in dataclasses.fields(layout):
+        t = getattr(layout, f.name)
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == store:
+            recipe.append((f.name, (tuple(t.shape), t.stride(), t.storage_offset() - flat.storage_offset())))
+        else:
+            recipe.append((f.name, t))
+    return type(layout), recipe
+
+
+def rebuild_layout(recipe: tuple[type, list[tuple[str, object]]], copy: torch.Tensor):
+    """The layout `view_recipe` described, its arena views taken of `copy` instead."""
+    cls, fields = recipe
+    return cls(**{name: (copy.as_strided(*how) if isinstance(how, tuple) else how) for name, how in fields})
 
 
 def rebase_layout(layout: SendLayout | RecvLayout, src: torch.Tensor, dst: torch.Tensor):
     """A copy of `layout` whose tensors that view `src` (an arena's flat buffer) view `dst`
     (a clone of it) instead; tensors elsewhere are kept."""
-    return dataclasses.replace(layout, **{f.name: _moved(getattr(layout, f.name), src, dst)
-                                          for f in dataclasses.fields(layout)})
+    return rebuild_layout(view_recipe(layout, src), dst)
 
 
 @dataclass
@@ -87,6 +100,7 @@ class CapturedLayout:
     recv: RecvLayout
     status: torch.Tensor | None    # default mode: pinned host copy of the layout status words
     ready: torch.cuda.Event | None  # default mode: recorded after the replay (the status is in)
+    recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first replay
 
     def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """Queue this call's layout on the current stream; return it, copied out of the graph's
@@ -97,5 +111,7 @@ class CapturedLayout:
         if self.ready is not None:
             self.ready.record()
         flat = self.arena.flat
+        if self.recipes is None:
+            self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))
         snap = flat[:self.arena.used].clone()
-        return rebase_layout(self.send, flat, snap), rebase_layout(self.recv, flat, snap)
+        return rebuild_layout(self.recipes[0], snap), rebuild_layout(self.recipes[1], snap)
