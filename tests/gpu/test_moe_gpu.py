@@ -11,6 +11,7 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ditron_ep  # noqa: F401
 from ditron_ep.determinism import ep_moe_oracle, make_routing
@@ -170,6 +171,12 @@ def test_fused_timeline_from_the_device_timer(dist_env, layers):
     layers.append(layer)
     args = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
     plain = layer(*args)
+    # The first traced call compiles the traced variant on each rank, at each rank's own pace: a
+    # rank done first waits inside its launch for the other's rows (once 1.2 s on 2xH200 from a
+    # cold cache). The timed call follows a warm-up and a barrier.
+    layer(*args, trace=True)
+    torch.cuda.synchronize(dev)
+    dist.barrier()
     traced = layer(*args, trace=True)
     rows = layer.timeline()
     print(f"[rank {rank}] timeline: {rows}")
