@@ -8,8 +8,12 @@ while the host issues. A replayed graph costs a few µs of host time per call.
 Policy (the layer supplies the capture): a signature (token count, dtypes, weight addresses ...)
 is captured on its SECOND call; its first call runs the launches directly, so it compiles the
 kernels outside any capture and a shape seen once never pays for one. At most `capacity` captured
-signatures are kept, the least recently used evicted (each holds its static inputs, output and
-layout buffers in its own graph memory pool). capacity 0 disables capture.
+signatures are kept (each holds its static inputs, output and layout buffers in its own graph
+memory pool). A newcomer evicts the least recently used one only if that one sat unused for the
+last 4 * capacity lookups; otherwise the newcomer launches directly. Why: a capture synchronises
+the device and empties torch's allocator cache (torch.cuda.graph does both), so plain LRU over
+more recurring signatures than `capacity` (say 5 decode batch sizes in turn, capacity 4) would
+recapture on every call. capacity 0 disables capture.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Callable, Generic, Hashable, Iterator, TypeVar
 import torch
 
 from ..compiler.plan import is_nonnegative_int
+from ..runtime.errors import DitronError
 
 __all__ = ["CallGraphCache", "graph_capture"]
 
@@ -41,31 +46,42 @@ class CallGraphCache(Generic[Captured]):
             raise ValueError(f"graph cache capacity must be an int >= 0 (0 disables it), got {capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Captured] = OrderedDict()
+        self._last_use: dict[Hashable, int] = {}  # lookup count at each entry's last replay
+        self._lookups = 0
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # keys called once, not captured
 
     def lookup(self, key: Hashable, capture: Callable[[], Captured]) -> Captured | None:
         if self.capacity == 0:
             return None
+        self._lookups += 1
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
+            self._last_use[key] = self._lookups
             return entry
         if key not in self._seen:
             self._seen[key] = None
             while len(self._seen) > 4 * self.capacity:  # bounded: a stream of one-off shapes
                 self._seen.popitem(last=False)
             return None
+        if len(self._entries) >= self.capacity:
+            lru = next(iter(self._entries))
+            if self._lookups - self._last_use[lru] < 4 * self.capacity:
+                return None  # every kept signature is still in use: no thrash (module docstring)
+            del self._entries[lru], self._last_use[lru]  # frees its graphs and their memory pool
         del self._seen[key]
-        while len(self._entries) >= self.capacity:
-            self._entries.popitem(last=False)  # frees its graphs and their memory pool
         entry = self._entries[key] = capture()
+        self._last_use[key] = self._lookups
         return entry
 
     def lookup_or_give_up(self, key: Hashable, capture: Callable[[], Captured], owner: str) -> Captured | None:
-        """`lookup`, except that a capture raising RuntimeError (a CUDA capture problem) must not
-        fail the call: warn once, disable the cache (capacity 0) and return None (launch directly)."""
+        """`lookup`, except that a capture raising RuntimeError (a CUDA capture problem, including
+        running out of memory) must not fail the call: warn once, disable the cache (capacity 0)
+        and return None (launch directly). The library's own errors propagate."""
         try:
             return self.lookup(key, capture)
+        except DitronError:
+            raise
         except RuntimeError as err:
             warnings.warn(f"{owner}: capturing this call's launches in a CUDA graph failed ({err}); it launches "
                           f"every call directly from now on (graph_cache=0)", RuntimeWarning, stacklevel=3)
@@ -76,6 +92,7 @@ class CallGraphCache(Generic[Captured]):
     def clear(self) -> None:
         """Drop every captured entry (their graphs point into buffers about to be freed)."""
         self._entries.clear()
+        self._last_use.clear()
         self._seen.clear()
 
     def __len__(self) -> int:
@@ -88,10 +105,13 @@ class CallGraphCache(Generic[Captured]):
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     """Capture into `graph` (sharing `pool` if given) with the garbage collector off: collecting a
-    symmetric-memory arena inside a capture would synchronise the device and break the capture."""
+    symmetric-memory arena inside a capture would synchronise the device and break the capture.
+    The collector's state is restored afterwards (a caller may keep it off)."""
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()

@@ -122,10 +122,12 @@ class EPBuffer:
             for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
             launch and raise DitronTimeoutError there (one extra device-to-host read).
-        graph_cache (CUDA): how many dispatch signatures (token count, index dtype, mode) keep
-            their layout launches as a CUDA graph, captured on a signature's second call and
-            replayed after (ops/layout_replay.py): the same kernels and arguments, so the same
-            bits, for a few µs of host time instead of ~190 µs. 0 launches every call directly.
+        graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
+            dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
+            a signature's second call and replayed after (ops/layout_replay.py, ops/call_graphs.py):
+            the same kernels and arguments, so the same bits, for a replay, a copy and a clone
+            instead of four launches and a dozen allocations (~190 µs of host time on a lent H200
+            host). 0 launches every call directly.
 
     Every call reuses the buffer's heap and signals, so calls run in the order of the CUDA stream
     they are issued on: issue them on one stream (or order the streams yourself).
@@ -283,19 +285,24 @@ class EPBuffer:
         """Graph mode: remember every rank's input flags for the next host-visible call (no sync)."""
         torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
 
-    def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, object]:
-        """This call's layout, replayed from a captured graph when the signature has one
-        (`graph_cache`), else launched directly. Returns (send, recv, status): in default mode
-        status is what `_rows_from_status` reads (the host waits there, not here)."""
-        c = None
+    def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
+        """This call's layout: in default mode replayed from a captured graph when the signature
+        has one (`graph_cache`), else launched directly. Returns (send, recv, captured): in default
+        mode `_rows_from_status` reads the status (the host waits there, not here).
+
+        Graph mode never replays: capturing synchronises the device (torch.cuda.graph does), and
+        graph mode promises no host sync; its callers capture their own graphs anyway."""
         T = topk_idx.shape[0]
-        # a call over capacity launches directly: it only raises, no graph is worth keeping for it
-        if self._layouts.capacity and T <= self.max_tokens and self._can_capture():
-            key = (T, topk_idx.dtype, sync, self.heap.wait_budget)
-            c = self._layouts.lookup_or_give_up(key, lambda: self._capture_layout(topk_idx, sync), "EPBuffer")
-        if c is not None:
-            send, recv = c.replay(topk_idx)
-            return send, recv, c
+        # Launched directly: a call over capacity (it only raises), and routing whose address is
+        # not 16-byte aligned: the kernels compiled for it would not serve the aligned static
+        # copy, which would then compile inside the capture.
+        if (sync and self._layouts.capacity and T <= self.max_tokens and topk_idx.data_ptr() % 16 == 0
+                and self._can_capture()):
+            key = (T, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
+            c = self._layouts.lookup_or_give_up(key, lambda: self._capture_layout(topk_idx), "EPBuffer")
+            if c is not None:
+                send, recv = c.replay(topk_idx)
+                return send, recv, c
         send, recv = self._launch_layout(topk_idx)
         if not sync:
             self._record_pending_flags(recv)
@@ -305,31 +312,38 @@ class EPBuffer:
         """CUDA graphs need a GPU, and a call inside the caller's own capture launches directly."""
         return self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
 
-    def _rows_from_status(self, recv: RecvLayout, status: CapturedLayout | None) -> int:
+    def _rows_from_status(self, recv: RecvLayout, captured: CapturedLayout | None) -> int:
         """Default mode's one host read (of the replay's pinned status, or of the directly
         launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
-        if status is None:
+        if captured is None:
             return read_layout_status(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
-        status.ready.synchronize()
-        return raise_layout_status(status.status.tolist(), self.heap, self._pending_flags, self.num_experts,
+        captured.ready.synchronize()
+        return raise_layout_status(captured.status.tolist(), self.heap, self._pending_flags, self.num_experts,
                                    self.max_tokens)
 
-    def _capture_layout(self, topk_idx: torch.Tensor, sync: bool) -> CapturedLayout:
-        """Capture the layout launches of this signature (see `_layout`), with the default mode's
-        status copy into pinned memory, or graph mode's pending-flags update."""
-        W, T = self.world_size, topk_idx.shape[0]
-        static_idx = torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device)
-        graph = torch.cuda.CUDAGraph()
-        status = torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=True) if sync else None
-        with graph_capture(graph):
-            arena = Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device)
-            send, recv = self._launch_layout(static_idx, alloc=arena)
-            if sync:
-                status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
-            else:
-                self._record_pending_flags(recv)
-        return CapturedLayout(topk_idx=static_idx, graph=graph, arena=arena, send=send, recv=recv, status=status,
-                              ready=torch.cuda.Event() if sync else None)
+    def _capture_layout(self, topk_idx: torch.Tensor) -> CapturedLayout:
+        """Capture a default-mode signature's layout launches (see `_layout`)."""
+        c = self._layout_statics(topk_idx)
+        with graph_capture(c.graph):
+            self._layout_launches(c)
+        return c
+
+    def _layout_statics(self, topk_idx: torch.Tensor) -> CapturedLayout:
+        """The static tensors a captured layout reads and writes (nothing launched yet)."""
+        W, T, cuda = self.world_size, topk_idx.shape[0], self.device.type == "cuda"
+        return CapturedLayout(
+            topk_idx=torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device),
+            graph=torch.cuda.CUDAGraph() if cuda else None,
+            arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
+            status=torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=cuda),
+            ready=torch.cuda.Event() if cuda else None)
+
+    def _layout_launches(self, c: CapturedLayout) -> None:
+        """What a captured layout graph runs: the layout launches on c's static routing into c's
+        arena (setting c.send, c.recv), then the copy of the status words into c's pinned buffer."""
+        c.arena.used = 0
+        c.send, c.recv = self._launch_layout(c.topk_idx, alloc=c.arena)
+        c.status.copy_(layout_status_words(self.heap, c.recv, self._pending_flags), non_blocking=True)
 
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
@@ -372,7 +386,7 @@ class EPBuffer:
     # ------------------------------------------------------------------ raw passes (no autograd)
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
                       sync: bool) -> tuple[torch.Tensor, DispatchHandle]:
-        send, recv, status = self._layout(topk_idx, sync)
+        send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # Queued before the host read below, so the GPU fills them while the host waits.
         # -1 = "no row": after a timed-out graph-mode dispatch, combine gathers through no garbage
@@ -382,7 +396,7 @@ class EPBuffer:
         recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
         recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
         if sync:
-            rows_cap = num_rows = self._rows_from_status(recv, status)
+            rows_cap = num_rows = self._rows_from_status(recv, captured)
         else:
             rows_cap, num_rows = W * T * K, None
         recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)

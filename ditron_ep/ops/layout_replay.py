@@ -7,9 +7,10 @@ bench/results/dispatch_combine_H200x2_20261122_s10_*). FusedMoE replays its layo
 and ops/call_graphs.py says when a call signature is captured.
 
 Unlike the layer's, a dispatch's layout outlives the call: its handle keeps it for `combine` and
-the backward passes, while the next replay rewrites the graph's buffers. So inside the capture
-every layout tensor is a view of one flat int32 arena. Each replay clones the arena (one copy of
-a few KiB to ~1 MiB) and re-points the layout at the clone.
+the backward passes, while the next replay rewrites the graph's buffers. So every layout tensor
+the graph writes is a view of one flat int32 arena. Each replay clones the arena (one copy of a
+few KiB to ~1 MiB) and re-points the layout at the clone. Default mode only: capturing
+synchronises the device, which graph mode (sync=False) promises never to do.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 from ..megakernel.ep_layout import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
 
-__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebase_layout", "rebuild_layout", "view_recipe"]
+__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebuild_layout", "view_recipe"]
 
 # Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
 # 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
@@ -54,8 +55,8 @@ class Int32Arena:
     def __call__(self, shape: tuple[int, ...]) -> torch.Tensor:
         n = math.prod(shape)
         end = self.used + n
-        if end > self.flat.numel():
-            raise RuntimeError(f"Int32Arena of {self.flat.numel()} words cannot hold {tuple(shape)} after "
+        if end > self.flat.numel():  # a bug, not a capture problem: not a RuntimeError
+            raise ValueError(f"Int32Arena of {self.flat.numel()} words cannot hold {tuple(shape)} after "
                                f"{self.used} words; size it with layout_arena_words")
         view = self.flat[self.used:end].view(shape)
         self.used = _aligned(end)
@@ -83,33 +84,27 @@ def rebuild_layout(recipe: tuple[type, list[tuple[str, object]]], copy: torch.Te
     return cls(**{name: (copy.as_strided(*how) if isinstance(how, tuple) else how) for name, how in fields})
 
 
-def rebase_layout(layout: SendLayout | RecvLayout, src: torch.Tensor, dst: torch.Tensor):
-    """A copy of `layout` whose tensors that view `src` (an arena's flat buffer) view `dst`
-    (a clone of it) instead; tensors elsewhere are kept."""
-    return rebuild_layout(view_recipe(layout, src), dst)
-
-
 @dataclass
 class CapturedLayout:
-    """One dispatch signature's layout launches as a CUDA graph, and the static tensors it uses."""
+    """One default-mode dispatch signature's layout launches as a CUDA graph, and the static
+    tensors it reads and writes (EPBuffer._layout_statics / _layout_launches)."""
 
     topk_idx: torch.Tensor         # static input: each replay copies the call's routing in
-    graph: torch.cuda.CUDAGraph    # layout launches (+ the status copy, or the pending-flags update)
+    graph: torch.cuda.CUDAGraph    # the layout launches, then the status copy
     arena: Int32Arena              # every layout tensor the graph writes
-    send: SendLayout               # views of the arena
-    recv: RecvLayout
-    status: torch.Tensor | None    # default mode: pinned host copy of the layout status words
-    ready: torch.cuda.Event | None  # default mode: recorded after the replay (the status is in)
+    status: torch.Tensor           # pinned host copy of the layout status words
+    ready: torch.cuda.Event        # recorded after the replay: wait on it before reading `status`
+    send: SendLayout | None = None  # views of the arena (set by the launches)
+    recv: RecvLayout | None = None
     recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first replay
 
     def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """Queue this call's layout on the current stream; return it, copied out of the graph's
-        memory (the handle keeps it past the next replay). No host sync: in default mode wait on
-        `ready` before reading `status`."""
+        memory (the handle keeps it past the next replay). No host sync: wait on `ready` before
+        reading `status`."""
         self.topk_idx.copy_(topk_idx)
         self.graph.replay()
-        if self.ready is not None:
-            self.ready.record()
+        self.ready.record()
         flat = self.arena.flat
         if self.recipes is None:
             self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))

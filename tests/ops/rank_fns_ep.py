@@ -385,29 +385,14 @@ class _DoneEvent:
         pass
 
 
-def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor, sync: bool):
-    """EPBuffer._capture_layout for the CPU: the same arena, static input and status; the
-    "graph" reruns the launches into the same arena views on every replay (nothing runs at capture,
-    as with a CUDA graph: ranks may capture on different calls)."""
-    from ditron_ep.ops.ep_buffer import layout_status_numel, layout_status_words
-    from ditron_ep.ops.layout_replay import CapturedLayout, Int32Arena, layout_arena_words
-
-    W, T = buf.world_size, topk_idx.shape[0]
-    static_idx = torch.empty((T, buf.topk), dtype=topk_idx.dtype)
-    arena = Int32Arena(layout_arena_words(T, buf.topk, buf.num_experts, W, buf.max_tokens), buf.device)
-    arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
-    status = torch.empty(layout_status_numel(W), dtype=torch.int32) if sync else None
-
-    def launches() -> None:
-        arena.used = 0
-        c.send, c.recv = buf._launch_layout(static_idx, alloc=arena)
-        if sync:
-            status.copy_(layout_status_words(buf.heap, c.recv, buf._pending_flags))
-        else:
-            buf._record_pending_flags(c.recv)
-
-    c = CapturedLayout(topk_idx=static_idx, graph=_RerunGraph(launches), arena=arena, send=None, recv=None,
-                       status=status, ready=_DoneEvent() if sync else None)
+def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor):
+    """EPBuffer._capture_layout for the CPU: the buffer's own static tensors and launch sequence
+    (`_layout_statics`, `_layout_launches`), with a "graph" that reruns that sequence on every
+    replay. Nothing runs at capture, as with a CUDA graph (ranks may capture on different calls)."""
+    c = buf._layout_statics(topk_idx)
+    c.arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
+    c.graph = _RerunGraph(lambda: buf._layout_launches(c))
+    c.ready = _DoneEvent()
     return c
 
 
@@ -415,7 +400,8 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     """A buffer replaying its layout (graph_cache, with the CPU stand-in for the graph) against
     one launching directly: `calls` dispatches per mode with fresh routings (the same T), every
     handle kept and combined only after all of them (a replay must not rewrite an earlier call's
-    layout); then a replayed call with a bad expert id on rank 0 raises on every rank."""
+    layout); graph mode (sync=False) never replays. Then a replayed call with a bad expert id on
+    rank 0 raises on every rank, and so does `check()` after a graph-mode call with one."""
     from ditron_ep.ops.ep_buffer import RoutingError
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -423,7 +409,7 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     direct = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=0)
     cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
     cached._can_capture = lambda: True
-    cached._capture_layout = lambda idx, sync: _cpu_capture_layout(cached, idx, sync)
+    cached._capture_layout = lambda idx: _cpu_capture_layout(cached, idx)
     report = {"same": [], "replays": 0}
     for sync in (True, False):
         runs = {"direct": [], "cached": []}
@@ -450,6 +436,13 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     except RoutingError as err:
         report["bad"] = f"RoutingError: {err}"
     report["replays_after_bad"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    cached.dispatch(xs[rank], idxs[rank], ws[rank], sync=False)
+    try:
+        cached.check()
+        report["bad_graph_mode"] = "no error"
+    except RoutingError as err:
+        report["bad_graph_mode"] = f"RoutingError: {err}"
+    report["replays_after_graph_mode"] = sum(c.graph.replays for c in cached._layouts._entries.values())
     direct.free()
     cached.free()
     return report

@@ -1,5 +1,6 @@
-"""CallGraphCache policy (ops/call_graphs.py): capture on a signature's second call, LRU bound,
-capacity 0 disables, a failed capture is forgotten. The graphs themselves need CUDA
+"""CallGraphCache policy (ops/call_graphs.py): capture on a signature's second call, LRU bound
+without thrash, capacity 0 disables, a failed capture is forgotten, a library error is not
+swallowed, the garbage collector's state survives a capture. The graphs themselves need CUDA
 (tests/gpu/test_moe_gpu.py); here `capture` is a stand-in that records its calls."""
 from __future__ import annotations
 
@@ -29,18 +30,34 @@ def test_first_call_runs_directly_second_captures_then_replays():
     assert "T=128" in cache and len(cache) == 1
 
 
-def test_least_recently_used_signature_is_evicted():
+def test_a_stale_least_recently_used_signature_is_evicted():
     log: list = []
     make = _capturer(log)
     cache = CallGraphCache(2)
     for key in ("a", "a", "b", "b"):
         cache.lookup(key, make(key))
-    cache.lookup("a", make("a"))  # a is now the most recent
     cache.lookup("c", make("c"))
-    cache.lookup("c", make("c"))  # captures c, evicts b
+    assert cache.lookup("c", make("c")) is None  # a and b were used within 4 * capacity lookups: kept
+    for _ in range(8):
+        cache.lookup("a", make("a"))  # b goes stale
+    assert cache.lookup("c", make("c")) == "graphs of c"  # c still counts as seen: captured, b evicted
     assert "a" in cache and "c" in cache and "b" not in cache and len(cache) == 2
     assert cache.lookup("b", make("b")) is None  # b starts over: seen once again
     assert log == ["a", "b", "c"]
+
+
+def test_more_recurring_signatures_than_capacity_do_not_recapture_every_call():
+    """5 decode sizes in turn with room for 4: the first 4 captured stay, the fifth launches
+    directly (plain LRU would evict and recapture on every call, each a device sync)."""
+    log: list = []
+    make = _capturer(log)
+    cache = CallGraphCache(4)
+    hits = 0
+    for i in range(100):
+        key = i % 5
+        hits += cache.lookup(key, make(key)) is not None
+    assert log == [0, 1, 2, 3]
+    assert hits == 100 - 5 - 19  # misses: the 5 first sightings and the fifth key's later 19 calls
 
 
 def test_capacity_zero_never_captures():
@@ -80,3 +97,45 @@ def test_one_off_signatures_are_remembered_boundedly_and_clear_drops_all():
 def test_capacity_must_be_a_nonnegative_int(bad):
     with pytest.raises(ValueError, match="graph cache capacity"):
         CallGraphCache(bad)
+
+
+def test_give_up_warns_on_a_capture_failure_but_passes_library_errors_on():
+    from ditron_ep.runtime.errors import DitronConfigError
+
+    cache = CallGraphCache(2)
+    cache.lookup("k", lambda: "unused")
+
+    def ours():
+        raise DitronConfigError("a bug of the library, not of the capture")
+
+    with pytest.raises(DitronConfigError):
+        cache.lookup_or_give_up("k", ours, "owner")
+    assert cache.capacity == 2
+    cache.lookup("k", lambda: "unused")
+
+    def cuda():
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.warns(RuntimeWarning, match="owner: capturing"):
+        assert cache.lookup_or_give_up("k", cuda, "owner") is None
+    assert cache.capacity == 0 and len(cache) == 0
+
+
+def test_graph_capture_restores_the_garbage_collector_state(monkeypatch):
+    import contextlib
+    import gc
+
+    import torch
+
+    from ditron_ep.ops.call_graphs import graph_capture
+
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())  # no GPU here
+    was = gc.isenabled()
+    try:
+        for before in (False, True):
+            (gc.enable if before else gc.disable)()
+            with graph_capture(object()):
+                assert not gc.isenabled()
+            assert gc.isenabled() == before
+    finally:
+        (gc.enable if was else gc.disable)()

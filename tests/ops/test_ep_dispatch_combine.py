@@ -133,14 +133,17 @@ def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
 
 @pytest.mark.parametrize("W,tokens", [(2, [13, 20]), (3, [7, 0, 18])], ids=["W2", "W3-empty-rank"])
 def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, tokens):
-    """EPBuffer(graph_cache) replays a signature's layout from its second call on (a CPU stand-in
-    for the CUDA graph reruns the same launches into the same arena): every call's rows and
-    combine are bitwise those of a buffer launching directly, also for handles combined only after
-    later calls replayed over the graph's buffers; bad input on a replayed call still raises."""
+    """EPBuffer(graph_cache) replays a default-mode signature's layout from its second call on (a
+    CPU stand-in for the CUDA graph reruns the buffer's own launch sequence into the same arena):
+    every call's rows and combine are bitwise those of a buffer launching directly, also for
+    handles combined only after later calls replayed over the graph's buffers; graph mode never
+    replays; bad input on a replayed call still raises."""
     calls = 4
     for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls)):
-        assert rep["captured"] == 2, f"rank {rank}: expected one captured signature per mode, got {rep['captured']}"
-        assert rep["replays"] == 2 * (calls - 1), f"rank {rank}: {rep['replays']} replays"
+        assert rep["captured"] == 1, f"rank {rank}: expected one captured signature, got {rep['captured']}"
+        assert rep["replays"] == calls - 1, f"rank {rank}: {rep['replays']} replays"
         assert all(rep["same"]), f"rank {rank}: replayed calls differ from direct ones: {rep['same']}"
         assert rep["bad"].startswith("RoutingError") and "ranks 0" in rep["bad"], rep["bad"]
         assert rep["replays_after_bad"] == rep["replays"] + 1, "the bad call did not take the replay path"
+        assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
+        assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
