@@ -29,6 +29,7 @@ LAYOUT_HALVES = 2
 FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
 FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange (written after the timeout)
+FLAG_REFUSED = 8        # the rank rejected its own arguments to this call (set by the host: EPBuffer.dispatch)
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 _FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)

@@ -5,6 +5,8 @@ Functions -> `EPBuffer.dispatch` / `EPBuffer.combine` -> functional wrappers (op
 """
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +17,9 @@ from ..compiler.plan import is_nonnegative_int, is_positive_int
 from ..megakernel import task_queue
 from ..megakernel.ep_combine import ep_combine_kernel
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
-from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_PEER_GAVE_UP, FLAG_TOO_MANY_TOKENS, RecvLayout,
-                                    SendLayout, build_send_layout, exchange_layout, layout_landing_shape)
+from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_PEER_GAVE_UP, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS,
+                                    RecvLayout, SendLayout, build_send_layout, exchange_layout,
+                                    layout_landing_shape)
 from ..runtime import control as C
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
@@ -29,11 +32,16 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class CapacityError(DitronError, ValueError):
-    """Some rank has more tokens than `max_tokens_per_rank`; raised on every rank alike."""
+    """Some rank has more tokens than `max_tokens_per_rank`; raised on every rank alike.
 
-    def __init__(self, message: str, *, needed: int) -> None:
+    needed: the largest T of any rank (a lower bound when `pending`); pending: the problem was
+    recorded by an earlier graph-mode call (sync=False), whose tokens past the capacity were
+    dropped, and is raised by this later call, which itself moved nothing yet."""
+
+    def __init__(self, message: str, *, needed: int, pending: bool = False) -> None:
         super().__init__(message)
         self.needed = needed
+        self.pending = pending
 
 
 class RoutingError(DitronError, ValueError):
@@ -146,7 +154,9 @@ class EPBuffer:
         # alone would leave the others waiting in the heap's set-up.
         raise_unless_all_agree(group, "EPBuffer", _argument_problem(
             world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
-            hidden_slices, num_programs, graph_cache))
+            hidden_slices, num_programs, graph_cache), same={
+                "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
+                "topk": topk, "dtype": dtype, "block_rows": block_rows})
         self._layouts: CallGraphCache[CapturedLayout] = CallGraphCache(graph_cache)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.max_tokens = max_tokens_per_rank
@@ -224,8 +234,14 @@ class EPBuffer:
                 ordered by (source rank, source token); one row per (token, k) routed here.
             handle: DispatchHandle for `combine`.
         """
-        self._check_tokens(x, "x")
-        w = self._check_routing(x, topk_idx, topk_weights)
+        self._check_alive()
+        try:
+            self._check_tokens(x, "x")
+            w = self._check_routing(x, topk_idx, topk_weights)
+        except DitronConfigError:
+            if sync:
+                self._refuse_call()
+            raise
         return _Dispatch.apply(x, self, topk_idx, w, sync)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
@@ -239,6 +255,7 @@ class EPBuffer:
         Returns:
             out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
         """
+        self._check_alive()
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
             raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
         self._check_tokens(y, "y", rows=handle.rows_cap)
@@ -256,6 +273,20 @@ class EPBuffer:
         self.heap.free()
 
     # ------------------------------------------------------------------ validation
+    def _check_alive(self) -> None:
+        if self.heap.freed:
+            raise DitronConfigError("this EPBuffer was freed (free() was called); build a new EPBuffer")
+
+    def _refuse_call(self) -> None:
+        """Default mode, after this rank rejected its own arguments: join the call's counts
+        exchange with no tokens and FLAG_REFUSED, so that every peer raises at its status read
+        (before moving anything) instead of waiting for this rank in the exchange until it times
+        out. No rank launches the data kernel, so the ranks stay in step for the next call."""
+        idx = torch.empty((0, self.topk), dtype=torch.int32, device=self.device)
+        send = build_send_layout(idx, self.num_experts, self.world_size, self.max_tokens)
+        send.flags.fill_(FLAG_REFUSED)
+        exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout)
+
     def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
         check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
         if rows is not None and x.shape[0] != rows:
@@ -433,26 +464,34 @@ class EPBuffer:
 
 
 def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int) -> None:
-    """Raise the error for FLAG_* bits (info: (flags, T) of every rank, when known)."""
+    """Raise the error for FLAG_* bits. info: (flags, T) of every rank in this call; None for
+    flags an earlier graph-mode call recorded (it moved its tokens, the offending ones dropped)."""
     if not flags:
         return
     who = ""
     if info is not None:
         who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+    moved = ("no token was moved" if info is not None else
+             "recorded by an earlier graph-mode call (sync=False), which dropped the offending tokens or slots")
     if flags & FLAG_PEER_GAVE_UP:
         raise DitronTimeoutError(
             f"a rank timed out waiting for a peer in this call's layout exchange and gave up{who}: the ranks' "
             f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
             f"was moved. Call heap.reset() on every rank (collectively) before the next call",
             stage="ep layout: counts exchange")
+    if flags & FLAG_REFUSED:
+        raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
+                                f"no token was moved. Fix that rank's call (every rank must call with valid "
+                                f"arguments, in the same order)")
     if flags & FLAG_TOO_MANY_TOKENS:
         needed = max(t for _, t in info) if info is not None else max_tokens + 1
         raise CapacityError(
-            f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed {needed}; "
-            f"build the buffer with a larger max_tokens_per_rank (no token was moved)", needed=needed)
+            f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed "
+            f"{needed if info is not None else f'more than {max_tokens}'}; build the buffer with a larger "
+            f"max_tokens_per_rank ({moved})", needed=needed, pending=info is None)
     if flags & FLAG_BAD_EXPERT:
         raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
-                           f"fix the router output (no token was moved)")
+                           f"fix the router output ({moved})")
 
 
 def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int) -> None:
@@ -484,7 +523,7 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
     if pending:
         pending_flags.zero_()
         raise_input_flags(pending, None, num_experts, max_tokens)
-    raise_input_flags(max(f for f, _ in info) if info else 0, info, num_experts, max_tokens)
+    raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens)
     return total
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..runtime.errors import DitronConfigError
 from .ep_buffer import CapacityError, DispatchHandle, EPBuffer
 
 _CACHE: dict[tuple, EPBuffer] = {}
@@ -47,11 +48,15 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
     """`EPBuffer.dispatch` on the cached buffer (see there for shapes). Graph mode (sync=False)
     needs the buffer to exist already at a sufficient size (call once with sync=True first)."""
+    for name, t in (("x", x), ("topk_idx", topk_idx)):  # the cached buffer is looked up by their shapes
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise DitronConfigError(f"{name} must be a 2-D tensor ([T, hidden] and [T, topk]), got "
+                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
     buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
     try:
         return buf.dispatch(x, topk_idx, topk_weights, sync=sync)
     except CapacityError as err:
-        if not sync:
+        if not sync or err.pending:  # a graph-mode call's recorded problem is the user's to see
             raise
         buf = _regrow(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype), buf, err.needed)
         return buf.dispatch(x, topk_idx, topk_weights, sync=sync)
@@ -59,11 +64,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
 def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
             num_experts: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """`EPBuffer.combine` on the buffer that produced `handle`."""
-    buf = _CACHE.get(_key(group, num_experts, y.shape[-1], handle.send.topk_idx.shape[-1], y.dtype))
-    if buf is None or id(buf) != handle.buffer_id:
-        raise ValueError("handle does not come from the cached buffer for these parameters; "
-                         "pass the same num_experts, group and dtype as to dispatch")
+    """`EPBuffer.combine` on the buffer that produced `handle` (num_experts and group as passed
+    to `dispatch`; y is checked against that buffer)."""
+    buf = next((b for b in _CACHE.values() if id(b) == getattr(handle, "buffer_id", None)), None)
+    if buf is None or buf.num_experts != num_experts or buf.heap.group is not (group or dist.group.WORLD):
+        raise DitronConfigError("handle does not come from ditron_ep.ops.dispatch on the cached buffer for this "
+                                "num_experts and group (or that buffer was regrown or cleared since): pass a "
+                                "handle of ditron_ep.ops.dispatch called with the same num_experts and group")
     return buf.combine(y, handle, topk_weights)
 
 

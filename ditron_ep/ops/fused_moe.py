@@ -21,6 +21,7 @@ from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
+from ..runtime.mode import kernels_interpreted
 from .call_graphs import CallGraphCache, graph_capture
 from .ep_buffer import (SUPPORTED_DTYPES, layout_status_numel, layout_status_words, raise_layout_status,
                         raise_pending_flags)
@@ -103,6 +104,9 @@ def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dty
     if num_experts % world:
         raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
     device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
+    if kernels_interpreted() and dtype == torch.bfloat16:
+        raise DitronConfigError("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot "
+                                "wrongly); use float32 or float16 on the CPU")
     if device_type == "cuda" and plan is None:
         # one program per SM of this device (the plan's default assumes an H100/H200's 132)
         plan_overrides.setdefault("num_programs", torch.cuda.get_device_properties(
@@ -158,7 +162,9 @@ class FusedMoE:
         except Exception as err:  # noqa: BLE001 - DitronConfigError, PlanError, bad overrides, device queries
             problem = f"{err}" if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
         # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
-        raise_unless_all_agree(group, "FusedMoE", problem)
+        raise_unless_all_agree(group, "FusedMoE", problem, same={
+            "num_experts": num_experts, "hidden": hidden, "ffn_hidden": ffn_hidden,
+            "max_tokens_per_rank": max_tokens_per_rank, "topk": topk, "dtype": dtype, "schedule": schedule})
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
@@ -241,6 +247,8 @@ class FusedMoE:
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
         """
+        if self.heap.freed:
+            raise DitronConfigError("this FusedMoE was freed (free() was called); build a new one")
         self._validate(x, topk_idx, topk_weights, w1, w2)
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
-from .ep_buffer import CapacityError
+from ..runtime.mode import kernels_interpreted
+from .ep_buffer import SUPPORTED_DTYPES, CapacityError
 from .functional import combine, dispatch
-from .fused_moe import FusedMoE
+from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 
 SCHEDULES = ("overlap", "sequential", "staged")
@@ -45,16 +46,29 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
+    for name, t, dims in (("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
+                          ("w2", w2, 3)):
+        # the cached layer is looked up by these shapes, so check them before any lookup
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            hint = "; for an unweighted sum pass torch.ones(T, K)" if name == "topk_weights" else ""
+            raise DitronConfigError(f"{name} must be a {dims}-D tensor, got {got} (shapes: x [T, H], topk_idx and "
+                                    f"topk_weights [T, K], w1 [E_local, H, 2I], w2 [E_local, I, H]){hint}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
         raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
                                   "torch.no_grad() / inference_mode, or detach its inputs")
-    if w1.dim() != 3 or w2.dim() != 3:
-        raise DitronConfigError(f"w1 must be [E_local, H, 2I] and w2 [E_local, I, H]; got {tuple(w1.shape)}, "
-                                f"{tuple(w2.shape)}")
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule != "staged":
         return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
+    # checked here, before the dispatch moves any token, as the fused layer does
+    if kernels_interpreted() and x.dtype == torch.bfloat16:
+        raise DitronConfigError("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot "
+                                "wrongly); use float32 or float16 on the CPU")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
+    validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1], ffn_hidden=w2.shape[1],
+                    num_local_experts=w1.shape[0], topk=topk_idx.shape[1], device=x.device)
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
@@ -76,7 +90,7 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
     try:
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
     except CapacityError as err:
-        if not sync:
+        if not sync or err.pending:  # a graph-mode call's recorded problem is the user's to see
             raise
         layer.free()
         layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1],

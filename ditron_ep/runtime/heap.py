@@ -291,6 +291,11 @@ class SymmetricHeap:
             if device is not None and torch.device(device).type != "cpu":
                 raise DitronConfigError(f"the emulated backend lives on the CPU; got device={device}")
 
+    @property
+    def freed(self) -> bool:
+        """Whether `free()` has released this heap (every later use raises)."""
+        return self._freed
+
     def _check_alive(self) -> None:
         if self._freed:
             raise DitronConfigError("this SymmetricHeap was freed; create a new one")

@@ -5,6 +5,8 @@ float64 oracle are computed locally with plain loops that share no code with the
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -446,3 +448,69 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     direct.free()
     cached.free()
     return report
+
+
+def api_misuse_cases() -> dict:
+    """Misuse found by probing the public API: each must give a clear error on every rank (or
+    reach the user), never garbage or a swallowed problem."""
+    from ditron_ep.ops import CapacityError, clear_cache, clear_layers, combine, dispatch, moe
+    from ditron_ep.ops import functional as F
+    from ditron_ep.ops.fused_moe import FusedMoE
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res: dict = {}
+
+    def catch(key, fn, exc=DitronConfigError):
+        try:
+            fn()
+            res[key] = "no error"
+        except exc as err:
+            res[key] = f"{type(err).__name__}: {err}"
+
+    # constructor arguments that must match on every rank: named, on every rank
+    catch("hidden_differs", lambda: EPBuffer(None, E, H if rank == 0 else 2 * H, 8, K, torch.float32))
+    catch("fused_topk_differs", lambda: FusedMoE(None, E, H, 16, 8, K if rank == 0 else 1, torch.float32))
+    # bf16 GEMMs are wrong under the interpreter: refused instead of returning garbage
+    catch("fused_bf16", lambda: FusedMoE(None, E, H, 16, 8, K, torch.bfloat16))
+    # a bad argument on one rank only (default mode): that rank raises its reason, every peer a
+    # DitronConfigError naming it at once (not a timeout in the counts exchange); then a valid
+    # call on every rank works (the ranks stayed in step)
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [5] * W, H, E, K, torch.float32, "uniform", seed=2)
+    bad_x = torch.randn(5, H + 1) if rank == 1 else xs[rank]
+    t0 = time.monotonic()
+    catch("one_rank_bad_call", lambda: buf.dispatch(bad_x, idxs[rank], ws[rank]))
+    res["one_rank_bad_call_s"] = time.monotonic() - t0
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])  # y = x for every expert
+    res["in_step_after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6, atol=1e-6))
+    # a freed buffer
+    buf.free()
+    catch("after_free", lambda: buf.dispatch(torch.randn(4, H), torch.zeros(4, K, dtype=torch.long)))
+
+    # a graph-mode call over capacity: the functional API must not swallow the recorded problem
+    xs, idxs, ws = make_inputs(W, [4] * W, H, E, K, torch.float32, "uniform", seed=3)
+    dispatch(xs[rank], idxs[rank], num_experts=E)  # the cached buffer: 4 tokens
+    big_x, big_i, big_w = make_inputs(W, [12] * W, H, E, K, torch.float32, "uniform", seed=4)
+    dispatch(big_x[rank], big_i[rank], num_experts=E, sync=False)
+    catch("pending_capacity", lambda: dispatch(xs[rank], idxs[rank], num_experts=E), CapacityError)
+    res["max_tokens_after"] = F.get_buffer(None, E, H, K, torch.float32, 0).max_tokens
+    # the functional combine names what is wrong with y, not the cache lookup
+    recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
+    catch("combine_bad_y", lambda: combine(torch.zeros(recv_x.shape[0], H // 2), handle, ws[rank], num_experts=E))
+    catch("dispatch_1d_idx", lambda: dispatch(xs[rank], idxs[rank][:, 0].contiguous(), num_experts=E))
+    clear_cache()
+
+    # moe: missing weights, and the staged schedule refusing bad weights before dispatching
+    e_local = E // W
+    w1 = torch.randn(e_local, H, 32) / H ** 0.5
+    w2 = torch.randn(e_local, 16, H) / 4.0
+    with torch.no_grad():
+        catch("moe_no_weights", lambda: moe(xs[rank], idxs[rank], None, w1, w2))
+        catch("staged_bad_w1", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half(), w2, schedule="staged"))
+    res["staged_dispatched"] = len(F._CACHE)
+    clear_layers()
+    clear_cache()
+    return res

@@ -147,3 +147,27 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
         assert rep["replays_after_bad"] == rep["replays"] + 1, "the bad call did not take the replay path"
         assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
         assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
+
+
+def test_api_misuse_gets_clear_errors(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.api_misuse_cases)):
+        assert "hidden" in res["hidden_differs"] and "rank 1 64" in res["hidden_differs"], res["hidden_differs"]
+        assert "topk" in res["fused_topk_differs"] and "same" in res["fused_topk_differs"], res["fused_topk_differs"]
+        assert "bfloat16 is not supported under the Triton interpreter" in res["fused_bf16"], res["fused_bf16"]
+        if rank == 1:
+            assert "x must have shape" in res["one_rank_bad_call"], res["one_rank_bad_call"]
+        else:
+            assert "rejected its own arguments" in res["one_rank_bad_call"] and "ranks 1" in res["one_rank_bad_call"], \
+                res["one_rank_bad_call"]
+        assert res["one_rank_bad_call_s"] < 15.0, "a peer waited for the rank that rejected its call"
+        assert res["in_step_after"], "the call after a rejected one gave wrong results"
+        assert "was freed" in res["after_free"], res["after_free"]
+        assert res["pending_capacity"].startswith("CapacityError") and "graph-mode" in res["pending_capacity"], \
+            res["pending_capacity"]
+        assert res["max_tokens_after"] == 4, "the functional API regrew on a graph-mode call's recorded problem"
+        assert "y must have shape" in res["combine_bad_y"], res["combine_bad_y"]
+        assert "topk_idx must be a 2-D tensor" in res["dispatch_1d_idx"], res["dispatch_1d_idx"]
+        assert "topk_weights must be a 2-D tensor" in res["moe_no_weights"], res["moe_no_weights"]
+        assert "w1" in res["staged_bad_w1"] and res["staged_bad_w1"].startswith("DitronConfigError"), \
+            res["staged_bad_w1"]
+        assert res["staged_dispatched"] == 0, "the staged schedule dispatched before checking the weights"
