@@ -11,12 +11,17 @@ import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
 from .ep_buffer import CapacityError, DispatchHandle, EPBuffer
+from .input_checks import check_dims
 
 _CACHE: dict[tuple, EPBuffer] = {}
 
 
+def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return group if group is not None else dist.group.WORLD
+
+
 def _key(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int, dtype: torch.dtype) -> tuple:
-    g = group if group is not None else dist.group.WORLD
+    g = _resolved(group)
     return (g.group_name if hasattr(g, "group_name") else id(g), num_experts, hidden, topk, dtype)
 
 
@@ -48,10 +53,8 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
     """`EPBuffer.dispatch` on the cached buffer (see there for shapes). Graph mode (sync=False)
     needs the buffer to exist already at a sufficient size (call once with sync=True first)."""
-    for name, t in (("x", x), ("topk_idx", topk_idx)):  # the cached buffer is looked up by their shapes
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise DitronConfigError(f"{name} must be a 2-D tensor ([T, hidden] and [T, topk]), got "
-                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    # the cached buffer is looked up by their shapes, so they are checked before the lookup
+    check_dims((("x", x, 2), ("topk_idx", topk_idx, 2)), "x [T, hidden], topk_idx [T, topk]")
     buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
     try:
         return buf.dispatch(x, topk_idx, topk_weights, sync=sync)
@@ -67,7 +70,7 @@ def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor 
     """`EPBuffer.combine` on the buffer that produced `handle` (num_experts and group as passed
     to `dispatch`; y is checked against that buffer)."""
     buf = next((b for b in _CACHE.values() if id(b) == getattr(handle, "buffer_id", None)), None)
-    if buf is None or buf.num_experts != num_experts or buf.heap.group is not (group or dist.group.WORLD):
+    if buf is None or buf.num_experts != num_experts or buf.heap.group is not _resolved(group):
         raise DitronConfigError("handle does not come from ditron_ep.ops.dispatch on the cached buffer for this "
                                 "num_experts and group (or that buffer was regrown or cleared since): pass a "
                                 "handle of ditron_ep.ops.dispatch called with the same num_experts and group")

@@ -21,7 +21,7 @@ from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
 from ..runtime.heap import SymmetricHeap
-from ..runtime.mode import kernels_interpreted
+from ..runtime.mode import gemm_dtype_problem
 from .call_graphs import CallGraphCache, graph_capture
 from .ep_buffer import (SUPPORTED_DTYPES, layout_status_numel, layout_status_words, raise_layout_status,
                         raise_pending_flags)
@@ -104,9 +104,9 @@ def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dty
     if num_experts % world:
         raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the world size {world}")
     device_type = "cuda" if torch.cuda.is_available() and backend != "emulated" else "cpu"
-    if kernels_interpreted() and dtype == torch.bfloat16:
-        raise DitronConfigError("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot "
-                                "wrongly); use float32 or float16 on the CPU")
+    problem = gemm_dtype_problem(dtype)
+    if problem:
+        raise DitronConfigError(problem)
     if device_type == "cuda" and plan is None:
         # one program per SM of this device (the plan's default assumes an H100/H200's 132)
         plan_overrides.setdefault("num_programs", torch.cuda.get_device_properties(

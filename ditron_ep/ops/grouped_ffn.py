@@ -17,7 +17,7 @@ import triton
 from ..compiler.core_config import GemmTileConfig, default_gemm_configs
 from ..compiler.plan import is_positive_int
 from ..megakernel.grouped_gemm import build_tile_map, grouped_down_kernel, grouped_swiglu_kernel, max_m_tiles
-from ..runtime.mode import kernels_interpreted
+from ..runtime.mode import gemm_dtype_problem, kernels_interpreted
 
 __all__ = ["MAX_LOCAL_EXPERTS", "grouped_swiglu_ffn", "launch_grouped_down", "launch_grouped_swiglu"]
 
@@ -180,9 +180,9 @@ def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w
             f"x is on {x.device} but ditron_ep's kernels are {'interpreted' if interpreted else 'compiled'}: "
             f"CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing ditron_ep), "
             f"GPU tensors compiled kernels (leave TRITON_INTERPRET unset on a GPU machine)")
-    if interpreted and x.dtype == torch.bfloat16:
-        raise ValueError("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot "
-                         "wrongly); use float32 or float16 on the CPU")
+    problem = gemm_dtype_problem(x.dtype)
+    if problem:
+        raise ValueError(problem)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D [N, H], got shape {tuple(x.shape)}")
     hidden = x.shape[1]

@@ -51,5 +51,16 @@ def check_tensor(name: str, t: object, *, shape: Sequence[Dim] | None = None,
     return t
 
 
+def check_dims(named: Sequence[tuple[str, object, int]], shapes: str, hints: dict[str, str] | None = None) -> None:
+    """Raise DitronConfigError unless every (name, t, dims) is a tensor with `dims` dimensions:
+    the first check of an entry point that looks a cached buffer up by its arguments' shapes.
+    shapes says what each should be; hints[name] is appended to that argument's message."""
+    for name, t, dims in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            hint = f"; {hints[name]}" if hints and name in hints else ""
+            raise DitronConfigError(f"{name} must be a {dims}-D tensor, got {got} (shapes: {shapes}){hint}")
+
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
-from ..runtime.mode import kernels_interpreted
+from ..runtime.mode import gemm_dtype_problem
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
 from .functional import combine, dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
+from .input_checks import check_dims
 
 SCHEDULES = ("overlap", "sequential", "staged")
 _LAYERS: dict[tuple, FusedMoE] = {}
@@ -46,14 +47,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
-    for name, t, dims in (("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
-                          ("w2", w2, 3)):
-        # the cached layer is looked up by these shapes, so check them before any lookup
-        if not isinstance(t, torch.Tensor) or t.dim() != dims:
-            got = f"shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            hint = "; for an unweighted sum pass torch.ones(T, K)" if name == "topk_weights" else ""
-            raise DitronConfigError(f"{name} must be a {dims}-D tensor, got {got} (shapes: x [T, H], topk_idx and "
-                                    f"topk_weights [T, K], w1 [E_local, H, 2I], w2 [E_local, I, H]){hint}")
+    # the cached layer is looked up by these shapes, so they are checked before any lookup
+    check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
+                ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], w2 [E_local, I, H]",
+               hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
         raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
                                   "torch.no_grad() / inference_mode, or detach its inputs")
@@ -62,9 +59,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     if schedule != "staged":
         return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
     # checked here, before the dispatch moves any token, as the fused layer does
-    if kernels_interpreted() and x.dtype == torch.bfloat16:
-        raise DitronConfigError("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot "
-                                "wrongly); use float32 or float16 on the CPU")
+    problem = gemm_dtype_problem(x.dtype)
+    if problem:
+        raise DitronConfigError(problem)
     if x.dtype not in SUPPORTED_DTYPES:
         raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
     validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1], ffn_hidden=w2.shape[1],

@@ -45,6 +45,17 @@ def kernels_interpreted() -> bool:
     return decide_mode()
 
 
+def gemm_dtype_problem(dtype) -> str | None:
+    """Why the expert GEMMs cannot run in `dtype` in this process (None: they can): the Triton
+    interpreter computes bf16 tl.dot wrongly (results off by orders of magnitude, no error)."""
+    import torch
+
+    if kernels_interpreted() and dtype == torch.bfloat16:
+        return ("bfloat16 is not supported under the Triton interpreter (it computes bf16 tl.dot wrongly); "
+                "use float32 or float16 on the CPU")
+    return None
+
+
 def resolve_backend(backend: str) -> str:
     """Map `backend` ('auto' | 'emulated' | 'torch') to a concrete backend valid in this process."""
     if backend not in BACKENDS:

@@ -180,6 +180,20 @@ def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype,
     }
 
 
+def _recorder(res: dict):
+    """catch(key, fn, exc=DitronConfigError): run fn and record under `key` "no error" or the
+    expected exception as "<type>: <message>" (any other exception propagates)."""
+    from ditron_ep.runtime import DitronConfigError
+
+    def catch(key, fn, exc=DitronConfigError):
+        try:
+            fn()
+            res[key] = "no error"
+        except exc as err:
+            res[key] = f"{type(err).__name__}: {err}"
+    return catch
+
+
 def error_cases() -> dict:
     """Bad input: clear errors on every rank before any token moves; graph mode records them."""
     from ditron_ep.ops import CapacityError, RoutingError
@@ -191,13 +205,7 @@ def error_cases() -> dict:
     x = torch.randn(6, H)
     idx = torch.tensor([[0, 1]] * 6)
     res = {}
-
-    def catch(key, fn, exc):
-        try:
-            fn()
-            res[key] = "no error"
-        except exc as err:
-            res[key] = f"{type(err).__name__}: {err}"
+    catch = _recorder(res)
 
     bad_idx = idx.clone()
     if rank == 1:
@@ -456,18 +464,11 @@ def api_misuse_cases() -> dict:
     from ditron_ep.ops import CapacityError, clear_cache, clear_layers, combine, dispatch, moe
     from ditron_ep.ops import functional as F
     from ditron_ep.ops.fused_moe import FusedMoE
-    from ditron_ep.runtime import DitronConfigError
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E, H, K = 2 * W, 32, 2
     res: dict = {}
-
-    def catch(key, fn, exc=DitronConfigError):
-        try:
-            fn()
-            res[key] = "no error"
-        except exc as err:
-            res[key] = f"{type(err).__name__}: {err}"
+    catch = _recorder(res)
 
     # constructor arguments that must match on every rank: named, on every rank
     catch("hidden_differs", lambda: EPBuffer(None, E, H if rank == 0 else 2 * H, 8, K, torch.float32))
