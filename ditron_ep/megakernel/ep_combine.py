@@ -19,6 +19,7 @@ import triton.language as tl
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime.heap import register_stage
 from .primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from .refusal import peer_refused
 from .task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
@@ -72,6 +73,7 @@ def ep_combine_kernel(
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
     epoch, ok = call_begin(table_ptr, rank, world, budget)
+    ok = ok & (peer_refused(table_ptr, rank, world, epoch, BLOCK_W) == 0)  # then no rank moves anything
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     n_blocks = tl.cdiv(T, BLOCK_T)

@@ -146,8 +146,9 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoc
 
 # refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
 # equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
-# gemm_group (1 for row_major) likewise: every tile order runs one binary.
-@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group"])
+# gemm_group (1 for row_major) likewise: every tile order runs one binary. T likewise (it only
+# bounds masks): calls of 1, 16·n and other token counts, and a refused call's 0, share a binary.
+@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group", "T"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped

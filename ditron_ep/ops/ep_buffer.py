@@ -20,6 +20,7 @@ from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_PEER_GAVE_UP, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS,
                                     RecvLayout, SendLayout, build_send_layout, exchange_layout,
                                     layout_landing_shape)
+from ..megakernel.refusal import refused_call_kernel
 from ..runtime import control as C
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
@@ -254,14 +255,22 @@ class EPBuffer:
             topk_weights: [T, K] float weights; None = unweighted sum (weights already applied).
         Returns:
             out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
+        A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
+        no rank moves anything, its peers raise DitronConfigError naming it (when they read the
+        error slot: default mode with check_errors, else their next host-visible call).
         """
         self._check_alive()
-        if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
-            raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
-        self._check_tokens(y, "y", rows=handle.rows_cap)
-        w = None
-        if topk_weights is not None:
-            w = self._check_weights(topk_weights, handle.num_tokens)
+        try:
+            if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+                raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
+            self._check_tokens(y, "y", rows=handle.rows_cap)
+            w = None
+            if topk_weights is not None:
+                w = self._check_weights(topk_weights, handle.num_tokens)
+        except DitronConfigError:
+            # the peers are entering this call's barrier: take part, flagged (megakernel/refusal.py)
+            refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)
+            raise
         return _Combine.apply(y, w, self, handle)
 
     def check(self) -> None:

@@ -39,6 +39,14 @@ def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, t
     return buf
 
 
+def refuse_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, *, num_experts: int,
+                    group: dist.ProcessGroup | None = None) -> None:
+    """This rank rejected its arguments to a call whose peers go on to `dispatch` on the cached
+    buffer for these shapes: join that dispatch flagged (`EPBuffer._refuse_call`), so that the
+    peers raise at once instead of waiting for this rank until they time out."""
+    get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])._refuse_call()
+
+
 def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:
     new_max = max(needed, 2 * buf.max_tokens)  # geometric growth: few regrows
     group = buf.heap.group

@@ -16,7 +16,7 @@ import triton
 
 from ..compiler.lowering import lower
 from ..compiler.plan import MoEPlan, MoESpec
-from ..megakernel.ep_layout import build_send_layout, exchange_layout, layout_landing_shape
+from ..megakernel.ep_layout import FLAG_REFUSED, build_send_layout, exchange_layout, layout_landing_shape
 from ..megakernel.moe_fused import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ..runtime.agreement import raise_unless_all_agree
 from ..runtime.errors import DitronConfigError
@@ -237,7 +237,8 @@ class FusedMoE:
         sync=True: one device-to-host read, of the layout's status (the host waits for the layout
         launches, not for the megakernel, which runs on asynchronously): bad input on any rank
         makes every rank's megakernel refuse all work (no token moves) and raises here on every
-        rank; so does a timeout recorded by an earlier launch. A timeout inside this call's
+        rank (a rank that rejects its own arguments runs the call flagged, with no tokens, so its
+        peers raise too); so does a timeout recorded by an earlier launch. A timeout inside this call's
         megakernel raises at the next call's read (or `check()`), and the rank's launches refuse
         all work until then; check_errors=True waits for the megakernel and raises it here.
         On CUDA, from a call signature's second call on, these launches are replayed from CUDA
@@ -249,7 +250,12 @@ class FusedMoE:
         """
         if self.heap.freed:
             raise DitronConfigError("this FusedMoE was freed (free() was called); build a new one")
-        self._validate(x, topk_idx, topk_weights, w1, w2)
+        try:
+            self._validate(x, topk_idx, topk_weights, w1, w2)
+        except DitronConfigError:
+            if sync:
+                self._refuse_call()
+            raise
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)
             captured = self._graphs.lookup_or_give_up(
@@ -275,11 +281,29 @@ class FusedMoE:
             self._raise_status(status[0])
         return out
 
-    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+    def _refuse_call(self) -> None:
+        """Default mode, after this rank rejected its own arguments: run the call with no tokens
+        and FLAG_REFUSED in the counts exchange. Every rank's megakernel then refuses all work (no
+        token moves, as for flagged input) and every peer raises at its status read, instead of
+        waiting for this rank in the exchange until it times out; the ranks stay in step (the
+        megakernel advanced every rank's epoch). No weight is read, so placeholders stand in."""
+        dev, dt, K = self.device, self.dtype, self.topk
+        idx = torch.empty((0, K), dtype=torch.int32, device=dev)
+        send, recv, weights = self._launch_layout(idx, torch.empty((0, K), dtype=torch.float32, device=dev),
+                                                  refused=True)
+        none = torch.empty((0, self.hidden), dtype=dt, device=dev)
+        placeholder = torch.empty(16, dtype=dt, device=dev)
+        self._launch_kernel(none, send, recv, weights, placeholder, placeholder, none, refuse_flagged=True,
+                            trace=False)
+
+    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool = False):
         """The launches before the megakernel (sender layout, counts exchange and row-tile map,
-        counter resets); returns (send layout, receive layout, fp32 weights). No host sync."""
+        counter resets); returns (send layout, receive layout, fp32 weights). No host sync.
+        refused: this rank joins the exchange flagged FLAG_REFUSED (`_refuse_call`)."""
         h = self.heap
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
+        if refused:
+            send.flags.fill_(FLAG_REFUSED)
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
                                tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import combine, dispatch
+from .functional import combine, dispatch, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -64,8 +64,13 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         raise DitronConfigError(problem)
     if x.dtype not in SUPPORTED_DTYPES:
         raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
-    validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1], ffn_hidden=w2.shape[1],
-                    num_local_experts=w1.shape[0], topk=topk_idx.shape[1], device=x.device)
+    try:
+        validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1],
+                        ffn_hidden=w2.shape[1], num_local_experts=w1.shape[0], topk=topk_idx.shape[1],
+                        device=x.device)
+    except DitronConfigError:
+        refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group)  # the peers raise at once too
+        raise
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)

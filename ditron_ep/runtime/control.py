@@ -21,8 +21,11 @@ ERR_SIGNAL = 19
 ERR_OBSERVED = 20
 ERR_EXPECTED = 21
 ERR_EPOCH = 22
+REFUSED = 256                # REFUSED + p: epoch of the last call rank p refused (megakernel/refusal.py)
 BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
-MAX_WORLD = CTRL_WORDS - BARRIER
+MAX_WORLD = BARRIER - REFUSED
+
+ERR_STAGE_PEER_REFUSED = 15  # ERR_STAGE of a record that says "a peer refused this call", not a timeout
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned

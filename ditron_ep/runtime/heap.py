@@ -26,7 +26,7 @@ DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25}
 WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
-STAGE_NAMES: dict[int, str] = {0: "call barrier"}
+STAGE_NAMES: dict[int, str] = {0: "call barrier", C.ERR_STAGE_PEER_REFUSED: "a peer refused the call"}
 
 
 def register_stage(code: int, name: str) -> int:
@@ -205,11 +205,21 @@ class SymmetricHeap:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
-    def read_error(self) -> DitronTimeoutError | None:
-        """The error a kernel recorded in this rank's slot, or None."""
+    def read_error(self) -> DitronTimeoutError | DitronConfigError | None:
+        """The error a kernel recorded in this rank's slot, or None.
+
+        A record that a peer refused a call (megakernel/refusal.py) is consumed by the read, and
+        comes back as DitronConfigError: no rank moved anything in that call and every rank's
+        epoch advanced, so the ranks are in step and the heap needs no reset."""
         slot = self._ctrl[:C.ERR_EPOCH + 1].cpu()
         if int(slot[C.ERR_FLAG]) == 0:
             return None
+        if int(slot[C.ERR_STAGE]) == C.ERR_STAGE_PEER_REFUSED:
+            self._ctrl[C.ERR_FLAG] = 0
+            return DitronConfigError(
+                f"rank {int(slot[C.ERR_RANK])} rejected its own arguments to this call and raised the reason "
+                f"there; no rank moved anything. Fix that rank's call (every rank must call with valid "
+                f"arguments, in the same order)")
         stage = STAGE_NAMES.get(int(slot[C.ERR_STAGE]), f"stage {int(slot[C.ERR_STAGE])}")
         rank, signal = int(slot[C.ERR_RANK]), int(slot[C.ERR_SIGNAL])
         observed, expected = int(slot[C.ERR_OBSERVED]), int(slot[C.ERR_EXPECTED])
@@ -221,7 +231,7 @@ class SymmetricHeap:
                                   observed=observed, expected=expected)
 
     def check_error(self) -> None:
-        """Raise the recorded DitronTimeoutError, if any (synchronises with the device)."""
+        """Raise the recorded error, if any (synchronises with the device; see read_error)."""
         err = self.read_error()
         if err is not None:
             raise err
@@ -234,6 +244,7 @@ class SymmetricHeap:
         self._ctrl.zero_()
         self._ctrl[C.EPOCH] = e
         self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = e
+        self._ctrl[C.REFUSED:C.REFUSED + self.world_size] = e  # no refusal of the next call (epoch e + 1)
         self.barrier()
 
     def free(self) -> None:

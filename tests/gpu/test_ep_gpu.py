@@ -717,6 +717,8 @@ def _error_check(dev, buffers: list) -> list[str]:
         catch("x_on_cpu", lambda: buf.dispatch(x.cpu(), idx))
         catch("idx_on_cpu", lambda: buf.dispatch(x, idx.cpu()))
     catch("weights_shape", lambda: buf.dispatch(x, idx, torch.ones(6, K + 1, device=dev)))
+    # a bad argument on one rank only: it joins the counts exchange flagged, its peers raise at once
+    catch("one_rank_bad_x", lambda: buf.dispatch(torch.randn(6, H + 1, device=dev) if rank == bad_rank else x, idx))
     if W > 1:
         catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, max_t, K, torch.float32))
     catch("topk_too_large", lambda: EPBuffer(None, E, H, max_t, E + 1, torch.float32))
@@ -737,6 +739,8 @@ def _error_check(dev, buffers: list) -> list[str]:
         catch("y_rows", lambda: buf.combine(recv_x[:-1].contiguous() if recv_x.shape[0] else
                                             torch.zeros(1, H, device=dev), handle))
         catch("bad_handle", lambda: buf.combine(recv_x, object()))
+        # one rank's y only: it takes part in the combine's barrier flagged (megakernel/refusal.py)
+        catch("one_rank_bad_y", lambda: buf.combine(recv_x.double() if rank == bad_rank else recv_x, handle))
         out = buf.combine(recv_x, handle)
         res["recovered_rows"] = str(recv_x.shape[0])
         res["recovered_exact"] = str(_bits_equal(out, x + x))
@@ -762,6 +766,11 @@ def _error_check(dev, buffers: list) -> list[str]:
         "recovered_rows": [str(12 * W if rank == 0 else 0)],
         "recovered_exact": ["True"],
     }
+    lone = rank == bad_rank
+    expect["one_rank_bad_x"] = ["DitronConfigError"] + ([f"hidden={H}"] if lone else
+                                                       ["rejected its own arguments", f"(ranks {bad_rank})"])
+    expect["one_rank_bad_y"] = ["DitronConfigError"] + (["y must be float32"] if lone else
+                                                       [f"rank {bad_rank} rejected its own arguments"])
     if dev.type != "cpu":
         expect["x_on_cpu"] = ["DitronConfigError", "cpu"]
         expect["idx_on_cpu"] = ["DitronConfigError", "cpu"]

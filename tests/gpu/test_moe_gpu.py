@@ -117,6 +117,36 @@ def test_fused_hundred_runs_bitwise(dist_env, layers):
     assert bad == 0, f"{bad} of 100 runs differ"
 
 
+def test_fused_lone_rank_refusal(dist_env, layers):
+    """Bad weights on one rank only: that rank runs the call flagged with no tokens, so every
+    peer raises a DitronConfigError naming it (not a timeout), while its peers replay the call
+    from a captured graph; the next call is bitwise the first."""
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    tokens = [96 + 5 * r for r in range(world)]
+    xs, idxs, ws, w1s, w2s = _inputs(world, tokens, E, seed=5)
+    x, idx, w, w1, w2 = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    layer = FusedMoE(None, E, H, I, max(tokens), K, torch.bfloat16)
+    layers.append(layer)
+    first = layer(x, idx, w, w1, w2)
+    layer(x, idx, w, w1, w2)  # the second call captures the signature: the refused call below replays
+    bad_rank = world - 1
+    got = "no error"
+    try:
+        layer(x, idx, w, w1[:, :, :I].contiguous() if rank == bad_rank else w1, w2)
+    except DitronConfigError as err:
+        got = str(err)
+    want = ["w1"] if rank == bad_rank else ["rejected its own arguments", f"(ranks {bad_rank})"]
+    problems = [f"refused call: {got!r} lacks one of {want}"] if not all(wd in got for wd in want) else []
+    after = layer(x, idx, w, w1, w2)
+    layer.heap.check_error()
+    if not torch.equal(after, first):
+        problems.append("the call after the refused one differs from the first")
+    assert not problems, problems
+
+
 def test_fused_cuda_graph_replays_new_routings(dist_env, layers):
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E = 4 * world

@@ -487,6 +487,17 @@ def api_misuse_cases() -> dict:
     recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
     out = buf.combine(recv_x, handle, ws[rank])  # y = x for every expert
     res["in_step_after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6, atol=1e-6))
+    # the same for combine, whose launch enters through a barrier: the rank with a bad y takes part
+    # in it flagged, so its peer raises a DitronConfigError naming it at once, and both stay in step
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    bad_y = recv_x.double() if rank == 1 else recv_x
+    t0 = time.monotonic()
+    catch("one_rank_bad_combine", lambda: buf.combine(bad_y, handle, ws[rank]))
+    res["one_rank_bad_combine_s"] = time.monotonic() - t0
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])
+    res["in_step_after_combine"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6,
+                                                       atol=1e-6))
     # a freed buffer
     buf.free()
     catch("after_free", lambda: buf.dispatch(torch.randn(4, H), torch.zeros(4, K, dtype=torch.long)))
@@ -511,7 +522,14 @@ def api_misuse_cases() -> dict:
     with torch.no_grad():
         catch("moe_no_weights", lambda: moe(xs[rank], idxs[rank], None, w1, w2))
         catch("staged_bad_w1", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half(), w2, schedule="staged"))
-    res["staged_dispatched"] = len(F._CACHE)
+        # bad weights on one rank only: its peer, about to dispatch, raises at once, naming it
+        first = moe(xs[rank], idxs[rank], ws[rank], w1, w2, schedule="staged")
+        t0 = time.monotonic()
+        catch("staged_one_rank_bad", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half() if rank == 1 else w1, w2,
+                                                 schedule="staged"))
+        res["staged_one_rank_bad_s"] = time.monotonic() - t0
+        res["staged_in_step_after"] = bool(torch.equal(moe(xs[rank], idxs[rank], ws[rank], w1, w2, schedule="staged"),
+                                                       first))
     clear_layers()
     clear_cache()
     return res

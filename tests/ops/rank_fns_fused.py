@@ -1,6 +1,8 @@
 """Rank-side checks of the fused MoE megakernel (imported by name in emulated rank processes)."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -134,6 +136,11 @@ def fused_refusals() -> dict:
     catch("dtype", lambda: layer(x.double(), idx, w, w1, w2))
     catch("idx_dtype", lambda: layer(x, idx.float(), w, w1, w2))
     good_out = layer(x, idx, w, w1, w2)
+    # bad weights on one rank only: it runs the call flagged with no tokens, so its peer raises at
+    # once naming it (not a timeout in the counts exchange), and the next call finds them in step
+    t0 = time.monotonic()
+    catch("one_rank_bad_w1", lambda: layer(x, idx, w, w1[:, :, :I].contiguous() if dist.get_rank() == 1 else w1, w2))
+    res["one_rank_bad_w1_s"] = time.monotonic() - t0
     staged = layer.heap.local_view("dispatch/x").clone()
     land = layer.heap.local_view("combine/land").clone()
     idx_bad = idx.clone()

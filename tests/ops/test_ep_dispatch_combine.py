@@ -2,6 +2,8 @@
 graph mode, gradients, bad input, and no torch.distributed collective on the data path."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -161,6 +163,15 @@ def test_api_misuse_gets_clear_errors(emulated_cluster):
                 res["one_rank_bad_call"]
         assert res["one_rank_bad_call_s"] < 15.0, "a peer waited for the rank that rejected its call"
         assert res["in_step_after"], "the call after a rejected one gave wrong results"
+        for key, own in (("one_rank_bad_combine", "y must be float32"), ("staged_one_rank_bad", "w1")):
+            if rank == 1:
+                assert own in res[key] and res[key].startswith("DitronConfigError"), res[key]
+            else:
+                assert res[key].startswith("DitronConfigError") and re.search(r"\branks? 1\b", res[key]) and \
+                    "rejected its own arguments" in res[key], res[key]
+            assert res[key + "_s"] < 15.0, f"{key}: a peer waited for the rank that rejected its call"
+        assert res["in_step_after_combine"], "the combine after a rejected one gave wrong results"
+        assert res["staged_in_step_after"], "the staged moe after a rejected call differs from the first"
         assert "was freed" in res["after_free"], res["after_free"]
         assert res["pending_capacity"].startswith("CapacityError") and "graph-mode" in res["pending_capacity"], \
             res["pending_capacity"]
@@ -170,4 +181,3 @@ def test_api_misuse_gets_clear_errors(emulated_cluster):
         assert "topk_weights must be a 2-D tensor" in res["moe_no_weights"], res["moe_no_weights"]
         assert "w1" in res["staged_bad_w1"] and res["staged_bad_w1"].startswith("DitronConfigError"), \
             res["staged_bad_w1"]
-        assert res["staged_dispatched"] == 0, "the staged schedule dispatched before checking the weights"

@@ -45,6 +45,12 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
         for key in ("x_shape", "w1_shape", "dtype", "idx_dtype"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
+        lone = res["one_rank_bad_w1"]
+        if rank == 1:
+            assert lone.startswith("DitronConfigError") and "w1" in lone, lone
+        else:
+            assert lone.startswith("DitronConfigError") and "rejected its own arguments" in lone and "ranks 1" in lone, lone
+        assert res["one_rank_bad_w1_s"] < 15.0, "the peer waited for the rank that rejected its call"
         assert res["no_data_moved"] and res["recovers"], res
 
 
