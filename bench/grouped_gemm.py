@@ -169,7 +169,7 @@ def run_shape(r: Runner, name: str, dtype: torch.dtype, sweep: bool) -> dict[str
     for impl, (tw1, tw2) in torch_layouts(case).items():
         h_t = torch_gate_up(x_rows, tw1, offs, I)
         gu = r.measure(name, "gate-up", impl, "-", flops_gu, lambda: torch_gate_up(x_rows, tw1, offs, I))
-        dn = r.measure(name, "down", impl, "-", flops_dn, lambda: torch_down(h_t, tw2, offs))
+        dn = r.measure(name, "down", impl, "-", flops_dn, lambda h=h_t: torch_down(h, tw2, offs))
         ffn = r.measure(name, "ffn", impl, "-", flops_gu + flops_dn,
                         lambda: torch_down(torch_gate_up(x_rows, tw1, offs, I), tw2, offs))
         for stage, us in (("gate-up", gu), ("down", dn), ("ffn", ffn)):
