@@ -10,8 +10,8 @@ over ITERS):
   steady   one replay of a graph holding REPS copies back to back, divided by REPS: what a call
            costs inside a stream of calls (the ranks' skew is paid once per REPS calls).
 Operations: an empty one-program kernel (the launch floor); `call_begin` + `call_end` alone (the
-entry barrier every cross-rank launch pays); EPBuffer's layout (sender kernels + counts
-exchange), dispatch(sync=False) (layout + data kernel), combine; NCCL all_to_all_single moving
+entry barrier every cross-rank launch pays); EPBuffer's layout (sender kernels, in one program
+and as three launches, + counts exchange), dispatch(sync=False) (layout + data kernel), combine; NCCL all_to_all_single moving
 dispatch's bytes; FusedMoE's layout launches (E=64 layer: + row-tile map, signal resets) and a
 whole eager FusedMoE call (timed as called: it replays its own CUDA graphs and reads the layout
 status on the host; "steady" = REPS calls in a row).
@@ -105,7 +105,9 @@ def main():
         measure("entry barrier kernel", lambda: entry_barrier_kernel[(1,)](h.ptr_table, h.rank, world, h.wait_budget),
                 iters, reps, dev)
         measure("EPBuffer layout", lambda: buf._launch_layout(idx), iters, reps, dev)
-        measure("  sender kernels (3 launches)", lambda: build_send_layout(idx, 256, world, cap), iters, reps, dev)
+        for one, what in ((True, "one program"), (False, "3 launches")):
+            measure(f"  sender kernels ({what})", lambda: build_send_layout(idx, 256, world, cap, one_program=one),
+                    iters, reps, dev)
         send = build_send_layout(idx, 256, world, cap)
         measure("  counts exchange kernel", lambda: exchange_layout(h, send, 256, "ep/layout", buf._sig_layout),
                 iters, reps, dev)

@@ -65,6 +65,8 @@ class SendLayout:
 # Tokens per program of the sender-side layout kernels. The place kernel compares every pair of
 # its block with every other ([BT*K]^2 booleans: 16K for K=8), so blocks stay small.
 SEND_LAYOUT_BLOCK_T = 16
+# Up to this many blocks (T <= 256) one program walks them in turn instead of three launches.
+ONE_PROGRAM_MAX_BLOCKS = 16
 
 
 # Makes an int32 tensor of a given shape on the layout's device (the launches' outputs): plain
@@ -87,12 +89,16 @@ def _int32_tensors(shapes: dict[str, tuple[int, ...]], alloc: Int32Alloc | None,
 
 
 def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
-                      max_tokens: int, alloc: Int32Alloc | None = None) -> SendLayout:
+                      max_tokens: int, alloc: Int32Alloc | None = None,
+                      one_program: bool | None = None) -> SendLayout:
     """Sender-side layout from `topk_idx` [T, K] (int32 or int64; device only, graph-capturable).
 
     Three launches: per-block counts (`send_layout_count_kernel`), their prefix over blocks
     (`column_prefix_kernel`; torch.cumsum's outer-dim scan took 50 µs at T=4096 on an H200), and
-    the placement of every pair and token (`send_layout_place_kernel`).
+    the placement of every pair and token (`send_layout_place_kernel`). Up to
+    ONE_PROGRAM_MAX_BLOCKS blocks (small T, where the launches are the cost) one program does the
+    same work block after block (`send_layout_one_program_kernel`): the same tensors, bit for bit;
+    one_program forces either path.
     Every position is a count of earlier pairs/tokens: no atomic decides one. Out-of-range expert
     ids and tokens beyond `max_tokens` are treated as dropped and flagged.
     send_idx entries past tokens_to[d] are left unwritten (kernels read j < tokens_to[d] only).
@@ -108,21 +114,30 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     n_blk = triton.cdiv(T, bt)
     n_col = E + W + 1  # per block: pairs per expert | tokens per rank | bad expert ids
     out = _int32_tensors(send_layout_shapes(T, K, E, W, max_tokens), alloc, dev)
-    counts = torch.empty((n_blk + 1, n_col), dtype=torch.int32, device=dev)
     consts = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BT=bt, BLOCK_E=triton.next_power_of_2(E + 1),
                   BLOCK_W=triton.next_power_of_2(W))
+    prefix = out["prefix"]  # row b: totals of the blocks before b
+    if one_program if one_program is not None else n_blk <= ONE_PROGRAM_MAX_BLOCKS:
+        send_layout_one_program_kernel[(1,)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
+                                             out["send_idx"], out["flags"], T, E, E // W, W, max_tokens, n_blk,
+                                             **consts)
+        return _send_layout(out, prefix[n_blk], E, W)
+    counts = torch.empty((n_blk + 1, n_col), dtype=torch.int32, device=dev)
     if n_blk:
         send_layout_count_kernel[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
     else:
         counts.zero_()
-    prefix = out["prefix"]  # row b: totals of the blocks before b
     bc = 128
     column_prefix_kernel[(triton.cdiv(n_col, bc),)](counts, prefix, n_blk + 1, n_col, BR=16, BC=bc)
     send_layout_place_kernel[(max(n_blk, 1),)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
                                                out["send_idx"], out["flags"], T, E, E // W, W, max_tokens, n_blk,
                                                **consts)
+    return _send_layout(out, prefix[n_blk], E, W)
+
+
+def _send_layout(out: dict[str, torch.Tensor], totals: torch.Tensor, E: int, W: int) -> SendLayout:
     return SendLayout(topk_idx=out["topk_idx"], pos=out["pos"], slot=out["slot"], send_idx=out["send_idx"],
-                      counts=prefix[n_blk, :E], tokens_to=prefix[n_blk, E:E + W], flags=out["flags"])
+                      counts=totals[:E], tokens_to=totals[E:E + W], flags=out["flags"])
 
 
 @register_device_function
@@ -150,6 +165,22 @@ def _token_hits(topk_ptr, o_t, m_t, E, E_local, MAXT, K: tl.constexpr, BLOCK_W: 
     return hit
 
 
+@register_device_function
+@triton.jit
+def _block_counts(topk_ptr, b, T, E, E_local, MAXT, K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Block b's counts: pairs per expert [BLOCK_E] (bin E and above: the dropped pairs), tokens
+    per destination rank [BLOCK_W], bad expert ids (a scalar)."""
+    o_p = tl.arange(0, BT * BLOCK_K)  # pairs in (t, k) order; lanes with k >= K are padding
+    o_t = b * BT + o_p // BLOCK_K
+    o_k = o_p % BLOCK_K
+    m = (o_t < T) & (o_k < K)
+    e, valid, bad = _route_bins(topk_ptr, o_t * K + o_k, o_t, m, E, MAXT)
+    o_tt = b * BT + tl.arange(0, BT)
+    hit = _token_hits(topk_ptr, o_tt, o_tt < T, E, E_local, MAXT, K, BLOCK_W)
+    return tl.histogram(e, BLOCK_E), tl.sum(hit, axis=0), tl.sum(bad.to(tl.int32), axis=0)
+
+
 @triton.jit
 def send_layout_count_kernel(
     topk_ptr,    # int32/int64 (T, K) expert ids
@@ -160,20 +191,13 @@ def send_layout_count_kernel(
     """Program b counts its BT tokens: pairs per expert, tokens per destination rank, bad ids."""
     b = tl.program_id(0)
     n_col = E + W + 1
-    o_p = tl.arange(0, BT * BLOCK_K)  # pairs in (t, k) order; lanes with k >= K are padding
-    o_t = b * BT + o_p // BLOCK_K
-    o_k = o_p % BLOCK_K
-    m = (o_t < T) & (o_k < K)
-    e, valid, bad = _route_bins(topk_ptr, o_t * K + o_k, o_t, m, E, MAXT)
-    per_expert = tl.histogram(e, BLOCK_E)  # bin E (and above) collects the dropped pairs
+    per_expert, per_rank, n_bad = _block_counts(topk_ptr, b, T, E, E_local, MAXT, K, BLOCK_K, BT, BLOCK_E, BLOCK_W)
     o_e = tl.arange(0, BLOCK_E)
+    o_w = tl.arange(0, BLOCK_W)
     p_row = counts_ptr + (b + 1) * n_col
     tl.store(p_row + o_e, per_expert, mask=o_e < E)
-    o_tt = b * BT + tl.arange(0, BT)
-    hit = _token_hits(topk_ptr, o_tt, o_tt < T, E, E_local, MAXT, K, BLOCK_W)
-    o_w = tl.arange(0, BLOCK_W)
-    tl.store(p_row + E + o_w, tl.sum(hit, axis=0), mask=o_w < W)
-    tl.store(p_row + E + W, tl.sum(bad.to(tl.int32), axis=0))
+    tl.store(p_row + E + o_w, per_rank, mask=o_w < W)
+    tl.store(p_row + E + W, n_bad)
     if b == 0:
         for c0 in range(0, n_col, BLOCK_E):
             tl.store(counts_ptr + c0 + o_e, tl.zeros((BLOCK_E,), dtype=tl.int32), mask=c0 + o_e < n_col)
@@ -194,23 +218,12 @@ def column_prefix_kernel(x_ptr, out_ptr, n_rows, n_col, BR: tl.constexpr, BC: tl
         carry += tl.sum(b_x, axis=0)
 
 
+@register_device_function
 @triton.jit
-def send_layout_place_kernel(
-    topk_ptr,      # int32/int64 (T, K) expert ids
-    prefix_ptr,    # int32 (n_blk + 1, E + W + 1): row b = counts of the blocks before b
-    topk_out_ptr,  # out int32 (T, K): the id of a routed pair, -1 for a dropped one
-    pos_ptr,       # out int32 (T, K): index of the pair among this rank's pairs of its expert
-    slot_ptr,      # out int32 (T, W): index of token t among the tokens sent to rank d, or -1
-    send_idx_ptr,  # out int32 (W, MAXT): send_idx[d, slot[t, d]] = t
-    flags_ptr,     # out int32 (1,): FLAG_* bits
-    T, E, E_local, W, MAXT, n_blk,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    """Program b places its BT tokens: position = the blocks-before prefix + earlier pairs
+def _place_block(topk_ptr, p_pre, b, topk_out_ptr, pos_ptr, slot_ptr, send_idx_ptr, T, E, E_local, W, MAXT,
+                 K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Place block b's BT tokens: position = the blocks-before prefix (row p_pre) + earlier pairs
     (tokens) of the same expert (rank) inside the block, in (t, k) order."""
-    b = tl.program_id(0)
-    n_col = E + W + 1
-    p_pre = prefix_ptr + b * n_col
     o_p = tl.arange(0, BT * BLOCK_K)
     o_t = b * BT + o_p // BLOCK_K
     o_k = o_p % BLOCK_K
@@ -229,9 +242,64 @@ def send_layout_place_kernel(
     slot = tl.where(hit > 0, slot, -1)
     tl.store(slot_ptr + o_tt[:, None] * W + o_w[None, :], slot, mask=m_tt[:, None] & (o_w < W)[None, :])
     tl.store(send_idx_ptr + o_w[None, :] * MAXT + slot, o_tt[:, None] + 0 * slot, mask=hit > 0)
+
+
+@register_device_function
+@triton.jit
+def _send_flags(n_bad, T, MAXT):
+    return tl.where(n_bad > 0, _FLAG_BAD_EXPERT, 0) | tl.where(T > MAXT, _FLAG_TOO_MANY_TOKENS, 0)
+
+
+@triton.jit
+def send_layout_place_kernel(
+    topk_ptr,      # int32/int64 (T, K) expert ids
+    prefix_ptr,    # int32 (n_blk + 1, E + W + 1): row b = counts of the blocks before b
+    topk_out_ptr,  # out int32 (T, K): the id of a routed pair, -1 for a dropped one
+    pos_ptr,       # out int32 (T, K): index of the pair among this rank's pairs of its expert
+    slot_ptr,      # out int32 (T, W): index of token t among the tokens sent to rank d, or -1
+    send_idx_ptr,  # out int32 (W, MAXT): send_idx[d, slot[t, d]] = t
+    flags_ptr,     # out int32 (1,): FLAG_* bits
+    T, E, E_local, W, MAXT, n_blk,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """Program b places its BT tokens (`_place_block`)."""
+    b = tl.program_id(0)
+    n_col = E + W + 1
+    _place_block(topk_ptr, prefix_ptr + b * n_col, b, topk_out_ptr, pos_ptr, slot_ptr, send_idx_ptr, T, E, E_local,
+                 W, MAXT, K, BLOCK_K, BT, BLOCK_W)
     if b == 0:
-        n_bad = tl.load(prefix_ptr + n_blk * n_col + E + W)
-        tl.store(flags_ptr, tl.where(n_bad > 0, _FLAG_BAD_EXPERT, 0) | tl.where(T > MAXT, _FLAG_TOO_MANY_TOKENS, 0))
+        tl.store(flags_ptr, _send_flags(tl.load(prefix_ptr + n_blk * n_col + E + W), T, MAXT))
+
+
+@triton.jit
+def send_layout_one_program_kernel(
+    topk_ptr, prefix_ptr, topk_out_ptr, pos_ptr, slot_ptr, send_idx_ptr, flags_ptr,  # as the place kernel
+    T, E, E_local, W, MAXT, n_blk,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BT: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    """The three launches' work in one program, for a few blocks: block b's prefix row is the
+    running total of the blocks before it (written, then read back by the placement), then its
+    own counts join the total. The same functions as the three kernels: the same bits."""
+    n_col = E + W + 1
+    o_e = tl.arange(0, BLOCK_E)
+    o_w = tl.arange(0, BLOCK_W)
+    per_expert = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    per_rank = tl.zeros((BLOCK_W,), dtype=tl.int32)
+    n_bad = tl.sum(per_rank, axis=0)  # an int32 zero that the loop may carry
+    for b in range(0, n_blk + 1):
+        p_pre = prefix_ptr + b * n_col
+        tl.store(p_pre + o_e, per_expert, mask=o_e < E)
+        tl.store(p_pre + E + o_w, per_rank, mask=o_w < W)
+        tl.store(p_pre + E + W, n_bad)
+        if b < n_blk:
+            tl.debug_barrier()  # the placement gathers from the row every thread just wrote
+            _place_block(topk_ptr, p_pre, b, topk_out_ptr, pos_ptr, slot_ptr, send_idx_ptr, T, E, E_local, W, MAXT,
+                         K, BLOCK_K, BT, BLOCK_W)
+            c_e, c_w, c_bad = _block_counts(topk_ptr, b, T, E, E_local, MAXT, K, BLOCK_K, BT, BLOCK_E, BLOCK_W)
+            per_expert += c_e
+            per_rank += c_w
+            n_bad += c_bad
+    tl.store(flags_ptr, _send_flags(n_bad, T, MAXT))
 
 
 @register_device_function
@@ -400,11 +468,12 @@ for _idx_ty in ("*i32", "*i64"):
     register_kernel(send_layout_count_kernel,
                     {"topk_ptr": _idx_ty, "counts_ptr": "*i32", **{n: "i32" for n in ("T", "E", "E_local", "W", "MAXT")}},
                     _consts, label=f"{_idx_ty[1:]}-K8-E256")
-    register_kernel(send_layout_place_kernel,
-                    {"topk_ptr": _idx_ty, "prefix_ptr": "*i32", "topk_out_ptr": "*i32", "pos_ptr": "*i32",
-                     "slot_ptr": "*i32", "send_idx_ptr": "*i32", "flags_ptr": "*i32",
-                     **{n: "i32" for n in ("T", "E", "E_local", "W", "MAXT", "n_blk")}},
-                    _consts, label=f"{_idx_ty[1:]}-K8-E256")
+    for _place in (send_layout_place_kernel, send_layout_one_program_kernel):
+        register_kernel(_place,
+                        {"topk_ptr": _idx_ty, "prefix_ptr": "*i32", "topk_out_ptr": "*i32", "pos_ptr": "*i32",
+                         "slot_ptr": "*i32", "send_idx_ptr": "*i32", "flags_ptr": "*i32",
+                         **{n: "i32" for n in ("T", "E", "E_local", "W", "MAXT", "n_blk")}},
+                        _consts, label=f"{_idx_ty[1:]}-K8-E256")
 
 register_kernel(
     ep_layout_kernel,

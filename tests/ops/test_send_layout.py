@@ -44,9 +44,10 @@ CASES = [  # T, K, E, W, max_tokens, dtype
 ]
 
 
+@pytest.mark.parametrize("one_program", [True, False], ids=["one_program", "three_launches"])
 @pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
 @pytest.mark.parametrize("routing", ["random", "one_expert"])
-def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing) -> None:
+def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing, one_program) -> None:
     g = torch.Generator().manual_seed(T * 131 + K * 7 + E)
     if routing == "random":
         idx = torch.randint(-1, E, (T, K), generator=g, dtype=dtype)
@@ -58,7 +59,7 @@ def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing) -
         if dtype == torch.int64:
             idx[4, 0] = 2**40 + 1    # would wrap into range if narrowed to int32 before the check
     ref = reference_layout(idx, E, W, max_tokens)
-    got = build_send_layout(idx, E, W, max_tokens)
+    got = build_send_layout(idx, E, W, max_tokens, one_program=one_program)
     assert torch.equal(got.topk_idx.long(), ref["topk"])
     routed = ref["topk"] >= 0
     assert torch.equal(got.pos.long()[routed], ref["pos"][routed])
@@ -67,6 +68,27 @@ def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing) -
     assert got.tokens_to.tolist() == ref["tokens_to"]
     assert {(d, j): int(got.send_idx[d, j]) for (d, j) in ref["send"]} == ref["send"]
     assert int(got.flags) == ref["flags"]
+
+
+@pytest.mark.parametrize("T", [0, 1, 16, 17, 100, 256, 300])
+def test_one_program_layout_writes_the_same_words(T) -> None:
+    """The one-program path (small T by default) and the three launches write the same words of
+    every output, the prefix rows included (both into arenas poisoned alike)."""
+    from ditron_ep.ops.layout_replay import Int32Arena, layout_arena_words
+
+    K, E, W, max_tokens = 8, 64, 4, 280
+    g = torch.Generator().manual_seed(T + 5)
+    idx = torch.randint(-1, E, (T, K), generator=g, dtype=torch.int64)
+    if T > 20:
+        idx[3, 2], idx[7, 0] = E + 1, -3  # flagged
+        idx[10:20] = E - 1                # a burst to one expert
+    arenas = []
+    for one in (True, False):
+        arena = Int32Arena(layout_arena_words(T, K, E, W, max_tokens), torch.device("cpu"))
+        arena.flat.fill_(-777)
+        build_send_layout(idx, E, W, max_tokens, alloc=arena, one_program=one)
+        arenas.append(arena.flat)
+    assert torch.equal(arenas[0], arenas[1])
 
 
 def test_send_layout_rejects_a_bad_index_tensor() -> None:
