@@ -65,8 +65,11 @@ class SendLayout:
 # Tokens per program of the sender-side layout kernels. The place kernel compares every pair of
 # its block with every other ([BT*K]^2 booleans: 16K for K=8), so blocks stay small.
 SEND_LAYOUT_BLOCK_T = 16
-# Up to this many blocks (T <= 256) one program walks them in turn instead of three launches.
-ONE_PROGRAM_MAX_BLOCKS = 16
+# Up to this many blocks one program walks them in turn instead of three launches. On 2xH200 (CUDA
+# graphs, steady state) one program took 1.4 µs at T=0 against 6.4 µs for the launches, but each
+# block costs it ~4.7 µs of serial work (39 against 8.4 µs at T=128, 77 against 8.9 at T=256):
+# only a single block (T <= 16, decode) comes out ahead.
+ONE_PROGRAM_MAX_BLOCKS = 1
 
 
 # Makes an int32 tensor of a given shape on the layout's device (the launches' outputs): plain
@@ -96,7 +99,7 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     Three launches: per-block counts (`send_layout_count_kernel`), their prefix over blocks
     (`column_prefix_kernel`; torch.cumsum's outer-dim scan took 50 µs at T=4096 on an H200), and
     the placement of every pair and token (`send_layout_place_kernel`). Up to
-    ONE_PROGRAM_MAX_BLOCKS blocks (small T, where the launches are the cost) one program does the
+    ONE_PROGRAM_MAX_BLOCKS blocks (T <= 16, where the launches are the cost) one program does the
     same work block after block (`send_layout_one_program_kernel`): the same tensors, bit for bit;
     one_program forces either path.
     Every position is a count of earlier pairs/tokens: no atomic decides one. Out-of-range expert
