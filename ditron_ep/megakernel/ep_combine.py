@@ -128,7 +128,7 @@ def ep_combine_kernel(
                     reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
                                   out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank)
+    call_end(table_ptr, rank, epoch, world, RETIRE_REFUSALS=True)
 
 
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",

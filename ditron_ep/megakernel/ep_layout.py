@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ..compiler.portability import register_device_function, register_kernel
+from ..runtime import control as C
 from ..runtime.heap import SymmetricHeap, register_stage
 from .primitives import LAYOUT_SEQ, call_begin, call_end, ctrl_ptr, heap_ptr, notify, wait
 
@@ -30,7 +31,10 @@ FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
 FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
 FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange (written after the timeout)
 FLAG_REFUSED = 8        # the rank rejected its own arguments to this call (set by the host: EPBuffer.dispatch)
+FLAG_UNREPORTED_REFUSAL = 16  # the rank skipped an earlier call a peer refused, not yet raised (refusal.py)
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
+_FLAG_UNREPORTED_REFUSAL = tl.constexpr(FLAG_UNREPORTED_REFUSAL)
+REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 _FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
 
@@ -415,7 +419,7 @@ def ep_layout_kernel(
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E_local
     if ok:
-        flags = tl.load(flags_ptr)
+        flags = tl.load(flags_ptr) | tl.where(tl.load(my_ctrl + REFUSAL_SEEN) != 0, _FLAG_UNREPORTED_REFUSAL, 0)
         for i in range(world):
             i_dst = (rank - i + world) % world
             p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + half + rank * row

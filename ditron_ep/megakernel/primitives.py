@@ -31,6 +31,8 @@ ERR_OBSERVED = tl.constexpr(C.ERR_OBSERVED)
 ERR_EXPECTED = tl.constexpr(C.ERR_EXPECTED)
 ERR_EPOCH = tl.constexpr(C.ERR_EPOCH)
 BARRIER = tl.constexpr(C.BARRIER)
+REFUSED = tl.constexpr(C.REFUSED)
+MAX_WORLD = tl.constexpr(C.MAX_WORLD)
 STAGE_CALL_BARRIER = tl.constexpr(0)
 ARENA_ALIGN = tl.constexpr(C.ARENA_ALIGN)
 
@@ -219,12 +221,19 @@ def next_task_split(my_ctrl, on_comm, split_at):
 
 @register_device_function
 @triton.jit
-def call_end(table_ptr, rank):
-    """Leave the launch; the last program out resets the queue and advances the epoch."""
+def call_end(table_ptr, rank, epoch=0, world=0, RETIRE_REFUSALS: tl.constexpr = False):
+    """Leave the launch; the last program out resets the queue and advances the epoch.
+
+    RETIRE_REFUSALS (a launch whose programs read this call's refusal stamps, refusal.py): the
+    last program out, after every program's read, rewrites that slot of the `world` peers with
+    `epoch`, so that no old stamp can match a later call's epoch."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     arrived = tl.atomic_add(my_ctrl + ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if arrived == n_programs - 1:
+        if RETIRE_REFUSALS:
+            for p in range(world):
+                tl.store(my_ctrl + REFUSED + (epoch & 1) * MAX_WORLD + p, epoch)
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")

@@ -18,6 +18,7 @@ from ..megakernel import task_queue
 from ..megakernel.ep_combine import ep_combine_kernel
 from ..megakernel.ep_dispatch import ep_dispatch_kernel
 from ..megakernel.ep_layout import (FLAG_BAD_EXPERT, FLAG_PEER_GAVE_UP, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS,
+                                    FLAG_UNREPORTED_REFUSAL,
                                     RecvLayout, SendLayout, build_send_layout, exchange_layout,
                                     layout_landing_shape)
 from ..megakernel.refusal import refused_call_kernel
@@ -256,8 +257,8 @@ class EPBuffer:
         Returns:
             out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
         A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
-        no rank moves anything, its peers raise DitronConfigError naming it (when they read the
-        error slot: default mode with check_errors, else their next host-visible call).
+        no rank moves anything, and its peers raise DitronConfigError naming it (at once in
+        default mode with check_errors, else on every rank at the next counts exchange).
         """
         self._check_alive()
         try:
@@ -268,14 +269,17 @@ class EPBuffer:
             if topk_weights is not None:
                 w = self._check_weights(topk_weights, handle.num_tokens)
         except DitronConfigError:
-            # the peers are entering this call's barrier: take part, flagged (megakernel/refusal.py)
-            refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)
+            # the peers are entering this call's barrier: take part, flagged (megakernel/refusal.py);
+            # not while a CUDA graph is captured (the raise ends the capture, and nothing ran)
+            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size,
+                                          self.heap.wait_budget)
             raise
         return _Combine.apply(y, w, self, handle)
 
     def check(self) -> None:
         """Raise any input problem recorded by graph-mode dispatches (one host read)."""
-        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
+        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
 
     def free(self) -> None:
         self._layouts.clear()  # the graphs point into the heap
@@ -472,9 +476,11 @@ class EPBuffer:
         return self.heap.local_view("ep/land")[:num_tokens].clone()
 
 
-def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int) -> None:
+def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int,
+                      heap: SymmetricHeap | None = None) -> None:
     """Raise the error for FLAG_* bits. info: (flags, T) of every rank in this call; None for
-    flags an earlier graph-mode call recorded (it moved its tokens, the offending ones dropped)."""
+    flags an earlier graph-mode call recorded (it moved its tokens, the offending ones dropped).
+    heap: this rank's, whose refusal record is cleared once FLAG_UNREPORTED_REFUSAL is raised."""
     if not flags:
         return
     who = ""
@@ -488,6 +494,13 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
             f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
             f"was moved. Call heap.reset() on every rank (collectively) before the next call",
             stage="ep layout: counts exchange")
+    if flags & FLAG_UNREPORTED_REFUSAL:
+        if heap is not None:
+            heap.clear_refusal()
+        raise DitronConfigError(
+            f"a rank rejected its own arguments to an earlier combine and raised the reason there; rank(s) that "
+            f"skipped that combine without raising it (check_errors=False or a graph-mode handle){who} did not "
+            f"write its output. Raised now on every rank, before this call moved anything; the next call runs")
     if flags & FLAG_REFUSED:
         raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
                                 f"no token was moved. Fix that rank's call (every rank must call with valid "
@@ -503,11 +516,12 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
                            f"fix the router output ({moved})")
 
 
-def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int) -> None:
+def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int,
+                        heap: SymmetricHeap | None = None) -> None:
     """Raise (and clear) input problems recorded by graph-mode calls: one host read."""
     flags = int(pending_flags.item())
     pending_flags.zero_()
-    raise_input_flags(flags, None, num_experts, max_tokens)
+    raise_input_flags(flags, None, num_experts, max_tokens, heap)
 
 
 def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
@@ -531,8 +545,8 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
     info = [words[3 + 2 * r: 5 + 2 * r] for r in range(heap.world_size)]
     if pending:
         pending_flags.zero_()
-        raise_input_flags(pending, None, num_experts, max_tokens)
-    raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens)
+        raise_input_flags(pending, None, num_experts, max_tokens, heap)
+    raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens, heap)
     return total
 
 

@@ -43,8 +43,12 @@ def refuse_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, *, num_experts: int
                     group: dist.ProcessGroup | None = None) -> None:
     """This rank rejected its arguments to a call whose peers go on to `dispatch` on the cached
     buffer for these shapes: join that dispatch flagged (`EPBuffer._refuse_call`), so that the
-    peers raise at once instead of waiting for this rank until they time out."""
-    get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])._refuse_call()
+    peers raise at once instead of waiting for this rank until they time out. Only a buffer
+    already cached here: the shapes were just rejected, so building one (a collective) could wait
+    for peers that use another buffer."""
+    buf = _CACHE.get(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype))
+    if buf is not None and not buf.heap.freed:
+        buf._refuse_call()
 
 
 def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:

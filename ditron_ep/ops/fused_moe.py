@@ -472,7 +472,7 @@ class FusedMoE:
         """Raise a timeout recorded by any launch, then input problems recorded by sync=False
         calls (one host read each)."""
         self.heap.check_error()
-        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens)
+        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
 
     def free(self) -> None:
         self._graphs.clear()  # the graphs point into the heap

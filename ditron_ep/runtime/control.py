@@ -5,7 +5,7 @@ live here once. All words are int32 and compared with wrap-around arithmetic.
 """
 from __future__ import annotations
 
-CTRL_WORDS = 1024            # 4 KiB control block
+CTRL_WORDS = 2048            # 8 KiB control block
 CTRL_BYTES = CTRL_WORDS * 4
 
 EPOCH = 0                    # call counter, advanced by the last program of every launch
@@ -21,11 +21,10 @@ ERR_SIGNAL = 19
 ERR_OBSERVED = 20
 ERR_EXPECTED = 21
 ERR_EPOCH = 22
-REFUSED = 256                # REFUSED + p: epoch of the last call rank p refused (megakernel/refusal.py)
+REFUSAL_SEEN = 23            # 1 + lowest rank whose refusal made this rank skip a call; 0 = none (the host clears it)
 BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
-MAX_WORLD = BARRIER - REFUSED
-
-ERR_STAGE_PEER_REFUSED = 15  # ERR_STAGE of a record that says "a peer refused this call", not a timeout
+MAX_WORLD = 512
+REFUSED = 1024               # REFUSED + (e & 1) * MAX_WORLD + p: e when rank p refused call e (megakernel/refusal.py)
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned

@@ -26,7 +26,7 @@ DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25}
 WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
-STAGE_NAMES: dict[int, str] = {0: "call barrier", C.ERR_STAGE_PEER_REFUSED: "a peer refused the call"}
+STAGE_NAMES: dict[int, str] = {0: "call barrier"}
 
 
 def register_stage(code: int, name: str) -> int:
@@ -206,19 +206,21 @@ class SymmetricHeap:
         dist.barrier(group=self.group)
 
     def read_error(self) -> DitronTimeoutError | DitronConfigError | None:
-        """The error a kernel recorded in this rank's slot, or None.
+        """The error a kernel recorded in this rank's slot, or None (one host read).
 
-        A record that a peer refused a call (megakernel/refusal.py) is consumed by the read, and
-        comes back as DitronConfigError: no rank moved anything in that call and every rank's
-        epoch advanced, so the ranks are in step and the heap needs no reset."""
-        slot = self._ctrl[:C.ERR_EPOCH + 1].cpu()
+        Besides timeouts, a kernel records that it skipped a call because a peer refused it
+        (megakernel/refusal.py). That record does not block later launches; reading it here
+        consumes it and returns a DitronConfigError: nothing moved in that call and every
+        rank's epoch advanced, so the heap needs no reset."""
+        slot = self._ctrl[:C.REFUSAL_SEEN + 1].tolist()  # a copy also on the CPU (emulated ranks)
         if int(slot[C.ERR_FLAG]) == 0:
-            return None
-        if int(slot[C.ERR_STAGE]) == C.ERR_STAGE_PEER_REFUSED:
-            self._ctrl[C.ERR_FLAG] = 0
+            if slot[C.REFUSAL_SEEN] == 0:
+                return None
+            self.clear_refusal()
             return DitronConfigError(
-                f"rank {int(slot[C.ERR_RANK])} rejected its own arguments to this call and raised the reason "
-                f"there; no rank moved anything. Fix that rank's call (every rank must call with valid "
+                f"rank {slot[C.REFUSAL_SEEN] - 1} rejected its own arguments to a call that this rank then "
+                f"skipped (this combine, or an earlier one whose output here was not written) and raised the reason "
+                f"there; no rank moved anything in it. Fix that rank's call (every rank must call with valid "
                 f"arguments, in the same order)")
         stage = STAGE_NAMES.get(int(slot[C.ERR_STAGE]), f"stage {int(slot[C.ERR_STAGE])}")
         rank, signal = int(slot[C.ERR_RANK]), int(slot[C.ERR_SIGNAL])
@@ -229,6 +231,10 @@ class SymmetricHeap:
                f"is far slower. Call heap.reset() on every rank before reusing the heap.")
         return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal,
                                   observed=observed, expected=expected)
+
+    def clear_refusal(self) -> None:
+        """Forget a recorded refusal (see read_error) once it has been raised."""
+        self._ctrl[C.REFUSAL_SEEN] = 0
 
     def check_error(self) -> None:
         """Raise the recorded error, if any (synchronises with the device; see read_error)."""
@@ -244,7 +250,9 @@ class SymmetricHeap:
         self._ctrl.zero_()
         self._ctrl[C.EPOCH] = e
         self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = e
-        self._ctrl[C.REFUSED:C.REFUSED + self.world_size] = e  # no refusal of the next call (epoch e + 1)
+        for parity in (0, 1):  # no stamp equals an epoch of the next 2**32 - 1 calls
+            first = C.REFUSED + parity * C.MAX_WORLD
+            self._ctrl[first:first + self.world_size] = e
         self.barrier()
 
     def free(self) -> None:

@@ -744,6 +744,14 @@ def _error_check(dev, buffers: list) -> list[str]:
         out = buf.combine(recv_x, handle)
         res["recovered_rows"] = str(recv_x.shape[0])
         res["recovered_exact"] = str(_bits_equal(out, x + x))
+    # the same one-rank y where the peers do not read the refusal at once (check_errors=False):
+    # their next counts exchange carries it, so every rank raises there; the call after is exact
+    lax = _new_buffer(buffers, E, H, max_t, K, torch.float32, check_errors=False)
+    r_l, h_l = lax.dispatch(x, idx)
+    catch("lax_bad_y", lambda: lax.combine(r_l.double() if rank == bad_rank else r_l, h_l))
+    catch("lax_next", lambda: lax.dispatch(x, idx))
+    r_l, h_l = lax.dispatch(x, idx)
+    res["lax_exact"] = str(_bits_equal(lax.combine(r_l, h_l), x + x))
 
     problems = []
     want_rows = (12 * W - 1 if rank == 0 else 0)
@@ -771,6 +779,9 @@ def _error_check(dev, buffers: list) -> list[str]:
                                                        ["rejected its own arguments", f"(ranks {bad_rank})"])
     expect["one_rank_bad_y"] = ["DitronConfigError"] + (["y must be float32"] if lone else
                                                        [f"rank {bad_rank} rejected its own arguments"])
+    expect["lax_bad_y"] = ["DitronConfigError", "y must be float32"] if lone else ["no error"]
+    expect["lax_next"] = ["DitronConfigError", "earlier combine"] if W > 1 else ["no error"]
+    expect["lax_exact"] = ["True"]
     if dev.type != "cpu":
         expect["x_on_cpu"] = ["DitronConfigError", "cpu"]
         expect["idx_on_cpu"] = ["DitronConfigError", "cpu"]

@@ -498,6 +498,32 @@ def api_misuse_cases() -> dict:
     out = buf.combine(recv_x, handle, ws[rank])
     res["in_step_after_combine"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6,
                                                        atol=1e-6))
+    # the stamp of the slot a combine read is rewritten with that combine's epoch (no old stamp
+    # can match a later epoch), and a heap restarted just below the int32 wrap-around takes calls
+    # across epoch 0 with no false refusal
+    from ditron_ep.runtime import control as C
+    e = buf.heap.epoch
+    slot = C.REFUSED + (e & 1) * C.MAX_WORLD
+    res["slot_retired"] = buf.heap._ctrl[slot:slot + W].tolist() == [e] * W
+    buf.heap.reset(epoch=-4)
+    across = []
+    for _ in range(3):  # 2 launches a dispatch, 1 a combine: epochs -3 .. 5
+        recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        out = buf.combine(recv_x, handle, ws[rank])
+        across.append(bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6, atol=1e-6)))
+    res["across_wrap"] = all(across) and buf.heap.epoch == 5
+    # a refusal its peer does not read at once (check_errors=False): the peer's combine returns
+    # (its output unwritten), and the next dispatch raises on every rank, before moving anything;
+    # the call after that is right on both (the ranks stayed in step)
+    lax = EPBuffer(None, E, H, 8, K, torch.float32, check_errors=False)
+    recv_x, handle = lax.dispatch(xs[rank], idxs[rank], ws[rank])
+    catch("lax_bad_combine", lambda: lax.combine(recv_x.double() if rank == 1 else recv_x, handle, ws[rank]))
+    catch("lax_next_dispatch", lambda: lax.dispatch(xs[rank], idxs[rank], ws[rank]))
+    recv_x, handle = lax.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = lax.combine(recv_x, handle, ws[rank])
+    res["lax_in_step_after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6,
+                                                   atol=1e-6))
+    lax.free()
     # a freed buffer
     buf.free()
     catch("after_free", lambda: buf.dispatch(torch.randn(4, H), torch.zeros(4, K, dtype=torch.long)))
@@ -522,6 +548,7 @@ def api_misuse_cases() -> dict:
     with torch.no_grad():
         catch("moe_no_weights", lambda: moe(xs[rank], idxs[rank], None, w1, w2))
         catch("staged_bad_w1", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half(), w2, schedule="staged"))
+        res["staged_dispatched"] = len(F._CACHE)
         # bad weights on one rank only: its peer, about to dispatch, raises at once, naming it
         first = moe(xs[rank], idxs[rank], ws[rank], w1, w2, schedule="staged")
         t0 = time.monotonic()

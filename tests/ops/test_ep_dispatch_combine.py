@@ -171,7 +171,17 @@ def test_api_misuse_gets_clear_errors(emulated_cluster):
                     "rejected its own arguments" in res[key], res[key]
             assert res[key + "_s"] < 15.0, f"{key}: a peer waited for the rank that rejected its call"
         assert res["in_step_after_combine"], "the combine after a rejected one gave wrong results"
+        assert res["slot_retired"], "a combine left its refusal slot unretired"
+        assert res["across_wrap"], "calls across the epoch wrap-around failed or were refused"
+        if rank == 1:
+            assert "y must be float32" in res["lax_bad_combine"], res["lax_bad_combine"]
+        else:
+            assert res["lax_bad_combine"] == "no error", res["lax_bad_combine"]
+        assert res["lax_next_dispatch"].startswith("DitronConfigError") and "earlier combine" in \
+            res["lax_next_dispatch"] and "(ranks 0)" in res["lax_next_dispatch"], res["lax_next_dispatch"]
+        assert res["lax_in_step_after"], "the call after a reported refusal gave wrong results"
         assert res["staged_in_step_after"], "the staged moe after a rejected call differs from the first"
+        assert res["staged_dispatched"] == 0, "the staged schedule built a buffer for arguments it rejected"
         assert "was freed" in res["after_free"], res["after_free"]
         assert res["pending_capacity"].startswith("CapacityError") and "graph-mode" in res["pending_capacity"], \
             res["pending_capacity"]
