@@ -385,7 +385,13 @@ def _row_tile_map(b_num, b_off, b_n, b_src_off, m_e, E_local, n_tiles, tile_star
         tl.store(p + 3, o_i, mask=m_i)
 
 
+@register_device_function
 @triton.jit
+def _bitwise_or(a, b):
+    return a | b
+
+
+@triton.jit(do_not_specialize=["record_pending"])
 def ep_layout_kernel(
     counts_ptr,      # int32 (E,) pairs per expert on this rank
     tokens_to_ptr,   # int32 (W,) tokens this rank sends to each rank
@@ -402,6 +408,8 @@ def ep_layout_kernel(
     src_info_ptr,    # out int32 (W, 2): (FLAG_* bits, T) of every source rank
     tile_start_ptr,  # out int32 (E_local + 1,) first row tile of each expert (BLOCK_M > 0)
     tiles_ptr,       # out int32 (n_tiles, 4): row tiles in GEMM order (BLOCK_M > 0; see _row_tile_map)
+    pending_ptr,     # int32 (1,): with record_pending, every rank's FLAG_* bits are OR-ed into it
+    record_pending,  # 1 in graph mode (the flags wait there for the next host-visible call), else 0
     rank, world, E_local, budget, n_tiles,
     ring_step,       # +1: sources are received in ring order rank, rank+1, ...; -1: rank, rank-1, ...
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
@@ -457,7 +465,10 @@ def ep_layout_kernel(
             tl.store(expert_off_ptr + o_e, b_incl - b_num, mask=m_e)
             tl.store(expert_off_ptr + E_local, tl.sum(b_num, axis=0))
             tl.store(tokens_from_ptr + o_w, tl.load(p_in + o_w * row + E_local, mask=m_w, other=0), mask=m_w)
-            tl.store(src_info_ptr + o_w * 2, tl.load(p_in + o_w * row + E_local + 1, mask=m_w), mask=m_w)
+            b_flags = tl.load(p_in + o_w * row + E_local + 1, mask=m_w, other=0)
+            tl.store(src_info_ptr + o_w * 2, b_flags, mask=m_w)
+            if record_pending != 0:  # bit sets: OR-ed, not maxed (a max drops every smaller bit)
+                tl.store(pending_ptr, tl.load(pending_ptr) | tl.reduce(b_flags, 0, _bitwise_or))
             tl.store(src_info_ptr + o_w * 2 + 1, tl.load(p_in + o_w * row + E_local + 2, mask=m_w), mask=m_w)
             if BLOCK_M > 0:
                 _row_tile_map(b_num, b_incl - b_num, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr,
@@ -487,7 +498,8 @@ register_kernel(
     {"counts_ptr": "*i32", "tokens_to_ptr": "*i32", "flags_ptr": "*i32", "T": "i32", "table_ptr": "*i64",
      "sig_table_ptr": "*i64", "layout_offset": "i64", "sig_first": "i32", "num_recv_ptr": "*i32",
      "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32", "src_info_ptr": "*i32",
-     "tile_start_ptr": "*i32", "tiles_ptr": "*i32", "rank": "i32", "world": "i32", "E_local": "i32",
+     "tile_start_ptr": "*i32", "tiles_ptr": "*i32", "pending_ptr": "*i32", "record_pending": "i32",
+     "rank": "i32", "world": "i32", "E_local": "i32",
      "budget": "i32", "n_tiles": "i32", "ring_step": "i32"},
     {"BLOCK_W": 8, "BLOCK_E": 64, "BLOCK_M": 128}, label="W8-E64-tiles")
 
@@ -525,7 +537,7 @@ def recv_layout_shapes(world_size: int, num_local_experts: int, tile_rows: int =
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
                     layout_name: str, sig_first: int, *, tile_rows: int = 0,
                     tiles: torch.Tensor | None = None, ring_step: int = 1,
-                    alloc: Int32Alloc | None = None) -> RecvLayout:
+                    alloc: Int32Alloc | None = None, pending: torch.Tensor | None = None) -> RecvLayout:
     """Launch the counts exchange (one program); returns the receive layout (no host sync).
 
     tile_rows > 0 also builds the GEMM row-tile map in the same launch: `tile_start`
@@ -533,6 +545,7 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
     stages take them (rows that arrive first, first; see `_row_tile_map`); ring_step: +1 when
     sources are received in the order rank, rank + 1, ..., -1 for rank, rank - 1, ...
     alloc makes the returned tensors (shapes: `recv_layout_shapes`); default torch.empty.
+    pending: an int32 [1] tensor into which every rank's FLAG_* bits are OR-ed (graph mode).
     """
     W = heap.world_size
     e_local = num_experts // W
@@ -546,7 +559,8 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
         send.counts, send.tokens_to, send.flags, send.topk_idx.shape[0], heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,
         out.tokens_from, out.src_info, out.tile_start if tile_rows else out.num_recv,
-        tiles if tile_rows else out.num_recv, heap.rank, W, e_local, heap.wait_budget,
+        tiles if tile_rows else out.num_recv, pending if pending is not None else out.num_recv,
+        int(pending is not None), heap.rank, W, e_local, heap.wait_budget,
         tiles.shape[0] if tile_rows else 0, ring_step,
         BLOCK_W=triton.next_power_of_2(W), BLOCK_E=triton.next_power_of_2(e_local), BLOCK_M=tile_rows)
     return out

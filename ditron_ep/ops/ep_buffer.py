@@ -269,16 +269,14 @@ class EPBuffer:
             if topk_weights is not None:
                 w = self._check_weights(topk_weights, handle.num_tokens)
         except DitronConfigError:
-            # the peers are entering this call's barrier: take part, flagged (megakernel/refusal.py);
-            # not while a CUDA graph is captured (the raise ends the capture, and nothing ran)
-            if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size,
-                                          self.heap.wait_budget)
+            self._refuse_combine()
             raise
         return _Combine.apply(y, w, self, handle)
 
     def check(self) -> None:
-        """Raise any input problem recorded by graph-mode dispatches (one host read)."""
+        """Raise a timeout or a peer's refusal recorded by any launch, then input problems
+        recorded by graph-mode dispatches (one host read each)."""
+        self.heap.check_error()
         raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
 
     def free(self) -> None:
@@ -300,6 +298,13 @@ class EPBuffer:
         send.flags.fill_(FLAG_REFUSED)
         exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout)
 
+    def _refuse_combine(self) -> None:
+        """This rank rejected its arguments to a combine its peers are entering: take part in the
+        call's barrier, flagged (megakernel/refusal.py). Not while a CUDA graph is captured (the
+        raise ends the capture, and nothing ran)."""
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)
+
     def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
         check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
         if rows is not None and x.shape[0] != rows:
@@ -320,14 +325,14 @@ class EPBuffer:
                             device=self.device, contiguous=False)
 
     # ------------------------------------------------------------------ launchers
-    def _launch_layout(self, topk_idx: torch.Tensor, alloc: Int32Arena | None = None) -> tuple[SendLayout, RecvLayout]:
+    def _launch_layout(self, topk_idx: torch.Tensor, alloc: Int32Arena | None = None,
+                       record_pending: bool = False) -> tuple[SendLayout, RecvLayout]:
+        """The layout launches; record_pending (graph mode): the exchange also keeps every rank's
+        input flags for the next host-visible call (no sync)."""
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
-        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout, alloc=alloc)
+        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout, alloc=alloc,
+                               pending=self._pending_flags if record_pending else None)
         return send, recv
-
-    def _record_pending_flags(self, recv: RecvLayout) -> None:
-        """Graph mode: remember every rank's input flags for the next host-visible call (no sync)."""
-        torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
 
     def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
         """This call's layout: in default mode replayed from a captured graph when the signature
@@ -347,9 +352,7 @@ class EPBuffer:
             if c is not None:
                 send, recv = c.replay(topk_idx)
                 return send, recv, c
-        send, recv = self._launch_layout(topk_idx)
-        if not sync:
-            self._record_pending_flags(recv)
+        send, recv = self._launch_layout(topk_idx, record_pending=not sync)
         return send, recv, None
 
     def _can_capture(self) -> bool:
@@ -497,10 +500,12 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
     if flags & FLAG_UNREPORTED_REFUSAL:
         if heap is not None:
             heap.clear_refusal()
+        when = ("raised at this call's counts exchange, before this call moved anything" if info is not None else
+                "recorded by an earlier graph-mode call's counts exchange")
         raise DitronConfigError(
             f"a rank rejected its own arguments to an earlier combine and raised the reason there; rank(s) that "
             f"skipped that combine without raising it (check_errors=False or a graph-mode handle){who} did not "
-            f"write its output. Raised now on every rank, before this call moved anything; the next call runs")
+            f"write its output ({when})")
     if flags & FLAG_REFUSED:
         raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
                                 f"no token was moved. Fix that rank's call (every rank must call with valid "
@@ -516,12 +521,21 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
                            f"fix the router output ({moved})")
 
 
+# The order in which raise_input_flags reports FLAG_* bits (the first set one raises).
+_FLAG_ORDER = (FLAG_PEER_GAVE_UP, FLAG_UNREPORTED_REFUSAL, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS, FLAG_BAD_EXPERT)
+
+
 def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int,
-                        heap: SymmetricHeap | None = None) -> None:
-    """Raise (and clear) input problems recorded by graph-mode calls: one host read."""
-    flags = int(pending_flags.item())
-    pending_flags.zero_()
-    raise_input_flags(flags, None, num_experts, max_tokens, heap)
+                        heap: SymmetricHeap | None = None, flags: int | None = None) -> None:
+    """Raise input problems recorded by graph-mode calls (one host read, unless `flags` holds
+    that read already): the first in raise_input_flags' order; the others stay recorded for the
+    next check."""
+    flags = int(pending_flags.item()) if flags is None else flags
+    if not flags:
+        return
+    first = next((bit for bit in _FLAG_ORDER if flags & bit), flags)
+    pending_flags.fill_(flags & ~first)
+    raise_input_flags(first, None, num_experts, max_tokens, heap)
 
 
 def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
@@ -543,9 +557,7 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
     if err:
         heap.check_error()
     info = [words[3 + 2 * r: 5 + 2 * r] for r in range(heap.world_size)]
-    if pending:
-        pending_flags.zero_()
-        raise_input_flags(pending, None, num_experts, max_tokens, heap)
+    raise_pending_flags(pending_flags, num_experts, max_tokens, heap, flags=pending)
     raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens, heap)
     return total
 

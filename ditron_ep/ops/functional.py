@@ -83,6 +83,8 @@ def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor 
     to `dispatch`; y is checked against that buffer)."""
     buf = next((b for b in _CACHE.values() if id(b) == getattr(handle, "buffer_id", None)), None)
     if buf is None or buf.num_experts != num_experts or buf.heap.group is not _resolved(group):
+        if buf is not None:
+            buf._refuse_combine()  # its peers are entering the combine on the handle's buffer
         raise DitronConfigError("handle does not come from ditron_ep.ops.dispatch on the cached buffer for this "
                                 "num_experts and group (or that buffer was regrown or cleared since): pass a "
                                 "handle of ditron_ep.ops.dispatch called with the same num_experts and group")

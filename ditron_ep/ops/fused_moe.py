@@ -263,7 +263,7 @@ class FusedMoE:
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
         h = self.heap
-        send, recv, weights = self._launch_layout(topk_idx, topk_weights)
+        send, recv, weights = self._launch_layout(topk_idx, topk_weights, record_pending=not sync)
         if sync:
             # Default mode's one host read is of the layout's status, copied out before the
             # megakernel is launched and read after: the launch queues right behind the layout
@@ -271,8 +271,6 @@ class FusedMoE:
             # for the whole layer. Flagged input makes every rank's megakernel refuse all work
             # (every rank sees every rank's flags), so no token moves, and raises below.
             status = self._status_snapshot(layout_status_words(h, recv, self._pending_flags))
-        else:
-            torch.bitwise_or(self._pending_flags, recv.src_info[:, 0].amax().reshape(1), out=self._pending_flags)
         out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
         self._launch_kernel(x, send, recv, weights, w1, w2, out, refuse_flagged=sync, trace=trace)
         if sync:
@@ -296,17 +294,20 @@ class FusedMoE:
         self._launch_kernel(none, send, recv, weights, placeholder, placeholder, none, refuse_flagged=True,
                             trace=False)
 
-    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool = False):
+    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool = False,
+                       record_pending: bool = False):
         """The launches before the megakernel (sender layout, counts exchange and row-tile map,
         counter resets); returns (send layout, receive layout, fp32 weights). No host sync.
-        refused: this rank joins the exchange flagged FLAG_REFUSED (`_refuse_call`)."""
+        refused: this rank joins the exchange flagged FLAG_REFUSED (`_refuse_call`); record_pending
+        (graph mode): the exchange keeps every rank's input flags for `check()`."""
         h = self.heap
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
         if refused:
             send.flags.fill_(FLAG_REFUSED)
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
-                               tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step)
+                               tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step,
+                               pending=self._pending_flags if record_pending else None)
         for lo, hi in self._zero_ranges:
             h.signals[lo:hi].zero_()
         return send, recv, topk_weights.to(torch.float32).contiguous()

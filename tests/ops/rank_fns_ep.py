@@ -524,6 +524,18 @@ def api_misuse_cases() -> dict:
     res["lax_in_step_after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6,
                                                    atol=1e-6))
     lax.free()
+    # graph mode: different problems of two ranks in one call are both kept (the flags are bit
+    # sets, OR-ed), and check() raises them one at a time
+    from ditron_ep.ops import RoutingError
+    g_buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    gx, gi, _ = make_inputs(W, [5] + [10] * (W - 1), H, E, K, torch.float32, "uniform", seed=6)
+    g_idx = gi[rank].clone()
+    if rank == 0:
+        g_idx[0, 0] = E + 3
+    g_buf.dispatch(gx[rank], g_idx, sync=False)
+    for key in ("pending_first", "pending_second", "pending_third"):
+        catch(key, g_buf.check, (CapacityError, RoutingError))
+    g_buf.free()
     # a freed buffer
     buf.free()
     catch("after_free", lambda: buf.dispatch(torch.randn(4, H), torch.zeros(4, K, dtype=torch.long)))

@@ -180,6 +180,9 @@ def test_api_misuse_gets_clear_errors(emulated_cluster):
         assert res["lax_next_dispatch"].startswith("DitronConfigError") and "earlier combine" in \
             res["lax_next_dispatch"] and "(ranks 0)" in res["lax_next_dispatch"], res["lax_next_dispatch"]
         assert res["lax_in_step_after"], "the call after a reported refusal gave wrong results"
+        assert res["pending_first"].startswith("CapacityError"), res["pending_first"]
+        assert res["pending_second"].startswith("RoutingError"), res["pending_second"]
+        assert res["pending_third"] == "no error", res["pending_third"]
         assert res["staged_in_step_after"], "the staged moe after a rejected call differs from the first"
         assert res["staged_dispatched"] == 0, "the staged schedule built a buffer for arguments it rejected"
         assert "was freed" in res["after_free"], res["after_free"]
