@@ -550,6 +550,14 @@ def api_misuse_cases() -> dict:
     # the functional combine names what is wrong with y, not the cache lookup
     recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
     catch("combine_bad_y", lambda: combine(torch.zeros(recv_x.shape[0], H // 2), handle, ws[rank], num_experts=E))
+    # a num_experts that does not match the handle's buffer on one rank: it refuses through that
+    # buffer, so its peer raises at once; then both combine along the handle
+    t0 = time.monotonic()
+    catch("functional_one_rank_bad_E", lambda: combine(recv_x, handle, ws[rank], num_experts=E + (W if rank else 0)))
+    res["functional_one_rank_bad_E_s"] = time.monotonic() - t0
+    out = combine(recv_x, handle, ws[rank], num_experts=E)
+    res["functional_in_step_after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6,
+                                                          atol=1e-6))
     catch("dispatch_1d_idx", lambda: dispatch(xs[rank], idxs[rank][:, 0].contiguous(), num_experts=E))
     clear_cache()
 

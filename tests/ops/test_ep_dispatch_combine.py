@@ -190,6 +190,11 @@ def test_api_misuse_gets_clear_errors(emulated_cluster):
             res["pending_capacity"]
         assert res["max_tokens_after"] == 4, "the functional API regrew on a graph-mode call's recorded problem"
         assert "y must have shape" in res["combine_bad_y"], res["combine_bad_y"]
+        lone = res["functional_one_rank_bad_E"]
+        want = "does not come from ditron_ep.ops.dispatch" if rank == 1 else "rank 1 rejected its own arguments"
+        assert lone.startswith("DitronConfigError") and want in lone, lone
+        assert res["functional_one_rank_bad_E_s"] < 15.0, "the peer waited for the rank that rejected its combine"
+        assert res["functional_in_step_after"], "the combine after a rejected one gave wrong results"
         assert "topk_idx must be a 2-D tensor" in res["dispatch_1d_idx"], res["dispatch_1d_idx"]
         assert "topk_weights must be a 2-D tensor" in res["moe_no_weights"], res["moe_no_weights"]
         assert "w1" in res["staged_bad_w1"] and res["staged_bad_w1"].startswith("DitronConfigError"), \
