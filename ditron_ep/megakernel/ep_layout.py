@@ -33,10 +33,10 @@ FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange
 FLAG_REFUSED = 8        # the rank rejected its own arguments to this call (set by the host: EPBuffer.dispatch)
 FLAG_UNREPORTED_REFUSAL = 16  # the rank skipped an earlier call a peer refused, not yet raised (refusal.py)
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
-_FLAG_UNREPORTED_REFUSAL = tl.constexpr(FLAG_UNREPORTED_REFUSAL)
-REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 _FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
+_FLAG_UNREPORTED_REFUSAL = tl.constexpr(FLAG_UNREPORTED_REFUSAL)
+REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)  # this rank's refusal record (megakernel/refusal.py)
 
 
 def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:

@@ -221,6 +221,14 @@ def next_task_split(my_ctrl, on_comm, split_at):
 
 @register_device_function
 @triton.jit
+def refusal_slot(ctrl, epoch):
+    """First word of the REFUSED slot of call `epoch` in the control block at `ctrl`
+    (runtime/control.refusal_slot; megakernel/refusal.py)."""
+    return ctrl + REFUSED + (epoch & 1) * MAX_WORLD
+
+
+@register_device_function
+@triton.jit
 def call_end(table_ptr, rank, epoch=0, world=0, RETIRE_REFUSALS: tl.constexpr = False):
     """Leave the launch; the last program out resets the queue and advances the epoch.
 
@@ -233,7 +241,7 @@ def call_end(table_ptr, rank, epoch=0, world=0, RETIRE_REFUSALS: tl.constexpr = 
     if arrived == n_programs - 1:
         if RETIRE_REFUSALS:
             for p in range(world):
-                tl.store(my_ctrl + REFUSED + (epoch & 1) * MAX_WORLD + p, epoch)
+                tl.store(refusal_slot(my_ctrl, epoch) + p, epoch)
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")

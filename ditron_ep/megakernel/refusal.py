@@ -27,19 +27,10 @@ import triton.language as tl
 
 from ..compiler.portability import register_device_function, register_kernel
 from ..runtime import control as C
-from .primitives import call_begin, call_end, ctrl_ptr
+from .primitives import call_begin, call_end, ctrl_ptr, refusal_slot
 
 EPOCH = tl.constexpr(C.EPOCH)
 REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)
-REFUSED = tl.constexpr(C.REFUSED)
-MAX_WORLD = tl.constexpr(C.MAX_WORLD)
-
-
-@register_device_function
-@triton.jit
-def refusal_slot(ctrl, epoch):
-    """First word of the REFUSED slot of call `epoch` in the control block at `ctrl`."""
-    return ctrl + REFUSED + (epoch & 1) * MAX_WORLD
 
 
 @register_device_function

@@ -293,10 +293,7 @@ class EPBuffer:
         exchange with no tokens and FLAG_REFUSED, so that every peer raises at its status read
         (before moving anything) instead of waiting for this rank in the exchange until it times
         out. No rank launches the data kernel, so the ranks stay in step for the next call."""
-        idx = torch.empty((0, self.topk), dtype=torch.int32, device=self.device)
-        send = build_send_layout(idx, self.num_experts, self.world_size, self.max_tokens)
-        send.flags.fill_(FLAG_REFUSED)
-        exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout)
+        self._launch_layout(torch.empty((0, self.topk), dtype=torch.int32, device=self.device), refused=True)
 
     def _refuse_combine(self) -> None:
         """This rank rejected its arguments to a combine its peers are entering: take part in the
@@ -326,10 +323,13 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ launchers
     def _launch_layout(self, topk_idx: torch.Tensor, alloc: Int32Arena | None = None,
-                       record_pending: bool = False) -> tuple[SendLayout, RecvLayout]:
+                       record_pending: bool = False, refused: bool = False) -> tuple[SendLayout, RecvLayout]:
         """The layout launches; record_pending (graph mode): the exchange also keeps every rank's
-        input flags for the next host-visible call (no sync)."""
+        input flags for the next host-visible call (no sync); refused: this rank joins the
+        exchange flagged FLAG_REFUSED (`_refuse_call`)."""
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
+        if refused:
+            send.flags.fill_(FLAG_REFUSED)
         recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout, alloc=alloc,
                                pending=self._pending_flags if record_pending else None)
         return send, recv
@@ -479,25 +479,36 @@ class EPBuffer:
         return self.heap.local_view("ep/land")[:num_tokens].clone()
 
 
+# The order in which FLAG_* bits are raised: of several set bits, the first in this order.
+_FLAG_ORDER = (FLAG_PEER_GAVE_UP, FLAG_UNREPORTED_REFUSAL, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS, FLAG_BAD_EXPERT)
+
+
+def _first_flag(flags: int) -> int:
+    """The FLAG_* bit of `flags` raised first (_FLAG_ORDER); 0 when none is set."""
+    return next((bit for bit in _FLAG_ORDER if flags & bit), 0)
+
+
 def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int,
                       heap: SymmetricHeap | None = None) -> None:
-    """Raise the error for FLAG_* bits. info: (flags, T) of every rank in this call; None for
-    flags an earlier graph-mode call recorded (it moved its tokens, the offending ones dropped).
-    heap: this rank's, whose refusal record is cleared once FLAG_UNREPORTED_REFUSAL is raised."""
-    if not flags:
+    """Raise the error for the first set FLAG_* bit (_FLAG_ORDER). info: (flags, T) of every rank
+    in this call; None for flags an earlier graph-mode call recorded (it moved its tokens, the
+    offending ones dropped). heap: this rank's, whose refusal record is cleared once
+    FLAG_UNREPORTED_REFUSAL is raised."""
+    flag = _first_flag(flags)
+    if not flag:
         return
     who = ""
     if info is not None:
         who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
     moved = ("no token was moved" if info is not None else
              "recorded by an earlier graph-mode call (sync=False), which dropped the offending tokens or slots")
-    if flags & FLAG_PEER_GAVE_UP:
+    if flag == FLAG_PEER_GAVE_UP:
         raise DitronTimeoutError(
             f"a rank timed out waiting for a peer in this call's layout exchange and gave up{who}: the ranks' "
             f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
             f"was moved. Call heap.reset() on every rank (collectively) before the next call",
             stage="ep layout: counts exchange")
-    if flags & FLAG_UNREPORTED_REFUSAL:
+    if flag == FLAG_UNREPORTED_REFUSAL:
         if heap is not None:
             heap.clear_refusal()
         when = ("raised at this call's counts exchange, before this call moved anything" if info is not None else
@@ -506,23 +517,19 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
             f"a rank rejected its own arguments to an earlier combine and raised the reason there; rank(s) that "
             f"skipped that combine without raising it (check_errors=False or a graph-mode handle){who} did not "
             f"write its output ({when})")
-    if flags & FLAG_REFUSED:
+    if flag == FLAG_REFUSED:
         raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
                                 f"no token was moved. Fix that rank's call (every rank must call with valid "
                                 f"arguments, in the same order)")
-    if flags & FLAG_TOO_MANY_TOKENS:
+    if flag == FLAG_TOO_MANY_TOKENS:
         needed = max(t for _, t in info) if info is not None else max_tokens + 1
         raise CapacityError(
             f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed "
             f"{needed if info is not None else f'more than {max_tokens}'}; build the buffer with a larger "
             f"max_tokens_per_rank ({moved})", needed=needed, pending=info is None)
-    if flags & FLAG_BAD_EXPERT:
+    if flag == FLAG_BAD_EXPERT:
         raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
                            f"fix the router output ({moved})")
-
-
-# The order in which raise_input_flags reports FLAG_* bits (the first set one raises).
-_FLAG_ORDER = (FLAG_PEER_GAVE_UP, FLAG_UNREPORTED_REFUSAL, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS, FLAG_BAD_EXPERT)
 
 
 def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int,
@@ -533,7 +540,7 @@ def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_token
     flags = int(pending_flags.item()) if flags is None else flags
     if not flags:
         return
-    first = next((bit for bit in _FLAG_ORDER if flags & bit), flags)
+    first = _first_flag(flags) or flags
     pending_flags.fill_(flags & ~first)
     raise_input_flags(first, None, num_experts, max_tokens, heap)
 

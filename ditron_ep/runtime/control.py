@@ -30,6 +30,12 @@ ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned
 
 
+def refusal_slot(epoch: int) -> int:
+    """First word of the REFUSED slot of the call with this epoch (two slots, by its parity);
+    megakernel/primitives.refusal_slot is the kernels' copy of this rule."""
+    return REFUSED + (epoch & 1) * MAX_WORLD
+
+
 def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 

@@ -251,7 +251,7 @@ class SymmetricHeap:
         self._ctrl[C.EPOCH] = e
         self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = e
         for parity in (0, 1):  # no stamp equals an epoch of the next 2**32 - 1 calls
-            first = C.REFUSED + parity * C.MAX_WORLD
+            first = C.refusal_slot(parity)
             self._ctrl[first:first + self.world_size] = e
         self.barrier()
 

@@ -503,7 +503,7 @@ def api_misuse_cases() -> dict:
     # across epoch 0 with no false refusal
     from ditron_ep.runtime import control as C
     e = buf.heap.epoch
-    slot = C.REFUSED + (e & 1) * C.MAX_WORLD
+    slot = C.refusal_slot(e)
     res["slot_retired"] = buf.heap._ctrl[slot:slot + W].tolist() == [e] * W
     buf.heap.reset(epoch=-4)
     across = []
