@@ -1,6 +1,7 @@
 """Functional dispatch/combine over a cached `EPBuffer` per (group, E, H, K, dtype).
 
-The buffer is created at first use, sized by one collective (the largest T over the ranks), and
+The buffer is created at first use, sized by one exchange through the process group's store with
+a deadline (the largest T over the ranks; `runtime/sizing.py` says why not a collective), and
 regrown when a later call exceeds it: every rank learns that from the layout exchange of the same
 call (no extra collective), so all ranks regrow together and the call is retried.
 """
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
+from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import CapacityError, DispatchHandle, EPBuffer
 from .input_checks import check_dims
 
@@ -31,11 +33,9 @@ def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, t
     key = _key(group, num_experts, hidden, topk, dtype)
     buf = _CACHE.get(key)
     if buf is None:
-        need = torch.tensor([max(num_tokens, 1)], dtype=torch.int64)
-        if dist.get_backend(group) == "nccl":
-            need = need.cuda()
-        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)  # the one sizing collective
-        buf = _CACHE[key] = EPBuffer(group, num_experts, hidden, int(need.item()), topk, dtype, **kwargs)
+        need = agree_on_tokens(group, "ditron_ep.ops.dispatch", {
+            "num_experts": num_experts, "hidden": hidden, "topk": topk, "dtype": dtype}, max(num_tokens, 1))
+        buf = _CACHE[key] = EPBuffer(group, num_experts, hidden, need, topk, dtype, **kwargs)
     return buf
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
+from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
 from .functional import combine, dispatch, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
@@ -77,16 +78,17 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
 
 
 def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts) -> torch.Tensor:
-    """The cached FusedMoE for these shapes: sized by one collective at first use (largest T),
-    regrown on every rank together when a call's layout reports more tokens than it holds."""
+    """The cached FusedMoE for these shapes: sized at first use by one bounded exchange (largest
+    T; runtime/sizing.py), regrown on every rank together when a call's layout reports more
+    tokens than it holds."""
     g = group if group is not None else dist.group.WORLD
     key = (g.group_name, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule)
     layer = _LAYERS.get(key)
     if layer is None:
-        need = torch.tensor([max(x.shape[0], 1)], dtype=torch.int64,
-                            device="cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=group)
-        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], int(need.item()),
+        need = agree_on_tokens(group, "ditron_ep.ops.moe", {
+            "num_experts": num_experts, "hidden": x.shape[-1], "ffn_hidden": w2.shape[1],
+            "topk": topk_idx.shape[-1], "dtype": x.dtype, "schedule": schedule}, max(x.shape[0], 1))
+        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], need,
                                         topk_idx.shape[-1], x.dtype, schedule=schedule)
     layer.check_errors = check_errors
     try:

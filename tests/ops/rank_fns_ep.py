@@ -286,6 +286,45 @@ def functional_regrow_case() -> dict:
     return res
 
 
+def mismatched_cache_key_case() -> dict:
+    """Functional dispatch whose shapes key a different cached buffer on one rank: the ranks meet
+    no collective. Rank 1 (new hidden size) raises in the bounded sizing naming rank 0; rank 0
+    (its cached buffer) raises DitronTimeoutError in its dispatch. Then ranks whose first use of a
+    key disagrees raise together, and afterwards matching calls line up and are right."""
+    import os
+
+    from ditron_ep.ops import clear_cache, combine, dispatch, get_buffer
+    from ditron_ep.runtime import DitronTimeoutError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, K = 2 * W, 2
+    res = {}
+    res_catch = _recorder(res)
+
+    def run(H, T=4, seed=0):
+        xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=seed)
+        recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
+        out = combine(recv_x, handle, ws[rank], num_experts=E)
+        return bool(torch.allclose(out, ws[rank].sum(dim=1, keepdim=True) * xs[rank], rtol=1e-6, atol=1e-6))
+
+    os.environ[SIZING_TIMEOUT_ENV] = "3"
+    try:
+        res["first"] = run(32)
+        if rank == 0:
+            get_buffer(None, E, 32, K, torch.float32, 0).heap.wait_budget = 4000  # time out in seconds
+            res_catch("cached", lambda: run(32), DitronTimeoutError)
+        else:
+            res_catch("new", lambda: run(48))
+        clear_cache()
+        res_catch("first_use_differs", lambda: run(48 if rank == 0 else 64))
+        res["after"] = run(48, seed=1)  # the failed sizings left the ranks' sizing numbers in step
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_cache()
+    return res
+
+
 def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
     """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
     from ditron_ep.determinism import ep_moe_oracle

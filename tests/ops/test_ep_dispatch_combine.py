@@ -124,6 +124,19 @@ def test_functional_wrappers_regrow(emulated_cluster):
         assert res[2][0] == 40
 
 
+def test_functional_mismatched_cache_key_raises_without_hanging(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.mismatched_cache_key_case)
+    assert r0["first"] and r1["first"]
+    assert r1["new"].startswith("DitronConfigError") and "rank(s) 0 did not join the sizing" in r1["new"], r1
+    assert "hidden=48" in r1["new"]
+    assert r0["cached"].startswith("DitronTimeoutError"), r0
+    for r in (r0, r1):
+        assert r["first_use_differs"].startswith("DitronConfigError"), r
+        assert "rank 0: num_experts=4, hidden=48" in r["first_use_differs"]
+        assert "rank 1: num_experts=4, hidden=64" in r["first_use_differs"]
+        assert r["after"]
+
+
 @pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
                          ids=["W2-uniform", "W3-zipf-empty-rank"])
 def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
