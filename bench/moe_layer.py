@@ -14,7 +14,7 @@ rank, routing); per config, in this order (everything under torch.no_grad):
                 launches (FusedMoE graph_cache). On GPUs also the overlap layer with
                 graph_cache=0 (every call's launches issued from the host), checked bitwise
                 equal to moe(schedule="overlap").
-  standalone    `grouped_swiglu_ffn(recv_x, expert_offsets, w1, w2)` alone on this rank's real
+  standalone    `grouped_swiglu_ffn(recv_x, expert_offsets, w1, w2, check=False)` alone on this rank's real
                 received rows (one untimed `ditron_ep.ops.dispatch` beforehand): the GEMM work
                 inside the layer, without communication.
   gemm refs     gate-up (rows @ W1, no activation) and down (h @ W2) alone on the same rows:
@@ -416,7 +416,7 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
             record_overlap(ctx, T, wts, cfg)
         # ---- ours: the grouped GEMM alone on the same rows
         measure(ctx, cfg, "ours grouped_swiglu_ffn (standalone)", "standalone",
-                lambda: grouped_swiglu_ffn(recv_x, off, wts.w1, wts.w2), fl)
+                lambda: grouped_swiglu_ffn(recv_x, off, wts.w1, wts.w2, check=False), fl)
         # ---- gemm refs and floor
         best, col = gemm_refs(ctx, cfg, recv_x, offs, host_off, wts, grouped)
         del recv_x

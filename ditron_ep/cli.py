@@ -253,13 +253,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         if args.command == "info":
-            return cmd_info(Console())
+            return cmd_info(_console())
         if args.command == "bench":
             return cmd_bench(args)
         return cmd_check(args)
     except DitronConfigError as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+        _console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         return EXIT_USAGE
+
+
+def _console(**kwargs) -> Console:
+    """A rich console that leaves ":name:" text alone (emoji codes would rewrite user text in
+    messages: a module named `fire` in `m:fire`)."""
+    return Console(emoji=False, **kwargs)
+
+
+def _check_output_paths(*paths: Path | None) -> None:
+    """DitronConfigError, before anything runs, for an output path that cannot be written (a
+    run of minutes must not end in a traceback)."""
+    for path in paths:
+        if path is None:
+            continue
+        if path.is_dir():
+            raise DitronConfigError(f"output path {path} is a directory; give a file name")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DitronConfigError(f"cannot create the folder of output path {path}: {exc.strerror or exc}") from None
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise DitronConfigError(f"output path {path} is not writable; pick another path")
 
 
 # ============================================================================ info
@@ -429,7 +451,7 @@ def _emulated_world_size(args: argparse.Namespace, default: int) -> int:
                                 "which this machine lacks")
     problem = interpreter_numpy_problem()
     if problem:  # the run goes on (its failures show where), but say why first
-        Console(stderr=True).print(f"[bold yellow]warning:[/] {problem}", highlight=False)
+        _console(stderr=True).print(f"[bold yellow]warning:[/] {problem}", highlight=False)
     return args.world_size or default
 
 
@@ -467,6 +489,7 @@ def _process_group(backend: str) -> Iterator[None]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    _check_output_paths(args.json)
     if _under_torchrun():
         return _check_launched_ranks(args)
     world_size = _emulated_world_size(args, DEFAULT_WORLD_SIZE)
@@ -474,7 +497,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = run_emulated_check(world_size, seed=args.seed, quick=args.quick, **options)
     if report is None:
         return EXIT_FAILED
-    return emit_report(report, Console(width=_table_width()), args.json)
+    return emit_report(report, _console(width=_table_width()), args.json)
 
 
 def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) -> "CheckReport | None":
@@ -493,7 +516,7 @@ def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) ->
             try:
                 cluster.start()
             except RankError as exc:
-                Console(stderr=True).print(f"[bold red]error:[/] emulated ranks failed to start: {exc}",
+                _console(stderr=True).print(f"[bold red]error:[/] emulated ranks failed to start: {exc}",
                                            highlight=False)
                 return None
             return run_check(cluster.run, "emulated", world_size, cases, seed=seed, **hooks)
@@ -512,7 +535,7 @@ def _check_launched_ranks(args: argparse.Namespace) -> int:
         if rank == 0:
             with _case_progress(count_rows(cases), "") as hooks:
                 report = run_check(local_runner, backend, world_size, cases, seed=args.seed, **hooks)
-            return emit_report(report, Console(width=_table_width()), args.json)
+            return emit_report(report, _console(width=_table_width()), args.json)
         # Every rank evaluates the same gathered results, so every rank exits alike.
         return exit_status(run_check(local_runner, backend, world_size, cases, seed=args.seed))
 
@@ -522,7 +545,7 @@ def _progress_bar(total: int, first: str, width: int) -> Iterator[Callable[[str 
     """A transient progress bar on stderr over `total` steps, showing `first` until the first
     update; yields update(description or None to keep it, steps done since the last update)."""
     bar = Progress(TextColumn(f"{{task.description:<{width}}}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+                   TimeElapsedColumn(), console=_console(stderr=True), transient=True)
     task = bar.add_task(first, total=total)
 
     def update(description: str | None, done: int) -> None:
@@ -592,7 +615,7 @@ def emit_report(report: "CheckReport", console: Console, json_path: Path | None)
 
     console.print(build_table(report))
     for case in report.failures:
-        console.print(f"[bold red]FAIL[/] {case.case}: {case.detail}", highlight=False)
+        console.print(f"[bold red]FAIL[/] {escape(case.case)}: {escape(case.detail)}", highlight=False)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -606,6 +629,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         require_matplotlib()  # a missing optional extra is a usage error, before anything runs
+    _check_output_paths(args.json, args.plot)
     if _under_torchrun():
         return _bench_launched_ranks(args)
     world_size = _emulated_world_size(args, DEFAULT_BENCH_WORLD_SIZE)
@@ -615,7 +639,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if rows is None:
         return EXIT_FAILED
     meta = make_meta("emulated", "gloo", world_size, device_info("cpu"), time.perf_counter() - start)
-    return emit_bench(meta, requests, rows, args, Console(width=_table_width()))
+    return emit_bench(meta, requests, rows, args, _console(width=_table_width()))
 
 
 def bench_requests(args: argparse.Namespace, world_size: int, backend: str) -> list["BenchRequest"]:
@@ -656,7 +680,7 @@ def run_emulated_bench(world_size: int, requests: Sequence["BenchRequest"]) -> "
             with follow(events, update):
                 return cluster.run(run_requests, requests, "emulated", FileSink(events))[0]
         except RankError as exc:
-            Console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {escape(str(exc))}",
+            _console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {escape(str(exc))}",
                                        highlight=False)
             return None
         finally:
@@ -682,7 +706,7 @@ def _bench_launched_ranks(args: argparse.Namespace) -> int:
             rows = run_requests(requests, backend, update)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else torch.device("cpu")
         meta = make_meta(backend, dist.get_backend(), world_size, device_info(device), time.perf_counter() - start)
-        return emit_bench(meta, requests, rows, args, Console(width=_table_width()))
+        return emit_bench(meta, requests, rows, args, _console(width=_table_width()))
 
 
 def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["Row"], args: argparse.Namespace,

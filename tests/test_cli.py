@@ -277,8 +277,12 @@ def test_against(spec: str, failing: set[str], tmp_path: Path, capsys) -> None:
     (["--repeats", "1"], "at least 2 runs"),
     (["--routings", "uniform,bogus"], "unknown routing bogus"),
     (["--dtypes", "fp64"], "unknown dtype fp64"),
+    (["--against", "cli_import_raises:f"], "importing module 'cli_import_raises' raised RuntimeError: boom at import"),
+    (["--against", "cli_import_exits:f"], "importing module 'cli_import_exits' raised SystemExit: 3"),
+    (["--against", "no_such_module_xyz:fire:"], "--against no_such_module_xyz:fire:: cannot import"),
+    (["--json", "/proc/no_such_dir/r.json"], "cannot create the folder of output path /proc/no_such_dir/r.json"),
 ], ids=["module", "attr", "no-colon", "signature", "bf16-emulated", "experts", "shape-len", "topk",
-        "repeats", "routing", "dtype"])
+        "repeats", "routing", "dtype", "import-raises", "import-exits", "emoji-code", "json-path"])
 def test_bad_check_options_exit_2(argv: list[str], message: str, capsys) -> None:
     assert cli.main(["check", *argv]) == 2
     assert message in " ".join(capsys.readouterr().err.split())  # rich wraps at 80 columns

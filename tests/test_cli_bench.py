@@ -290,3 +290,8 @@ def test_commit_named_by_the_environment_has_no_dirty_flag(monkeypatch) -> None:
     from ditron_ep.bench.environment import git_commit, git_dirty
     monkeypatch.setenv("DITRON_COMMIT", "abc1234")
     assert git_commit() == "abc1234" and git_dirty() is None
+
+
+def test_unwritable_output_path_exits_2_before_running(capsys) -> None:
+    assert cli.main(["bench", "--json", "/proc/no_such_dir/b.json"]) == 2
+    assert "cannot create the folder of output path" in " ".join(capsys.readouterr().err.split())

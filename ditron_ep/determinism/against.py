@@ -54,6 +54,9 @@ def load_moe_fn(spec: str) -> Callable[..., torch.Tensor]:
     except ImportError as exc:
         raise DitronConfigError(f"--against {spec}: cannot import module {module_name!r} ({exc}); "
                                 f"it must be importable from sys.path (set PYTHONPATH)") from None
+    except (Exception, SystemExit) as exc:  # the module's own code failed (or exited) while importing
+        raise DitronConfigError(f"--against {spec}: importing module {module_name!r} raised "
+                                f"{type(exc).__name__}: {exc}; fix the module so that it imports") from None
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)

@@ -38,6 +38,7 @@ def grouped_swiglu_ffn(
     input_precision: str | None = None,
     group_rows: int = 1,
     out: torch.Tensor | None = None,
+    check: bool | None = None,
 ) -> torch.Tensor:
     """SwiGLU FFN of every local expert over its rows; returns y [rows, H] in x's dtype.
 
@@ -46,12 +47,11 @@ def grouped_swiglu_ffn(
         expert_offsets: int32 [E_local + 1] on x's device, nondecreasing, expert_offsets[0] == 0:
             rows expert_offsets[e]:expert_offsets[e+1] belong to local expert e. The total
             expert_offsets[-1] may be below rows (a fixed-capacity buffer): rows past it are
-            returned as zeros. Not checked on the host (that would need a device sync); rows are
-            clamped to [0, rows) on the device, so bad offsets give wrong rows, never stray writes.
+            returned as zeros. Values are checked as `check` says.
         w1: [E_local, H, 2I] gate ‖ up, x's dtype, contiguous.
         w2: [E_local, I, H], x's dtype, contiguous.
-        row_index: optional int32 [rows] on x's device: row r reads x[row_index[r]] (values in
-            [0, N), unchecked). Without it rows = N and row r reads x[r].
+        row_index: optional int32 [rows] on x's device: row r reads x[row_index[r]], values in
+            [0, N). Without it rows = N and row r reads x[r].
         config: (gate_up, down) tile configs; default `default_gemm_configs(x.dtype, device)`.
         num_programs: persistent grid size; default the SM count on a GPU, 1 under the
             interpreter. Results are bitwise identical for every grid size (no split-K).
@@ -64,10 +64,25 @@ def grouped_swiglu_ffn(
             bench/results/tile_order_H200_20261122_s9.log). Results are bitwise identical for
             every order.
         out: optional [rows, H] contiguous output buffer in x's dtype (written and returned).
+        check: how the VALUES of expert_offsets and row_index are checked (their shapes and dtypes
+            always are). True: on the host, ValueError if wrong (a device sync on a GPU). None
+            (default): on the host under the interpreter (no sync there); on a GPU, no sync:
+            the offsets are made valid on the device (clamped to [0, rows], nondecreasing, first
+            0) and row_index clamped to [0, N), so wrong values give wrong rows, each written
+            once — never stray reads or writes, never unwritten memory. Valid values pass
+            unchanged. False: used as given, for callers that built them (the library's own
+            dispatch handles); rows stay clamped to [0, rows), but a row_index value out of
+            [0, N) reads out of bounds.
 
     Accumulation is fp32; the SwiGLU activation h is rounded to x's dtype before the down GEMM.
     """
     rows, hidden, inter, num_local = _validate(x, expert_offsets, w1, w2, row_index)
+    if check not in (None, True, False):
+        raise ValueError(f"check must be True, False or None, got {check!r}")
+    if check or (check is None and x.device.type == "cpu"):
+        _check_values(expert_offsets, row_index, rows, x.shape[0])
+    elif check is None:
+        expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2)):
         raise NotImplementedError("grouped_swiglu_ffn: backward through the experts is not implemented yet; "
                                   "call it under torch.no_grad() or on tensors that do not require grad")
@@ -157,6 +172,31 @@ def _device_type(device: torch.device) -> str:
     return "hip" if torch.version.hip else "cuda"
 
 
+def _check_values(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, rows: int, n: int) -> None:
+    """ValueError unless expert_offsets starts at 0, never decreases and ends <= rows, and every
+    row_index value is in [0, n). Reads both to the host."""
+    off = expert_offsets.tolist()
+    if off[0] != 0 or any(b < a for a, b in zip(off, off[1:])) or off[-1] > rows:
+        raise ValueError(f"expert_offsets must start at 0, never decrease and end at most at rows={rows}, got "
+                         f"{off if len(off) <= 20 else off[:20] + ['...']}")
+    if row_index is not None and row_index.numel():
+        lo, hi = int(row_index.min()), int(row_index.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"row_index values must be in [0, N={n}) (rows of x), got values from {lo} to {hi}")
+
+
+def _made_valid(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, rows: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Device ops only (no host sync): offsets clamped to [0, rows], first 0, nondecreasing;
+    row_index clamped to [0, n). Valid inputs come back equal (so results do not change)."""
+    off = expert_offsets.clamp(0, rows)
+    off[0] = 0
+    off = torch.cummax(off, dim=0).values.to(torch.int32)
+    if row_index is not None:
+        row_index = row_index.clamp(0, max(n - 1, 0))
+    return off, row_index
+
+
 def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               row_index: torch.Tensor | None) -> tuple[int, int, int, int]:
     """Raise ValueError saying what to fix; return (rows, H, I, E_local)."""
@@ -210,6 +250,8 @@ def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w
             raise ValueError(f"row_index must be a 1-D int32 tensor [rows], got {row_index.dtype} of shape "
                              f"{tuple(row_index.shape)}")
         rows = row_index.shape[0]
+        if rows and x.shape[0] == 0:
+            raise ValueError(f"row_index has {rows} rows to gather but x has none; pass an x with rows")
     for name, t in named:
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")

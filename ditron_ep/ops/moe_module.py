@@ -26,6 +26,7 @@ from .moe import SCHEDULES, moe
 __all__ = ["EPMoE", "SCORE_FUNCS"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+ROUTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class EPMoE(nn.Module):
@@ -48,14 +49,15 @@ class EPMoE(nn.Module):
        with the weights, in x's dtype.
 
     Parameters (initialised by `reset_parameters` from the global torch RNG; fan-in scaled
-    normals, so unit-variance inputs give order-1 pre-activations):
+    normals, so unit-variance inputs give order-1 pre-activations; each expert from its own
+    generator seeded by its global id, so the experts do not depend on the group size):
         router_weight: [E, H] in router_dtype, N(0, 1/H). Replicated: it MUST be identical on
             every rank — seed every rank alike before construction, or call `sync_router_(src)`
             once after construction (and after loading a checkpoint that differs per rank).
         w1: [E_local, H, 2I] in dtype, N(0, 1/H): gate ‖ up of this rank's experts.
         w2: [E_local, I, H] in dtype, N(0, 1/I). Rank r owns global experts
-            [r * E_local, (r + 1) * E_local). Seeding every rank alike makes these copies equal
-            across ranks; seed per rank and then `sync_router_()` for distinct experts.
+            [r * E_local, (r + 1) * E_local). Seeded alike, the ranks hold distinct experts
+            (each drawn from its global id), the same ones as any other group size would.
 
     Args:
         hidden: H, the model width.
@@ -67,7 +69,8 @@ class EPMoE(nn.Module):
         score_func: "softmax" or "sigmoid".
         renormalize: divide the K selected scores by their sum.
         aux_loss_coef: >= 0, scales the load-balancing loss (0 gives a zero loss).
-        router_dtype: floating dtype of the router weight and of the routing computation.
+        router_dtype: dtype of the router weight and of the routing computation (float16,
+            bfloat16, float32 or float64); the `router_dtype` attribute follows later casts.
         dtype: expert weight dtype (bfloat16, float16, float32); default torch.get_default_dtype().
             x must have this dtype in forward.
         device: device of the parameters.
@@ -96,8 +99,8 @@ class EPMoE(nn.Module):
         if not isinstance(aux_loss_coef, numbers.Real) or isinstance(aux_loss_coef, bool) \
                 or not math.isfinite(aux_loss_coef) or aux_loss_coef < 0:
             raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {aux_loss_coef!r}")
-        if not isinstance(router_dtype, torch.dtype) or not router_dtype.is_floating_point:
-            raise ValueError(f"router_dtype must be a floating-point torch.dtype, got {router_dtype!r}")
+        if router_dtype not in ROUTER_DTYPES:
+            raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} (the experts' dtype), got {dtype!r}")
@@ -106,6 +109,14 @@ class EPMoE(nn.Module):
         if not dist.is_available() or not dist.is_initialized():
             raise DitronConfigError("EPMoE needs torch.distributed initialised: call dist.init_process_group "
                                     "before building the layer")
+        # dist.new_group returns a sentinel (not a group) on the ranks it leaves out
+        if group is dist.GroupMember.NON_GROUP_MEMBER or (
+                isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
+            raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of `group`; build EPMoE "
+                             f"only on the ranks of its expert-parallel group")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(f"group must be a torch.distributed.ProcessGroup (e.g. from dist.new_group) or None "
+                             f"for the default group, got {type(group).__name__}")
         world = dist.get_world_size(group)
         if num_experts % world:
             raise ValueError(f"num_experts={num_experts} is not a multiple of the expert-parallel group size "
@@ -119,20 +130,36 @@ class EPMoE(nn.Module):
         self.world_size, self.rank = world, dist.get_rank(group)
         self.num_local_experts = num_experts // world
         self.score_func, self.renormalize, self.aux_loss_coef = score_func, renormalize, float(aux_loss_coef)
-        self.router_dtype, self.schedule = router_dtype, schedule
+        self.schedule = schedule
         e_local = self.num_local_experts
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=router_dtype, device=device))
         self.w1 = nn.Parameter(torch.empty(e_local, hidden, 2 * ffn_hidden, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(e_local, ffn_hidden, hidden, dtype=dtype, device=device))
         self.reset_parameters()
 
+    @property
+    def router_dtype(self) -> torch.dtype:
+        """The router weight's dtype, in which routing is computed (follows `.to()` / `.half()`)."""
+        return self.router_weight.dtype
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Fan-in scaled normals from the global RNG: router and w1 N(0, 1/H), w2 N(0, 1/I).
-        Leaves the router rank-local: seed alike on every rank or call `sync_router_` after."""
+        """Fan-in scaled normals: router and w1 N(0, 1/H), w2 N(0, 1/I).
+
+        The router comes from the global RNG (rank-local: seed alike on every rank or call
+        `sync_router_` after). Each expert's weights come from a generator seeded with one draw
+        of the global RNG plus the expert's GLOBAL id: seeded alike, the ranks hold distinct
+        experts, and a model has the same experts whatever the group size."""
         nn.init.normal_(self.router_weight, std=self.hidden ** -0.5)
-        nn.init.normal_(self.w1, std=self.hidden ** -0.5)
-        nn.init.normal_(self.w2, std=self.ffn_hidden ** -0.5)
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # one draw of the global RNG
+        device = self.w1.device
+        if device.type == "meta":  # nothing to draw (deferred initialisation)
+            return
+        first = self.rank * self.num_local_experts
+        for e in range(self.num_local_experts):
+            gen = torch.Generator(device=device).manual_seed(base + first + e)  # drawn where the weights live
+            for w, fan_in in ((self.w1, self.hidden), (self.w2, self.ffn_hidden)):
+                w[e].normal_(0.0, fan_in ** -0.5, generator=gen)
 
     @torch.no_grad()
     def sync_router_(self, src: int = 0) -> EPMoE:
@@ -151,8 +178,10 @@ class EPMoE(nn.Module):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must be [..., hidden={self.hidden}], got {got}")
         if x.dtype != self.w1.dtype:
-            raise ValueError(f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; cast x, or build the "
-                             f"layer with dtype={x.dtype} (or call .to({x.dtype}))")
+            fix = f"cast x to {self.w1.dtype}"
+            if x.dtype in SUPPORTED_DTYPES:
+                fix += f", or build the layer with dtype={x.dtype} (or call .to({x.dtype}))"
+            raise ValueError(f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; {fix}")
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)

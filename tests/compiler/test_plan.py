@@ -414,3 +414,11 @@ def test_rejects_inconsistent_gemm_groups(base):
         spec = fill_defaults(spec_of(4, 16, 2, 64, 96, 40, gemm_tile_order=order))
         assert fill_defaults(spec) == spec and lower(spec) == lower(spec_of(4, 16, 2, 64, 96, 40,
                                                                           gemm_tile_order=order))
+
+
+def test_package_exports_what_the_readme_shows():
+    """README: `ditron_ep.compiler.lower(MoESpec(...))`, printed, shows what runs where."""
+    import ditron_ep.compiler as compiler
+    plan = compiler.lower(compiler.MoESpec(world_size=2, num_experts=4, topk=2, hidden=64, ffn_hidden=32,
+                                           max_tokens=16, device_type="cpu"))
+    assert plan is not None and compiler.verify(plan) is None and str(plan)

@@ -321,3 +321,41 @@ def test_grouped_ffn_tile_orders_and_grids_bitwise(dist_env):
     if rel > 2e-2:
         problems.append(f"off the float64 reference: max|err|/max|ref| = {rel:.3g}")
     assert not problems, problems
+
+
+def test_grouped_ffn_bad_values_repaired_on_device(dist_env):
+    """By default a GPU call checks no values on the host (no sync): bad offsets and an
+    out-of-range row_index are repaired on the device, giving the result of the repaired inputs
+    (no fault, no unwritten rows); valid inputs give the same bits as check=False; check=True
+    raises."""
+    from ditron_ep.ops.grouped_ffn import _made_valid
+    dev = dist_env.device
+    g = torch.Generator().manual_seed(12)
+    n_x, E = 200, 3
+    x = torch.randn(n_x, H, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(E, H, 2 * I, generator=g) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, I, H, generator=g) / I ** 0.5).to(torch.bfloat16)
+    idx = torch.randint(0, n_x, (300,), generator=g, dtype=torch.int32)
+    x, w1, w2, idx = _on(dev, x, w1, w2, idx)
+    problems = []
+    good = torch.tensor([0, 120, 120, 300], dtype=torch.int32, device=dev)
+    if not torch.equal(grouped_swiglu_ffn(x, good, w1, w2, row_index=idx),
+                       grouped_swiglu_ffn(x, good, w1, w2, row_index=idx, check=False)):
+        problems.append("valid inputs: check=None and check=False differ")
+    bad_idx = idx.clone()
+    bad_idx[5], bad_idx[77] = 10**6, -4
+    for bad in ([40, 250, 100, 900], [-7, 0, 300, 290]):
+        off = torch.tensor(bad, dtype=torch.int32, device=dev)
+        y = grouped_swiglu_ffn(x, off, w1, w2, row_index=bad_idx)
+        fixed_off, fixed_idx = _made_valid(off, bad_idx, 300, n_x)
+        if not torch.equal(y, grouped_swiglu_ffn(x, fixed_off, w1, w2, row_index=fixed_idx, check=False)):
+            problems.append(f"offsets {bad}: differs from the repaired inputs' result")
+        if not torch.isfinite(y).all():
+            problems.append(f"offsets {bad}: non-finite rows (unwritten memory?)")
+        try:
+            grouped_swiglu_ffn(x, off, w1, w2, row_index=bad_idx, check=True)
+            problems.append(f"offsets {bad}: check=True did not raise")
+        except ValueError:
+            pass
+    torch.cuda.synchronize()
+    assert not problems, problems

@@ -124,6 +124,11 @@ def error_cases() -> dict:
     catch("schedule", lambda: EPMoE(H, I, world, 1, schedule="fused"))
     catch("aux_negative", lambda: EPMoE(H, I, world, 1, aux_loss_coef=-0.1))
     catch("router_dtype", lambda: EPMoE(H, I, world, 1, router_dtype=torch.int32))
+    catch("router_fp8", lambda: EPMoE(H, I, world, 1, router_dtype=torch.float8_e4m3fn))
+    catch("group_list", lambda: EPMoE(H, I, world, 1, group=list(range(world))))
+    only_rank0 = dist.new_group([0])  # collective: every rank creates it, rank 0 alone is a member
+    if dist.get_rank() != 0:
+        catch("not_member", lambda: EPMoE(H, I, 1, 1, group=only_rank0))
     catch("dtype", lambda: EPMoE(H, I, world, 1, dtype=torch.float64))
     catch("renormalize", lambda: EPMoE(H, I, world, 1, renormalize="yes"))
     catch("too_many_local", lambda: EPMoE(H, I, 257 * world, 1))
@@ -132,4 +137,33 @@ def error_cases() -> dict:
     with torch.no_grad():
         catch("x_hidden", lambda: layer(torch.randn(4, H + 1)))
         catch("x_dtype", lambda: layer(torch.randn(4, H, dtype=torch.float16)))
+        catch("x_float64", lambda: layer(torch.randn(4, H, dtype=torch.float64)))
+    return res
+
+
+def init_case(num_experts: int) -> dict:
+    """Seeded alike, the ranks hold distinct experts, the same ones (by global id) as a layer over
+    a group of one rank holding them all; router_dtype follows a cast of the layer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(7)
+    layer = EPMoE(H, I, num_experts, K)
+    solo_groups = [dist.new_group([r]) for r in range(world)]  # collective, in the same order everywhere
+    torch.manual_seed(7)
+    solo = EPMoE(H, I, num_experts, K, group=solo_groups[rank])
+    e_local = num_experts // world
+    gathered = [None] * world
+    dist.all_gather_object(gathered, layer.w1.detach())
+    first = rank * e_local
+    res = {
+        "distinct_across_ranks": all(not torch.equal(gathered[a][0], gathered[b][0])
+                                     for a in range(world) for b in range(a + 1, world)),
+        "distinct_within_rank": not torch.equal(layer.w1[0], layer.w1[1]) if e_local > 1 else True,
+        "same_as_solo": torch.equal(layer.w1, solo.w1[first:first + e_local])
+                        and torch.equal(layer.w2, solo.w2[first:first + e_local]),
+        "router_same": torch.equal(layer.router_weight, solo.router_weight),
+        "w1_std": float(solo.w1.std()), "w2_std": float(solo.w2.std()),
+    }
+    layer.half()
+    res["router_dtype_after_half"] = str(layer.router_dtype)
+    res["repr_after_half"] = repr(layer)
     return res

@@ -106,10 +106,10 @@ def test_out_buffer_is_written_and_returned():
 @pytest.mark.parametrize("offsets", [[0, 10, 50], [-5, 10, 12], [0, 30, 4]], ids=["past-capacity", "negative",
                                                                                  "decreasing"])
 def test_bad_offsets_never_write_outside_the_rows(offsets):
-    """Offsets are not checked on the host (no sync); the kernels clamp every tile to [0, rows)."""
+    """check=False uses the offsets as given; the kernels still clamp every tile to [0, rows)."""
     inp = {**make_inputs([10, 10], 16, 8), "expert_offsets": torch.tensor(offsets, dtype=torch.int32)}
     canvas = torch.full((26, 16), float("nan"))
-    grouped_swiglu_ffn(**inp, out=canvas[3:23])
+    grouped_swiglu_ffn(**inp, out=canvas[3:23], check=False)
     assert torch.isnan(canvas[:3]).all() and torch.isnan(canvas[23:]).all()
 
 
@@ -168,6 +168,17 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
         ("group_rows", {"group_rows": 0}, "group_rows must be a positive int"),
         ("precision", {"input_precision": "tf32x3"}, "input_precision must be one of"),
         ("out", {"out": torch.empty(7, 15)}, "out must be a contiguous torch.float32 tensor of shape [rows=7, H=16]"),
+        ("offsets-start", {"expert_offsets": torch.tensor([2, 5, 7], dtype=torch.int32)},
+         "expert_offsets must start at 0, never decrease and end at most at rows=7, got [2, 5, 7]"),
+        ("offsets-negative", {"expert_offsets": torch.tensor([-3, 5, 7], dtype=torch.int32)}, "must start at 0"),
+        ("offsets-decrease", {"expert_offsets": torch.tensor([0, 6, 3], dtype=torch.int32)}, "never decrease"),
+        ("offsets-past-rows", {"expert_offsets": torch.tensor([0, 3, 8], dtype=torch.int32)}, "at most at rows=7"),
+        ("row_index-high", {"row_index": torch.tensor([0, 1, 2, 3, 4, 0, 100_000], dtype=torch.int32)},
+         "row_index values must be in [0, N=5) (rows of x), got values from 0 to 100000"),
+        ("row_index-negative", {"row_index": torch.tensor([0, 1, -2, 3, 4, 0, 1], dtype=torch.int32)},
+         "got values from -2 to 4"),
+        ("row_index-no-x", {"x": torch.zeros(0, 16)}, "row_index has 7 rows to gather but x has none"),
+        ("check", {"check": "yes"}, "check must be True, False or None"),
     ]
 
 
@@ -232,3 +243,22 @@ def test_nvidia_default_configs_compile_for_sm90(tmp_path):
     for label, ok, shared, error in results:
         assert ok, f"{label}: {error}"
     assert max(shared for _, _, shared, _ in results) == 196608  # 4 stages x 48 KiB: the K-loop is pipelined
+
+
+def test_values_made_valid_without_host_sync():
+    """GPU default (check=None): bad offsets / row_index are repaired on the device so every row
+    is written once; valid ones pass unchanged (the same bits)."""
+    from ditron_ep.ops.grouped_ffn import _made_valid
+    good_off = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    good_idx = torch.tensor([4, 0, 1, 2, 3, 0, 1], dtype=torch.int32)
+    off, idx = _made_valid(good_off, good_idx, 7, 5)
+    assert torch.equal(off, good_off) and off.dtype == torch.int32 and torch.equal(idx, good_idx)
+    cases = [([2, 5, 7, 7], [0, 5, 7, 7]), ([-3, 5, 4, 9], [0, 5, 5, 7]), ([0, 6, 3, 2], [0, 6, 6, 6])]
+    for bad, fixed in cases:
+        assert _made_valid(torch.tensor(bad, dtype=torch.int32), None, 7, 5)[0].tolist() == fixed
+    assert _made_valid(good_off, torch.tensor([-1, 5, 100, 2], dtype=torch.int32), 7, 5)[1].tolist() == [0, 4, 4, 2]
+    # the repaired offsets drive the kernels like valid ones: checked against the oracle
+    inp = make_inputs([3, 4], 16, 8, n_x=5)
+    off, _ = _made_valid(torch.tensor([0, 6, 3], dtype=torch.int32), None, 7, 5)
+    y = grouped_swiglu_ffn(**{**inp, "expert_offsets": off}, check=False)
+    assert_close_to_oracle(y, oracle({**inp, "expert_offsets": off}), torch.float32, "repaired offsets")

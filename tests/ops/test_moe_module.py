@@ -40,12 +40,27 @@ def test_forward_matches_float64(emulated_cluster, W, tokens, E, score_func, ren
 
 
 def test_bad_arguments(emulated_cluster):
-    for res in emulated_cluster(3).run(fns.error_cases):
+    results = emulated_cluster(3).run(fns.error_cases)
+    for res in results:
         for key, value in res.items():
             assert value.startswith("ValueError"), f"{key}: {value}"
         assert "multiple of the expert-parallel group size 3" in res["not_divisible"]
         assert "exceeds num_experts" in res["topk_gt_experts"]
         assert "torch.no_grad" not in res["x_dtype"] and "cast x" in res["x_dtype"]
+        assert "cast x to torch.float32" in res["x_float64"] and "dtype=torch.float64" not in res["x_float64"]
+        assert "router_dtype must be one of" in res["router_fp8"]
+        assert "group must be a torch.distributed.ProcessGroup" in res["group_list"]
+    for res in results[1:]:
+        assert "is not a member of `group`" in res["not_member"], res["not_member"]
+
+
+def test_experts_distinct_and_independent_of_group_size(emulated_cluster):
+    for res in emulated_cluster(2).run(fns.init_case, 4):
+        assert res["distinct_across_ranks"] and res["distinct_within_rank"], res
+        assert res["same_as_solo"] and res["router_same"], res
+        assert abs(res["w1_std"] - fns.H ** -0.5) < 0.1 * fns.H ** -0.5
+        assert abs(res["w2_std"] - fns.I ** -0.5) < 0.1 * fns.I ** -0.5
+        assert res["router_dtype_after_half"] == "torch.float16" and "router_dtype=torch.float16" in res["repr_after_half"]
 
 
 def test_needs_torch_distributed():
