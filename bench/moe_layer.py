@@ -416,7 +416,7 @@ def run_config(ctx: Ctx, wts: Weights, T: int, routing: str) -> None:
             record_overlap(ctx, T, wts, cfg)
         # ---- ours: the grouped GEMM alone on the same rows
         measure(ctx, cfg, "ours grouped_swiglu_ffn (standalone)", "standalone",
-                lambda: grouped_swiglu_ffn(recv_x, off, wts.w1, wts.w2, check=False), fl)
+                lambda rows=recv_x: grouped_swiglu_ffn(rows, off, wts.w1, wts.w2, check=False), fl)
         # ---- gemm refs and floor
         best, col = gemm_refs(ctx, cfg, recv_x, offs, host_off, wts, grouped)
         del recv_x

@@ -805,3 +805,34 @@ def _error_check(dev, buffers: list) -> list[str]:
 def test_bad_input_raises_on_every_rank(dist_env, ep_buffers):
     problems = _error_check(dist_env.device, ep_buffers)
     assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
+
+
+def test_functional_ops_size_their_buffer_through_the_store(dist_env):
+    """ops.dispatch sizes a new cached buffer through the process group's store (not a
+    collective): ranks whose first call keys different buffers (hidden sizes) all raise at once,
+    naming each rank's shapes; matching calls after that line up and are right."""
+    from ditron_ep.ops import clear_cache, combine, dispatch
+    dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, K, hidden = 2 * world, 2, 256
+    g = torch.Generator().manual_seed(31 + rank)
+    problems = []
+    x_bad = torch.randn(8, hidden + 64 * rank, generator=g).to(torch.bfloat16).to(dev)
+    idx_bad = torch.randint(0, E, (8, K), generator=g).to(dev)
+    try:
+        dispatch(x_bad, idx_bad, num_experts=E)
+        problems.append("ranks with different hidden sizes did not raise")
+    except DitronConfigError as err:
+        if "different shapes" not in str(err) or f"hidden={hidden + 64 * (world - 1)}" not in str(err):
+            problems.append(f"unexpected message: {err}")
+    T = 16 + 3 * rank
+    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    recv_x, handle = dispatch(x, idx, num_experts=E)
+    out = combine(recv_x, handle, w, num_experts=E)
+    ref = (w.sum(dim=1, keepdim=True) * x.float()).to(torch.bfloat16)
+    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+        problems.append(f"dispatch + combine off by {float((out.float() - ref.float()).abs().max()):.3g}")
+    torch.cuda.synchronize()
+    clear_cache()
+    assert not problems, f"rank {rank}: {problems}"

@@ -359,3 +359,38 @@ def test_grouped_ffn_bad_values_repaired_on_device(dist_env):
             pass
     torch.cuda.synchronize()
     assert not problems, problems
+
+
+def test_epmoe_builds_on_gpu_and_equals_moe(dist_env):
+    """EPMoE built on the GPU (experts drawn there, one generator per global expert): seeded
+    alike, the ranks' experts differ and the routers agree; a forward equals `moe` with the
+    layer's own routing, bit for bit, twice."""
+    import torch.nn.functional as F
+
+    from ditron_ep.ops import EPMoE, moe
+    from ditron_ep.ops.moe_module import _route
+    dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(5)
+    layer = EPMoE(H, I, 4 * world, K, dtype=torch.bfloat16, device=dev)
+    w1s = [torch.empty_like(layer.w1) for _ in range(world)]
+    routers = [torch.empty_like(layer.router_weight) for _ in range(world)]
+    dist.all_gather(w1s, layer.w1.detach().contiguous())
+    dist.all_gather(routers, layer.router_weight.detach().contiguous())
+    problems = []
+    if any(torch.equal(w1s[a], w1s[b]) for a in range(world) for b in range(a + 1, world)):
+        problems.append("two ranks drew the same experts")
+    if not all(torch.equal(r, routers[0]) for r in routers):
+        problems.append("routers differ although every rank was seeded alike")
+    g = torch.Generator().manual_seed(90 + rank)
+    x = torch.randn(96 + 7 * rank, H, generator=g).to(torch.bfloat16).to(dev)
+    with torch.no_grad():
+        out, aux = layer(x)
+        out2, _ = layer(x)
+        idx, w, _ = _route(F.linear(x.float(), layer.router_weight.float()), K, "softmax", True)
+        ref = moe(x, idx, w.float(), layer.w1, layer.w2)
+    if not (torch.equal(out, ref) and torch.equal(out, out2)):
+        problems.append("EPMoE's output differs from moe with its routing, or between two calls")
+    if not torch.isfinite(out).all() or aux.dim() != 0:
+        problems.append("non-finite output or a non-scalar aux loss")
+    torch.cuda.synchronize()
+    assert not problems, problems
