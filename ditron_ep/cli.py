@@ -276,12 +276,16 @@ def _check_output_paths(*paths: Path | None) -> None:
             continue
         if path.is_dir():
             raise DitronConfigError(f"output path {path} is a directory; give a file name")
+        if path.exists():  # a file (or /dev/stdout, a pipe): writing it needs only its own permission
+            if not os.access(path, os.W_OK):
+                raise DitronConfigError(f"output path {path} is not writable; pick another path")
+            continue
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise DitronConfigError(f"cannot create the folder of output path {path}: {exc.strerror or exc}") from None
-        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise DitronConfigError(f"output path {path} is not writable; pick another path")
+        if not os.access(path.parent, os.W_OK):
+            raise DitronConfigError(f"cannot create output file {path}: its folder is not writable; pick another path")
 
 
 # ============================================================================ info

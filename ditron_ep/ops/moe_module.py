@@ -69,8 +69,9 @@ class EPMoE(nn.Module):
         score_func: "softmax" or "sigmoid".
         renormalize: divide the K selected scores by their sum.
         aux_loss_coef: >= 0, scales the load-balancing loss (0 gives a zero loss).
-        router_dtype: dtype of the router weight and of the routing computation (float16,
-            bfloat16, float32 or float64); the `router_dtype` attribute follows later casts.
+        router_dtype: dtype in which routing is computed, and of the router weight as built
+            (float16, bfloat16, float32 or float64). Casting the layer (`.to(torch.bfloat16)`,
+            `.half()`) casts the router weight too, but routing stays in router_dtype.
         dtype: expert weight dtype (bfloat16, float16, float32); default torch.get_default_dtype().
             x must have this dtype in forward.
         device: device of the parameters.
@@ -130,17 +131,12 @@ class EPMoE(nn.Module):
         self.world_size, self.rank = world, dist.get_rank(group)
         self.num_local_experts = num_experts // world
         self.score_func, self.renormalize, self.aux_loss_coef = score_func, renormalize, float(aux_loss_coef)
-        self.schedule = schedule
+        self.router_dtype, self.schedule = router_dtype, schedule
         e_local = self.num_local_experts
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=router_dtype, device=device))
         self.w1 = nn.Parameter(torch.empty(e_local, hidden, 2 * ffn_hidden, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(e_local, ffn_hidden, hidden, dtype=dtype, device=device))
         self.reset_parameters()
-
-    @property
-    def router_dtype(self) -> torch.dtype:
-        """The router weight's dtype, in which routing is computed (follows `.to()` / `.half()`)."""
-        return self.router_weight.dtype
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -150,11 +146,12 @@ class EPMoE(nn.Module):
         `sync_router_` after). Each expert's weights come from a generator seeded with one draw
         of the global RNG plus the expert's GLOBAL id: seeded alike, the ranks hold distinct
         experts, and a model has the same experts whatever the group size."""
-        nn.init.normal_(self.router_weight, std=self.hidden ** -0.5)
-        base = int(torch.randint(0, 2**62, (), dtype=torch.int64))  # one draw of the global RNG
         device = self.w1.device
-        if device.type == "meta":  # nothing to draw (deferred initialisation)
+        if device.type == "meta":  # nothing to draw (deferred initialisation: to_empty, then call this)
             return
+        nn.init.normal_(self.router_weight, std=self.hidden ** -0.5)
+        # one draw of the global CPU RNG (explicitly: a default-device context must not move it)
+        base = int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))
         first = self.rank * self.num_local_experts
         for e in range(self.num_local_experts):
             gen = torch.Generator(device=device).manual_seed(base + first + e)  # drawn where the weights live
@@ -196,7 +193,9 @@ class EPMoE(nn.Module):
                 f"topk={self.topk}, rank={self.rank}/{self.world_size} "
                 f"(experts {first}..{first + self.num_local_experts - 1}), score_func={self.score_func!r}, "
                 f"renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
-                f"router_dtype={self.router_dtype}, dtype={self.w1.dtype}, schedule={self.schedule!r}")
+                f"router_dtype={self.router_dtype}"
+                + ("" if self.router_weight.dtype == self.router_dtype else f" (weight {self.router_weight.dtype})")
+                + f", dtype={self.w1.dtype}, schedule={self.schedule!r}")
 
 
 def _route(logits: torch.Tensor, topk: int, score_func: str,

@@ -6,6 +6,14 @@ reuse theirs. With a collective (all_reduce) for the size it would then wait in 
 for peers that never join, until the backend's timeout or for ever. Through the store instead,
 each rank posts (key, tokens) and polls for its peers' posts until a deadline, so it raises a
 DitronConfigError that names the ranks missing; ranks that meet with different keys raise alike.
+
+Sizings are numbered per group (generations). Each generation ends in ONE verdict, set once in
+the store with compare_set: "ok" by the first rank that sees every post, "timeout" by the first
+rank whose deadline passes first. Every rank follows that verdict, so no rank can give up while a
+peer goes on into the buffer's constructor (a collective). After "ok" every rank moves to the
+next generation. After "timeout" the ranks that had posted raise and move on; a rank that had not
+posted (it was elsewhere, e.g. reusing another cached buffer) passes over that generation when it
+next sizes, so the ranks' next sizings still line up.
 """
 from __future__ import annotations
 
@@ -21,10 +29,10 @@ SIZING_TIMEOUT_ENV = "DITRON_SIZING_TIMEOUT_S"
 # As long as NCCL's default collective timeout: ranks legitimately reach their first call with
 # skew (loading weights, compiling), and this only bounds a wait that was unbounded before.
 DEFAULT_SIZING_TIMEOUT_S = 600.0
-_POLL_S = 0.005
+_POLL_S = (0.001, 0.05)  # first and longest pause between polls (backing off, to spare a shared store)
+_OK, _TIMEOUT = "ok", "timeout"
 
-# group name -> how many sizings this rank has completed in that group. A sizing that times out
-# leaves it unchanged (and removes its post), so the ranks' next sizing still lines up.
+# group name -> the generation this rank's next sizing in that group uses.
 _GENERATIONS: dict[str, int] = {}
 
 
@@ -52,36 +60,50 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     """Collective over `group`, with a deadline: the largest `tokens` over the ranks.
 
     Every rank posts `tokens` with its `key` (name -> value, shown by repr) under the group's next
-    sizing number, then polls for its peers' posts. Raises DitronConfigError on every rank when
-    the ranks' keys differ (naming each rank's), and on a rank whose peers have not posted within
-    `timeout_s` (default: DITRON_SIZING_TIMEOUT_S, else 600 s), naming those peers."""
+    sizing generation, then polls for its peers' posts. Raises DitronConfigError on every rank
+    when the ranks' keys differ (naming each rank's), and on every rank that posted when some
+    rank's deadline (`timeout_s`; default DITRON_SIZING_TIMEOUT_S, else 600 s) passed before all
+    had posted, naming the ranks missing."""
     g = group if group is not None else dist.group.WORLD
     timeout_s = sizing_timeout_s() if timeout_s is None else timeout_s
     rank, world = dist.get_rank(g), dist.get_world_size(g)
     shown = ", ".join(f"{k}={v!r}" for k, v in key.items())
-    gen = _GENERATIONS.get(g.group_name, 0)
     store = _group_store(g)
+    gen = _GENERATIONS.get(g.group_name, 0)
+    while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode() == _TIMEOUT:
+        gen += 1  # abandoned before this rank got there: not this call's generation
     posts = [f"{gen}/rank{r}" for r in range(world)]
+    verdict_key = f"{gen}/verdict"
     store.set(posts[rank], f"{int(tokens)} {shown}")
     deadline = time.monotonic() + timeout_s
-    while not store.check(posts):
-        if time.monotonic() > deadline:
-            missing = [r for r, p in enumerate(posts) if not store.check([p])]
-            if missing:
-                store.delete_key(posts[rank])  # leave nothing a later sizing could mistake for this one
-                raise DitronConfigError(
-                    f"{what}: rank(s) {', '.join(map(str, missing))} did not join the sizing of a new cached "
-                    f"buffer for {shown} within {timeout_s:g} s (rank {rank} waited). Every rank must make the "
-                    f"same calls with the same shapes and dtypes: a rank whose shapes differ reuses another "
-                    f"cached buffer instead. If a rank is only slow to get here, raise {SIZING_TIMEOUT_ENV}.")
-            break
-        time.sleep(_POLL_S)
-    values = [v.decode().split(" ", 1) for v in store.multi_get(posts)]
-    # The last rank to read removes the posts (the store lives as long as the job).
-    if store.add(f"{gen}/read", 1) == world:
-        for p in posts + [f"{gen}/read"]:
-            store.delete_key(p)
+    pause = _POLL_S[0]
+    while True:
+        if store.check(posts):
+            verdict = store.compare_set(verdict_key, "", _OK).decode()
+        elif time.monotonic() > deadline:
+            verdict = store.compare_set(verdict_key, "", _TIMEOUT).decode()
+        elif store.check([verdict_key]):
+            verdict = store.get(verdict_key).decode()
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_S[1])
+            continue
+        break
     _GENERATIONS[g.group_name] = gen + 1
+    if verdict == _TIMEOUT:
+        missing = [r for r, p in enumerate(posts) if not store.check([p])]
+        who = (f"rank(s) {', '.join(map(str, missing))} did not join" if missing else
+               "a rank's deadline passed before every rank had joined (all have joined since)")
+        raise DitronConfigError(
+            f"{what}: {who} the sizing of a new cached buffer for {shown} within {timeout_s:g} s (seen from rank "
+            f"{rank}). Every rank must make the same calls with the same shapes and dtypes: a rank whose shapes "
+            f"differ reuses another cached buffer instead. If a rank is only slow to get here, raise "
+            f"{SIZING_TIMEOUT_ENV} on every rank.")
+    # "ok" is set only once every post is there, and nothing is deleted before every rank has read.
+    values = [v.decode().split(" ", 1) for v in store.multi_get(posts)]
+    if store.add(f"{gen}/read", 1) == world:  # the last rank to read removes the generation's keys
+        for k in posts + [verdict_key, f"{gen}/read"]:
+            store.delete_key(k)
     if any(k != shown for _, k in values):
         detail = "; ".join(f"rank {r}: {k}" for r, (_, k) in enumerate(values))
         raise DitronConfigError(f"{what}: the ranks size cached buffers for different shapes ({detail}); every "

@@ -166,4 +166,13 @@ def init_case(num_experts: int) -> dict:
     layer.half()
     res["router_dtype_after_half"] = str(layer.router_dtype)
     res["repr_after_half"] = repr(layer)
+    with torch.device("meta"):  # deferred initialisation: build on meta, then to_empty + reset
+        deferred = EPMoE(H, I, num_experts, K)
+    deferred.to_empty(device="cpu")
+    torch.manual_seed(7)
+    deferred.reset_parameters()
+    torch.manual_seed(7)
+    eager = EPMoE(H, I, num_experts, K)
+    res["deferred_same"] = torch.equal(deferred.w1, eager.w1) and torch.equal(deferred.router_weight,
+                                                                            eager.router_weight)
     return res

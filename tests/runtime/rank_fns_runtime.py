@@ -174,3 +174,36 @@ def timing_error_on_one_rank(align: bool) -> str:
     except ValueError as err:
         return f"raised: {err}"
     return f"returned {len(times)} times"
+
+
+def sizing_sequence(timeout_s: float) -> dict:
+    """agree_on_tokens through the store, no kernels: matching calls; one rank late past the
+    other's deadline (both give up on that sizing, and a retry meets); a rank absent from a
+    sizing its peer abandoned (it passes over it when it next sizes); keys that differ."""
+    from ditron_ep.runtime.sizing import agree_on_tokens
+
+    rank = dist.get_rank()
+    res = {}
+
+    def attempt(name, key, tokens):
+        try:
+            res[name] = agree_on_tokens(None, "test", key, tokens, timeout_s=timeout_s)
+        except DitronConfigError as err:
+            res[name] = f"DitronConfigError: {err}"
+
+    attempt("first", {"k": 1}, 3 + rank)
+    # rank 1 arrives after rank 0's deadline: rank 0 raises; rank 1 finds that sizing abandoned,
+    # waits in the next one, and meets rank 0's retry there
+    if rank == 1:
+        time.sleep(timeout_s + 1.5)
+    attempt("late", {"k": 2}, 10 * (rank + 1))
+    if rank == 0:
+        attempt("retry", {"k": 2}, 10)
+    # rank 0 sizes alone (its peer is elsewhere): it raises; rank 1's next sizing passes over it
+    dist.barrier()
+    if rank == 0:
+        attempt("alone", {"k": 3}, 1)
+    dist.barrier()
+    attempt("differ", {"k": 4 + rank}, 1)
+    attempt("after", {"k": 5}, 7 * (rank + 1))
+    return res
