@@ -1,4 +1,4 @@
-"""Command line: `python -m ditron_ep {info,check}` (also installed as `ditron-ep`).
+"""Command line: `python -m ditron_ep {info,check,bench}` (also installed as `ditron-ep`).
 
 * `info`  — versions, execution mode, backends available here, devices and GPU topology.
 * `check` — self-check on emulated CPU ranks (default: 4), or, under torchrun, on the launched

@@ -1,5 +1,5 @@
-"""The tile compiler: plans (Task/Device/Core levels), lowering, verifier, tuner, and the
-portability registry that compiles every kernel for sm_90 and gfx942."""
+"""The tile compiler: plans (Task/Device/Core levels), lowering, verifier, and the portability
+registry that compiles every kernel for sm_90 and gfx942."""
 from .lowering import lower
 from .plan import MoESpec
 from .verifier import verify

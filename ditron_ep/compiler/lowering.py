@@ -97,7 +97,7 @@ def lower(spec: MoESpec, **overrides) -> MoEPlan:
 
 
 def seal(plan: MoEPlan) -> MoEPlan:
-    """Run the whole verifier on `plan` (built or edited by hand, e.g. by the tuner) and return
+    """Run the whole verifier on `plan` (built or edited by hand) and return
     it marked verified. Raises PlanError naming the culprit otherwise."""
     verify(plan)
     return dataclasses.replace(plan, verified_digest=plan.digest())

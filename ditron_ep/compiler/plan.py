@@ -1,4 +1,4 @@
-"""The plan of the fused EP MoE megakernel: plain frozen data at three levels (DESIGN.md).
+"""The plan of the fused EP MoE megakernel: plain frozen data at three levels (Task, Device, Core).
 
 * Task level — `RoutingPlan`: what crosses ranks (shapes of the EP group, chunking into signalled
   blocks, node topology).

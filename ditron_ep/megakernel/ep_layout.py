@@ -1,8 +1,8 @@
 """Layout stage of EP dispatch: who sends what where, as a pure function of `topk_idx`.
 
-Sender side (torch ops on the device, no host sync): per-expert counts, the position of every
-(token, k) pair among the pairs of its expert on this rank (pairs counted in (t, k) order),
-which tokens go to which rank and in which staging slot. A Triton kernel then exchanges the
+Sender side (Triton kernels, no host sync: one launch for one block of tokens, else three):
+per-expert counts, the position of every (token, k) pair among the pairs of its expert on this
+rank (pairs counted in (t, k) order), which tokens go to which rank and in which staging slot. A Triton kernel then exchanges the
 counts through the heap (no NCCL) and turns them into receive offsets by prefix sums:
 rows of local expert e are ordered by (source rank, source token) — no atomic decides a slot.
 """

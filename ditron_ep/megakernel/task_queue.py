@@ -13,7 +13,8 @@ every rank, and consumer group g needs producer groups 0..g only; m and lag may 
 Then every consumer sits at a later ticket than every producer it needs, on every rank: the
 peer's producer group g ends no later than ticket (g + 1) * A + g * R - 1 (its value at lag 0
 and m >= n_groups), and this rank's consumer group g starts no earlier than (g + 1) * A + g * R.
-That is the ordered-queue rule of DESIGN.md, so a GPU with every program resident cannot deadlock
+That is the ordered-queue rule (a task waits only on tasks at earlier tickets of every rank's
+queue; the verifier checks it), so a GPU with every program resident cannot deadlock
 and the interpreter (one program runs the queue in order) never waits on work not yet done.
 Which task runs where never changes what a task computes: results stay bitwise.
 """

@@ -3,7 +3,8 @@
 Why: at small T an eager fused-MoE call is bound by host time, not by the GPU: issuing its five
 Triton launches (the megakernel takes ~75 arguments) and ~14 allocations cost 350-650 µs of host
 time against 588 µs of GPU work (bench/diag/host_overhead.py, 4xH200, T=128), and the GPU idles
-while the host issues. A replayed graph costs a few µs of host time per call.
+while the host issues. A replayed call costs about 100 µs of host time (input copies, the
+replays, the output clone, the status read; bench/results/replay_steps_H200x2_20261122_s6.log).
 
 Policy (the layer supplies the capture): a signature (token count, dtypes, weight addresses ...)
 is captured on its SECOND call; its first call runs the launches directly, so it compiles the

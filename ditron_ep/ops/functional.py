@@ -22,9 +22,13 @@ def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def _key(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int, dtype: torch.dtype) -> tuple:
+def _group_id(group: dist.ProcessGroup | None) -> object:
     g = _resolved(group)
-    return (g.group_name if hasattr(g, "group_name") else id(g), num_experts, hidden, topk, dtype)
+    return g.group_name if hasattr(g, "group_name") else id(g)
+
+
+def _key(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int, dtype: torch.dtype) -> tuple:
+    return (_group_id(group), num_experts, hidden, topk, dtype)
 
 
 def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int,
@@ -39,14 +43,21 @@ def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, t
     return buf
 
 
-def refuse_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, *, num_experts: int,
+def refuse_dispatch(x: torch.Tensor | None, topk_idx: torch.Tensor | None, *, num_experts: int | None,
                     group: dist.ProcessGroup | None = None) -> None:
-    """This rank rejected its arguments to a call whose peers go on to `dispatch` on the cached
-    buffer for these shapes: join that dispatch flagged (`EPBuffer._refuse_call`), so that the
-    peers raise at once instead of waiting for this rank until they time out. Only a buffer
-    already cached here: the shapes were just rejected, so building one (a collective) could wait
-    for peers that use another buffer."""
-    buf = _CACHE.get(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype))
+    """This rank rejected its arguments to a call whose peers go on to `dispatch` on a cached
+    buffer: join that dispatch flagged (`EPBuffer._refuse_call`), so that the peers raise at once
+    instead of waiting for this rank until they time out. Only a buffer already cached here: the
+    shapes were just rejected, so building one (a collective) could wait for peers that use
+    another buffer. The buffer keyed by these shapes; when they cannot key one (wrong number of
+    dimensions, num_experts None), the group's only cached buffer (for num_experts, if given),
+    if there is exactly one: the buffer the peers use in the common case of one shape."""
+    buf = None
+    if x is not None and topk_idx is not None and x.ndim == 2 and topk_idx.ndim == 2 and num_experts is not None:
+        buf = _CACHE.get(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype))
+    if buf is None:
+        mine = [b for k, b in _CACHE.items() if k[0] == _group_id(group) and num_experts in (None, k[1])]
+        buf = mine[0] if len(mine) == 1 else None
     if buf is not None and not buf.heap.freed:
         buf._refuse_call()
 
@@ -66,7 +77,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """`EPBuffer.dispatch` on the cached buffer (see there for shapes). Graph mode (sync=False)
     needs the buffer to exist already at a sufficient size (call once with sync=True first)."""
     # the cached buffer is looked up by their shapes, so they are checked before the lookup
-    check_dims((("x", x, 2), ("topk_idx", topk_idx, 2)), "x [T, hidden], topk_idx [T, topk]")
+    try:
+        check_dims((("x", x, 2), ("topk_idx", topk_idx, 2)), "x [T, hidden], topk_idx [T, topk]")
+    except DitronConfigError:
+        if sync:
+            refuse_dispatch(None, None, num_experts=num_experts, group=group)  # the peers raise at once too
+        raise
     buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
     try:
         return buf.dispatch(x, topk_idx, topk_weights, sync=sync)

@@ -29,7 +29,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * FFN_{e(t,k)}(x[t]).
 
     Args:
-        x: [T, H] tokens of this rank (bf16/fp16 on GPU; fp32 under the interpreter).
+        x: [T, H] tokens of this rank: bf16, fp16 or fp32 (bf16 is refused under the interpreter).
         topk_idx: [T, K] int global expert ids (-1 = dropped); rank r owns experts
             [r*E_local, (r+1)*E_local) with E_local = w1.shape[0].
         topk_weights: [T, K] float routing weights.
@@ -48,13 +48,18 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
-    # the cached layer is looked up by these shapes, so they are checked before any lookup
-    check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
-                ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], w2 [E_local, I, H]",
-               hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
-        raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
-                                  "torch.no_grad() / inference_mode, or detach its inputs")
+    try:
+        # the cached layer is looked up by these shapes, so they are checked before any lookup
+        check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
+                    ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], "
+                    "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
+            raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
+                                      "torch.no_grad() / inference_mode, or detach its inputs")
+    except (DitronConfigError, NotImplementedError):
+        if sync:
+            _refuse_unkeyed(group, schedule)  # the peers raise at once too
+        raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule != "staged":
@@ -101,6 +106,20 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
                                         max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
                                         schedule=schedule, check_errors=check_errors)
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+
+
+def _refuse_unkeyed(group: dist.ProcessGroup | None, schedule: str) -> None:
+    """This rank rejected arguments that cannot key a cached layer or buffer (their number of
+    dimensions) or asked for gradients: join the peers' call flagged through the group's only
+    cached layer of this schedule (staged: the only cached dispatch buffer), if there is exactly
+    one, so they raise at once instead of waiting for this rank until they time out."""
+    if schedule == "staged":
+        refuse_dispatch(None, None, num_experts=None, group=group)
+        return
+    name = (group if group is not None else dist.group.WORLD).group_name
+    mine = [layer for key, layer in _LAYERS.items() if key[0] == name and key[-1] == schedule]
+    if len(mine) == 1 and not mine[0].heap.freed:
+        mine[0]._refuse_call()
 
 
 def clear_layers() -> None:

@@ -325,6 +325,46 @@ def mismatched_cache_key_case() -> dict:
     return res
 
 
+def unkeyed_refusal_case() -> dict:
+    """Arguments that cannot key a cached buffer or layer (wrong number of dimensions) or that ask
+    for gradients, on one rank, with the peer's call on the group's only cached buffer / layer:
+    the peer raises DitronConfigError naming the rank at once (no timeout), and the next call on
+    every rank is right. Functional dispatch, and moe overlap and staged."""
+    from ditron_ep.ops import clear_cache, clear_layers, dispatch, moe
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 16, 2, 6
+    res: dict = {}
+    catch = _recorder(res)
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=3)
+    g = torch.Generator().manual_seed(50 + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+
+    def timed(key, fn, exc=DitronConfigError):
+        t0 = time.monotonic()
+        catch(key, fn, exc)
+        res[key + "_s"] = time.monotonic() - t0
+
+    recv_x, _ = dispatch(x, idx, num_experts=E)  # caches the buffer
+    timed("dispatch_1d", lambda: dispatch(x[0] if rank == 1 else x, idx, num_experts=E))
+    res["dispatch_after"] = torch.equal(dispatch(x, idx, num_experts=E)[0], recv_x)
+    for schedule in ("overlap", "staged"):
+        with torch.no_grad():
+            ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the layer / buffer
+            timed(f"{schedule}_1d", lambda: moe(x, idx, w[:, 0] if rank == 1 else w, w1, w2, schedule=schedule))
+        wg = w1.clone().requires_grad_(rank == 1)
+        timed(f"{schedule}_grad", lambda: moe(x, idx, w, wg, w2, schedule=schedule),
+              NotImplementedError if rank == 1 else DitronConfigError)
+        with torch.no_grad():
+            res[f"{schedule}_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
+    clear_layers()
+    clear_cache()
+    return res
+
+
 def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
     """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
     from ditron_ep.determinism import ep_moe_oracle

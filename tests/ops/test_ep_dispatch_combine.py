@@ -137,6 +137,16 @@ def test_functional_mismatched_cache_key_raises_without_hanging(emulated_cluster
         assert r["after"]
 
 
+def test_unkeyed_bad_arguments_refuse_through_the_only_cached_buffer(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.unkeyed_refusal_case)
+    for key in ("dispatch_1d", "overlap_1d", "staged_1d", "overlap_grad", "staged_grad"):
+        assert r0[key].startswith("DitronConfigError") and re.search(r"\branks? 1\b", r0[key]), (key, r0[key])
+        assert r0[key + "_s"] < 10, f"{key}: rank 0 waited {r0[key + '_s']:.1f} s (a timeout, not a refusal)"
+        assert r1[key].startswith("NotImplementedError" if key.endswith("grad") else "DitronConfigError"), r1[key]
+    for r in (r0, r1):
+        assert r["dispatch_after"] and r["overlap_after"] and r["staged_after"], r
+
+
 @pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
                          ids=["W2-uniform", "W3-zipf-empty-rank"])
 def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
