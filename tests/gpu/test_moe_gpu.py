@@ -8,6 +8,7 @@ Test bodies record problems and assert after their last collective (see conftest
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -393,4 +394,46 @@ def test_epmoe_builds_on_gpu_and_equals_moe(dist_env):
     if not torch.isfinite(out).all() or aux.dim() != 0:
         problems.append("non-finite output or a non-scalar aux loss")
     torch.cuda.synchronize()
+    assert not problems, problems
+
+
+def test_moe_unkeyed_refusal_reaches_peers(dist_env):
+    """`moe` on one rank with arguments that cannot key a cached layer (1-D topk_weights) or
+    that ask for gradients: that rank refuses through the group's only cached layer, so its peers
+    (replaying the call from a captured graph) raise DitronConfigError naming it, not a timeout;
+    the next call is bitwise the first."""
+    from ditron_ep.ops import clear_layers, moe
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    tokens = [80 + 3 * r for r in range(world)]
+    xs, idxs, ws, w1s, w2s = _inputs(world, tokens, E, seed=8)
+    x, idx, w, w1, w2 = _on(dev, xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    bad_rank = world - 1
+    problems = []
+    with torch.no_grad():
+        first = moe(x, idx, w, w1, w2)
+        moe(x, idx, w, w1, w2)  # the second call captures the signature: the calls below replay it
+    for name, bad_args, bad_exc in (
+            ("1-D topk_weights", (x, idx, w[:, 0], w1, w2), DitronConfigError),
+            ("gradients", (x, idx, w, w1.clone().requires_grad_(), w2), NotImplementedError)):
+        want_exc = bad_exc if rank == bad_rank else DitronConfigError
+        t0 = time.monotonic()
+        got = "no error"
+        try:
+            with torch.set_grad_enabled(name == "gradients"):
+                moe(*(bad_args if rank == bad_rank else (x, idx, w, w1, w2)))
+        except (DitronConfigError, NotImplementedError) as err:
+            got = f"{type(err).__name__}: {err}"
+        if not got.startswith(want_exc.__name__) or (rank != bad_rank and f"(ranks {bad_rank})" not in got):
+            problems.append(f"{name}: {got!r}")
+        if time.monotonic() - t0 > 10:
+            problems.append(f"{name}: took {time.monotonic() - t0:.1f} s (a timeout, not a refusal)")
+    with torch.no_grad():
+        after = moe(x, idx, w, w1, w2)
+    torch.cuda.synchronize()
+    if not torch.equal(after, first):
+        problems.append("the call after the refused ones differs from the first")
+    clear_layers()
     assert not problems, problems
