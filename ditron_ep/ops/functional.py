@@ -49,17 +49,36 @@ def refuse_dispatch(x: torch.Tensor | None, topk_idx: torch.Tensor | None, *, nu
     buffer: join that dispatch flagged (`EPBuffer._refuse_call`), so that the peers raise at once
     instead of waiting for this rank until they time out. Only a buffer already cached here: the
     shapes were just rejected, so building one (a collective) could wait for peers that use
-    another buffer. The buffer keyed by these shapes; when they cannot key one (wrong number of
-    dimensions, num_experts None), the group's only cached buffer (for num_experts, if given),
-    if there is exactly one: the buffer the peers use in the common case of one shape."""
-    buf = None
+    another buffer. The buffer keyed by these shapes, or, when they cannot key one (a wrong
+    number of dimensions), `refuse_cached`'s pick."""
     if x is not None and topk_idx is not None and x.ndim == 2 and topk_idx.ndim == 2 and num_experts is not None:
         buf = _CACHE.get(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype))
-    if buf is None:
-        mine = [b for k, b in _CACHE.items() if k[0] == _group_id(group) and num_experts in (None, k[1])]
-        buf = mine[0] if len(mine) == 1 else None
-    if buf is not None and not buf.heap.freed:
-        buf._refuse_call()
+        if buf is not None:
+            if not buf.heap.freed:
+                buf._refuse_call()
+            return
+    refuse_cached(group, num_experts=num_experts)
+
+
+def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = None, hidden: int | None = None,
+                  topk: int | None = None, dtype: torch.dtype | None = None) -> None:
+    """Join the peers' dispatch flagged through a cached buffer of the group: the one these
+    fields key when all are given, else the group's only cached buffer if it matches the fields
+    given (None: any value) — the buffer the peers use in the common case of one shape. Anything
+    else is a guess that could put an unrelated buffer out of step: then it does nothing, and
+    the peers are left to their bounded wait."""
+    pick = _only_match(_CACHE, (_group_id(group), num_experts, hidden, topk, dtype))
+    if pick is not None and not pick.heap.freed:
+        pick._refuse_call()
+
+
+def _only_match(cache: dict, want: tuple):
+    """The entry of `cache` (keys start with the group id) that `want` names: exact when no field
+    is None, else the group's only entry if it matches the fields given; None otherwise."""
+    group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]
+    matches = [v for k, v in group_items if all(w is None or w == f for w, f in zip(want, k))]
+    exact = all(w is not None for w in want)
+    return matches[0] if len(matches) == 1 and (exact or len(group_items) == 1) else None
 
 
 def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:

@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import combine, dispatch, refuse_dispatch
+from .functional import _only_match, combine, dispatch, refuse_cached, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -58,7 +58,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                                       "torch.no_grad() / inference_mode, or detach its inputs")
     except (DitronConfigError, NotImplementedError):
         if sync:
-            _refuse_unkeyed(group, schedule)  # the peers raise at once too
+            refuse_moe(group, schedule)  # the peers raise at once too
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
@@ -108,18 +108,22 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
 
 
-def _refuse_unkeyed(group: dist.ProcessGroup | None, schedule: str) -> None:
-    """This rank rejected arguments that cannot key a cached layer or buffer (their number of
-    dimensions) or asked for gradients: join the peers' call flagged through the group's only
-    cached layer of this schedule (staged: the only cached dispatch buffer), if there is exactly
-    one, so they raise at once instead of waiting for this rank until they time out."""
+def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
+               hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """This rank rejected arguments that cannot key a cached layer (their number of dimensions),
+    asked for gradients, or failed a module's own checks: join the peers' call flagged through
+    the cached layer these fields key when all are given, else through the group's only cached
+    layer if it matches the fields given (None: any value; staged: the same rule over the
+    dispatch buffers), so the peers raise at once instead of waiting for this rank until they
+    time out. Anything else would be a guess that could put an unrelated layer out of step."""
     if schedule == "staged":
-        refuse_dispatch(None, None, num_experts=None, group=group)
+        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype)
         return
-    name = (group if group is not None else dist.group.WORLD).group_name
-    mine = [layer for key, layer in _LAYERS.items() if key[0] == name and key[-1] == schedule]
-    if len(mine) == 1 and not mine[0].heap.freed:
-        mine[0]._refuse_call()
+    g = group if group is not None else dist.group.WORLD
+    pick = _only_match(_LAYERS, (g.group_name, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
+    if pick is not None and not pick.heap.freed:
+        pick._refuse_call()
 
 
 def clear_layers() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from ..runtime.errors import DitronConfigError
 from .ep_buffer import SUPPORTED_DTYPES
 from .grouped_ffn import MAX_LOCAL_EXPERTS
-from .moe import SCHEDULES, moe
+from .moe import SCHEDULES, moe, refuse_moe
 
 __all__ = ["EPMoE", "SCORE_FUNCS"]
 
@@ -171,14 +171,20 @@ class EPMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] (dtype of w1) -> (out [..., H] in x's dtype, aux_loss 0-dim in router_dtype).
         Collective: every rank of the group must call it (T may differ per rank, and may be 0)."""
+        problem = None
         if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[-1] != self.hidden:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [..., hidden={self.hidden}], got {got}")
-        if x.dtype != self.w1.dtype:
+            problem = f"x must be [..., hidden={self.hidden}], got {got}"
+        elif x.dtype != self.w1.dtype:
             fix = f"cast x to {self.w1.dtype}"
             if x.dtype in SUPPORTED_DTYPES:
                 fix += f", or build the layer with dtype={x.dtype} (or call .to({x.dtype}))"
-            raise ValueError(f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; {fix}")
+            problem = f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; {fix}"
+        if problem:
+            # the peers' moe call on this layer's cached FusedMoE raises at once too
+            refuse_moe(self.group, self.schedule, num_experts=self.num_experts, hidden=self.hidden,
+                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype)
+            raise ValueError(problem)
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.determinism import assert_close_to_oracle
-from ditron_ep.ops import clear_cache
+from ditron_ep.ops import clear_cache, clear_layers
 from ditron_ep.ops.moe_module import EPMoE
 
 H, I, K = 32, 16, 2
@@ -175,4 +175,31 @@ def init_case(num_experts: int) -> dict:
     eager = EPMoE(H, I, num_experts, K)
     res["deferred_same"] = torch.equal(deferred.w1, eager.w1) and torch.equal(deferred.router_weight,
                                                                             eager.router_weight)
+    return res
+
+
+def lone_bad_x_case() -> dict:
+    """One rank passes EPMoE an x of the wrong width: it raises ValueError and joins its peers'
+    call flagged through the cached layer, so they raise DitronConfigError naming it at once;
+    the next call is bitwise the first."""
+    import time
+
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(3)
+    layer = EPMoE(H, I, 2 * world, K)
+    x = torch.randn(5 + rank, H, generator=torch.Generator().manual_seed(rank))
+    res = {}
+    with torch.no_grad():
+        first, _ = layer(x)
+        t0 = time.monotonic()
+        try:
+            layer(torch.randn(5, H + 1) if rank == 1 else x)
+            res["bad"] = "no error"
+        except (ValueError, DitronConfigError) as err:
+            res["bad"] = f"{type(err).__name__}: {err}"
+        res["bad_s"] = time.monotonic() - t0
+        res["after"] = torch.equal(layer(x)[0], first)
+    clear_layers()
     return res

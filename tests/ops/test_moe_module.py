@@ -69,3 +69,11 @@ def test_experts_distinct_and_independent_of_group_size(emulated_cluster):
 def test_needs_torch_distributed():
     with pytest.raises(DitronConfigError, match="init_process_group"):
         EPMoE(32, 16, 4, 2)
+
+
+def test_lone_bad_x_reaches_the_peers(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.lone_bad_x_case)
+    assert r1["bad"].startswith("ValueError") and "hidden=" in r1["bad"], r1
+    assert r0["bad"].startswith("DitronConfigError") and "(ranks 1)" in r0["bad"], r0
+    assert r0["bad_s"] < 10, f"rank 0 waited {r0['bad_s']:.1f} s: a timeout, not a refusal"
+    assert r0["after"] and r1["after"]
