@@ -67,12 +67,12 @@ def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = 
     given (None: any value) — the buffer the peers use in the common case of one shape. Anything
     else is a guess that could put an unrelated buffer out of step: then it does nothing, and
     the peers are left to their bounded wait."""
-    pick = _only_match(_CACHE, (_group_id(group), num_experts, hidden, topk, dtype))
+    pick = match_cached(_CACHE, (_group_id(group), num_experts, hidden, topk, dtype))
     if pick is not None and not pick.heap.freed:
         pick._refuse_call()
 
 
-def _only_match(cache: dict, want: tuple):
+def match_cached(cache: dict, want: tuple):
     """The entry of `cache` (keys start with the group id) that `want` names: exact when no field
     is None, else the group's only entry if it matches the fields given; None otherwise."""
     group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]

@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import _only_match, combine, dispatch, refuse_cached, refuse_dispatch
+from .functional import match_cached, combine, dispatch, refuse_cached, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -121,7 +121,7 @@ def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: i
         refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype)
         return
     g = group if group is not None else dist.group.WORLD
-    pick = _only_match(_LAYERS, (g.group_name, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
+    pick = match_cached(_LAYERS, (g.group_name, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
     if pick is not None and not pick.heap.freed:
         pick._refuse_call()
 
