@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import match_cached, combine, dispatch, refuse_cached, refuse_dispatch
+from .functional import combine, dispatch, match_cached, refuse_cached, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
