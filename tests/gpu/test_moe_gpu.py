@@ -437,3 +437,38 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env):
         problems.append("the call after the refused ones differs from the first")
     clear_layers()
     assert not problems, problems
+
+
+def test_epmoe_lone_bad_x_reaches_peers(dist_env):
+    """One rank passes EPMoE an x of the wrong width: it raises ValueError and refuses through
+    the layer's own cached FusedMoE, so its peers raise DitronConfigError naming it at once; the
+    next call is bitwise the first."""
+    from ditron_ep.ops import EPMoE, clear_layers
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    bad_rank = world - 1
+    torch.manual_seed(6)
+    layer = EPMoE(H, I, 4 * world, K, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(70 + rank, H, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16).to(dev)
+    problems = []
+    with torch.no_grad():
+        first, _ = layer(x)
+        layer(x)  # captured: the peers replay below
+        t0 = time.monotonic()
+        got = "no error"
+        try:
+            layer(x[:, :-1] if rank == bad_rank else x)
+        except (ValueError, DitronConfigError) as err:
+            got = f"{type(err).__name__}: {err}"
+        want = "ValueError" if rank == bad_rank else "DitronConfigError"
+        if not got.startswith(want) or (rank != bad_rank and f"(ranks {bad_rank})" not in got):
+            problems.append(f"bad x: {got!r}")
+        if time.monotonic() - t0 > 10:
+            problems.append(f"bad x: took {time.monotonic() - t0:.1f} s (a timeout, not a refusal)")
+        after, _ = layer(x)
+    torch.cuda.synchronize()
+    if not torch.equal(after, first):
+        problems.append("the call after the refused one differs from the first")
+    clear_layers()
+    assert not problems, problems
