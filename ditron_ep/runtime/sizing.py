@@ -50,9 +50,30 @@ def sizing_timeout_s() -> float:
 
 
 def _group_store(group: dist.ProcessGroup):
-    # The default store is shared by every group; the group's name keeps the posts of
-    # different groups apart (every member of a group knows it by the same name).
-    return dist.PrefixStore(f"ditron_ep/sizing/{group.group_name}/", c10d._get_default_store())
+    """The default store under a prefix of the group's name (every member of a group knows it by
+    the same name; the store is shared by every group), or None where torch offers no default
+    store through this (private) accessor."""
+    try:
+        return dist.PrefixStore(f"ditron_ep/sizing/{group.group_name}/", c10d._get_default_store())
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _agree_by_collective(group: dist.ProcessGroup, what: str, shown: str, tokens: int) -> int:
+    """Fallback without a store: one all_gather_object of (key, tokens). Unbounded if a rank never
+    joins (the reason the store is preferred), but still names differing shapes."""
+    posts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(posts, (shown, int(tokens)), group=group)
+    return _largest(what, posts)
+
+
+def _largest(what: str, posts: list) -> int:
+    """The largest tokens of [(key shown, tokens)] over the ranks; DitronConfigError if keys differ."""
+    if any(k != posts[0][0] for k, _ in posts):
+        detail = "; ".join(f"rank {r}: {k}" for r, (k, _) in enumerate(posts))
+        raise DitronConfigError(f"{what}: the ranks size cached buffers for different shapes ({detail}); every "
+                                f"rank must pass the same shapes and dtypes")
+    return max(t for _, t in posts)
 
 
 def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, object], tokens: int,
@@ -69,6 +90,8 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     rank, world = dist.get_rank(g), dist.get_world_size(g)
     shown = ", ".join(f"{k}={v!r}" for k, v in key.items())
     store = _group_store(g)
+    if store is None:
+        return _agree_by_collective(g, what, shown, tokens)
     gen = _GENERATIONS.get(g.group_name, 0)
     while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode() == _TIMEOUT:
         gen += 1  # abandoned before this rank got there: not this call's generation
@@ -104,8 +127,4 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     if store.add(f"{gen}/read", 1) == world:  # the last rank to read removes the generation's keys
         for k in posts + [verdict_key, f"{gen}/read"]:
             store.delete_key(k)
-    if any(k != shown for _, k in values):
-        detail = "; ".join(f"rank {r}: {k}" for r, (_, k) in enumerate(values))
-        raise DitronConfigError(f"{what}: the ranks size cached buffers for different shapes ({detail}); every "
-                                f"rank must pass the same shapes and dtypes")
-    return max(int(t) for t, _ in values)
+    return _largest(what, [(k, int(t)) for t, k in values])

@@ -207,3 +207,30 @@ def sizing_sequence(timeout_s: float) -> dict:
     attempt("differ", {"k": 4 + rank}, 1)
     attempt("after", {"k": 5}, 7 * (rank + 1))
     return res
+
+
+def sizing_without_store() -> dict:
+    """Where torch offers no default store through the accessor sizing uses, it falls back to one
+    all_gather_object: the same largest size, and differing keys still raise on every rank."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from ditron_ep.runtime.sizing import agree_on_tokens
+
+    rank = dist.get_rank()
+    saved = c10d._get_default_store
+
+    def missing():
+        raise RuntimeError("no default store")
+
+    c10d._get_default_store = missing
+    res = {}
+    try:
+        res["same"] = agree_on_tokens(None, "test", {"k": 1}, 3 + rank)
+        try:
+            agree_on_tokens(None, "test", {"k": 2 + rank}, 1)
+            res["differ"] = "no error"
+        except DitronConfigError as err:
+            res["differ"] = str(err)
+    finally:
+        c10d._get_default_store = saved
+    return res

@@ -94,3 +94,9 @@ def test_buffer_sizing_through_the_store_has_one_verdict(emulated_cluster):
     for r in (r0, r1):
         assert r["differ"].startswith("DitronConfigError") and "rank 0: k=4; rank 1: k=5" in r["differ"], r
         assert r["after"] == 14
+
+
+def test_buffer_sizing_falls_back_to_a_collective_without_a_store(emulated_cluster):
+    for res in emulated_cluster(2).run(fns.sizing_without_store):
+        assert res["same"] == 4
+        assert "rank 0: k=2; rank 1: k=3" in res["differ"], res
