@@ -31,20 +31,23 @@ from .primitives import call_begin, call_end, ctrl_ptr, refusal_slot
 
 EPOCH = tl.constexpr(C.EPOCH)
 REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)
+REFUSERS_SEEN = tl.constexpr(C.REFUSERS_SEEN)
 
 
 @register_device_function
 @triton.jit
 def peer_refused(table_ptr, rank, world, epoch, BLOCK_W: tl.constexpr):
     """After `call_begin`'s barrier: 1 when a peer refused this call (its stamp holds `epoch`),
-    else 0; the lowest refusing rank is recorded in REFUSAL_SEEN. One value for the whole program
-    (a reduction over one atomic read per peer)."""
+    else 0; the lowest refusing rank is recorded in REFUSAL_SEEN and how many refused in
+    REFUSERS_SEEN. One value for the whole program (a reduction over one atomic read per peer)."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
     o_w = tl.arange(0, BLOCK_W)
     m_w = o_w < world
     stamps = tl.atomic_add(refusal_slot(my_ctrl, epoch) + o_w, 0, mask=m_w, sem="acquire", scope="sys")
-    first = tl.min(tl.where(m_w & (stamps == epoch), o_w, BLOCK_W), axis=0)
+    refused = m_w & (stamps == epoch)
+    first = tl.min(tl.where(refused, o_w, BLOCK_W), axis=0)
     if first < world:
+        tl.atomic_xchg(my_ctrl + REFUSERS_SEEN, tl.sum(refused.to(tl.int32), axis=0), sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + REFUSAL_SEEN, first + 1, sem="relaxed", scope="gpu")
     return (first < world).to(tl.int32)
 

@@ -22,6 +22,7 @@ ERR_OBSERVED = 20
 ERR_EXPECTED = 21
 ERR_EPOCH = 22
 REFUSAL_SEEN = 23            # 1 + lowest rank whose refusal made this rank skip a call; 0 = none (the host clears it)
+REFUSERS_SEEN = 24           # how many ranks refused that call (with REFUSAL_SEEN; the host clears it)
 BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
 MAX_WORLD = 512
 REFUSED = 1024               # REFUSED + (e & 1) * MAX_WORLD + p: e when rank p refused call e (megakernel/refusal.py)

@@ -212,16 +212,20 @@ class SymmetricHeap:
         (megakernel/refusal.py). That record does not block later launches; reading it here
         consumes it and returns a DitronConfigError: nothing moved in that call and every
         rank's epoch advanced, so the heap needs no reset."""
-        slot = self._ctrl[:C.REFUSAL_SEEN + 1].tolist()  # a copy also on the CPU (emulated ranks)
+        slot = self._ctrl[:C.REFUSERS_SEEN + 1].tolist()  # a copy also on the CPU (emulated ranks)
         if int(slot[C.ERR_FLAG]) == 0:
             if slot[C.REFUSAL_SEEN] == 0:
                 return None
             self.clear_refusal()
+            others = max(int(slot[C.REFUSERS_SEEN]) - 1, 0)
+            first = slot[C.REFUSAL_SEEN] - 1
+            who, fix = ((f"rank {first} rejected its", "that rank's call") if not others else
+                        (f"rank {first} and {others} other rank(s) rejected their", "those ranks' calls"))
             return DitronConfigError(
-                f"rank {slot[C.REFUSAL_SEEN] - 1} rejected its own arguments to a call that this rank then "
+                f"{who} own arguments to a call that this rank then "
                 f"skipped (this combine, or an earlier one whose output here was not written) and raised the reason "
-                f"there; no rank moved anything in it. Fix that rank's call (every rank must call with valid "
-                f"arguments, in the same order)")
+                f"there; no rank moved anything in it. Fix {fix} "
+                f"(every rank must call with valid arguments, in the same order)")
         stage = STAGE_NAMES.get(int(slot[C.ERR_STAGE]), f"stage {int(slot[C.ERR_STAGE])}")
         rank, signal = int(slot[C.ERR_RANK]), int(slot[C.ERR_SIGNAL])
         observed, expected = int(slot[C.ERR_OBSERVED]), int(slot[C.ERR_EXPECTED])
@@ -235,6 +239,7 @@ class SymmetricHeap:
     def clear_refusal(self) -> None:
         """Forget a recorded refusal (see read_error) once it has been raised."""
         self._ctrl[C.REFUSAL_SEEN] = 0
+        self._ctrl[C.REFUSERS_SEEN] = 0
 
     def check_error(self) -> None:
         """Raise the recorded error, if any (synchronises with the device; see read_error)."""

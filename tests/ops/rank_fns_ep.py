@@ -659,3 +659,23 @@ def api_misuse_cases() -> dict:
     clear_layers()
     clear_cache()
     return res
+
+
+def two_refusers_combine_case() -> dict:
+    """Three ranks; ranks 1 and 2 reject their y in the same combine: rank 0 raises at once,
+    naming rank 1 and one other rank; the next call is right on every rank."""
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res: dict = {}
+    catch = _recorder(res)
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [5] * W, H, E, K, torch.float32, "uniform", seed=4)
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    catch("combine", lambda: buf.combine(recv_x.double() if rank > 0 else recv_x, handle, ws[rank]), DitronConfigError)
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])
+    res["after"] = bool(torch.allclose(out, ws[rank].sum(1, keepdim=True) * xs[rank], rtol=1e-6, atol=1e-6))
+    buf.free()
+    return res

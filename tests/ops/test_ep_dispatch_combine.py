@@ -147,6 +147,14 @@ def test_unkeyed_bad_arguments_refuse_through_the_only_cached_buffer(emulated_cl
         assert r["dispatch_after"] and r["overlap_after"] and r["staged_after"], r
 
 
+def test_two_ranks_refusing_one_combine_are_both_counted(emulated_cluster):
+    r0, r1, r2 = emulated_cluster(3).run(fns.two_refusers_combine_case)
+    assert "rank 1 and 1 other rank(s) rejected their own arguments" in r0["combine"], r0
+    assert "those ranks' calls" in r0["combine"]
+    assert "y must be float32" in r1["combine"] and "y must be float32" in r2["combine"], (r1, r2)
+    assert r0["after"] and r1["after"] and r2["after"]
+
+
 @pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
                          ids=["W2-uniform", "W3-zipf-empty-rank"])
 def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
