@@ -43,30 +43,36 @@ def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, t
     return buf
 
 
-def refuse_dispatch(x: torch.Tensor | None, topk_idx: torch.Tensor | None, *, num_experts: int | None,
+def refuse_dispatch(x: object, topk_idx: object, *, num_experts: int | None,
                     group: dist.ProcessGroup | None = None) -> None:
     """This rank rejected its arguments to a call whose peers go on to `dispatch` on a cached
     buffer: join that dispatch flagged (`EPBuffer._refuse_call`), so that the peers raise at once
     instead of waiting for this rank until they time out. Only a buffer already cached here: the
     shapes were just rejected, so building one (a collective) could wait for peers that use
-    another buffer. The buffer keyed by these shapes, or, when they cannot key one (a wrong
-    number of dimensions), `refuse_cached`'s pick."""
-    if x is not None and topk_idx is not None and x.ndim == 2 and topk_idx.ndim == 2 and num_experts is not None:
-        buf = _CACHE.get(_key(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype))
-        if buf is not None:
-            if not buf.heap.freed:
-                buf._refuse_call()
-            return
-    refuse_cached(group, num_experts=num_experts)
+    another buffer. Which buffer: `refuse_cached` on the key fields x and topk_idx still give
+    (those with the right number of dimensions)."""
+    refuse_cached(group, num_experts=num_experts, **key_fields(x=x, topk_idx=topk_idx))
+
+
+def key_fields(*, x: object = None, topk_idx: object = None) -> dict:
+    """The cache-key fields that x [T, H] and topk_idx [T, K] give when their number of
+    dimensions is right (a refusal may come from a malformed argument)."""
+    fields: dict = {}
+    if isinstance(x, torch.Tensor) and x.ndim == 2:
+        fields.update(hidden=x.shape[-1], dtype=x.dtype)
+    if isinstance(topk_idx, torch.Tensor) and topk_idx.ndim == 2:
+        fields["topk"] = topk_idx.shape[-1]
+    return fields
 
 
 def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = None, hidden: int | None = None,
                   topk: int | None = None, dtype: torch.dtype | None = None) -> None:
     """Join the peers' dispatch flagged through a cached buffer of the group: the one these
-    fields key when all are given, else the group's only cached buffer if it matches the fields
-    given (None: any value) — the buffer the peers use in the common case of one shape. Anything
-    else is a guess that could put an unrelated buffer out of step: then it does nothing, and
-    the peers are left to their bounded wait."""
+    fields key when all are given (none when it is not cached: the peers are building it), else
+    the group's only cached buffer if it matches the fields given (None: unknown) — the buffer
+    the peers use in the common case of one shape. Anything else is a guess that could put an
+    unrelated buffer out of step: then it does nothing, and the peers are left to their bounded
+    wait."""
     pick = match_cached(_CACHE, (_group_id(group), num_experts, hidden, topk, dtype))
     if pick is not None and not pick.heap.freed:
         pick._refuse_call()
@@ -76,6 +82,7 @@ def match_cached(cache: dict, want: tuple):
     """The entry of `cache` (keys start with the group id) that `want` names: exact when no field
     is None, else the group's only entry if it matches the fields given; None otherwise."""
     group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]
+    assert all(len(k) == len(want) for k, _ in group_items), "match_cached: want must name every key field"
     matches = [v for k, v in group_items if all(w is None or w == f for w, f in zip(want, k))]
     exact = all(w is not None for w in want)
     return matches[0] if len(matches) == 1 and (exact or len(group_items) == 1) else None
@@ -100,7 +107,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2)), "x [T, hidden], topk_idx [T, topk]")
     except DitronConfigError:
         if sync:
-            refuse_dispatch(None, None, num_experts=num_experts, group=group)  # the peers raise at once too
+            refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group)  # the peers raise at once too
         raise
     buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
     try:

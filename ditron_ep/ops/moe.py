@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import combine, dispatch, match_cached, refuse_cached, refuse_dispatch
+from .functional import combine, dispatch, key_fields, match_cached, refuse_cached, refuse_dispatch
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -57,20 +57,21 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
                                       "torch.no_grad() / inference_mode, or detach its inputs")
     except (DitronConfigError, NotImplementedError):
-        if sync:
-            refuse_moe(group, schedule)  # the peers raise at once too
+        if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
+            # the peers raise at once too: through the layer (buffer) the arguments still key
+            refuse_moe(group, schedule, **_moe_key_fields(x, topk_idx, w1, w2, group))
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule != "staged":
         return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
     # checked here, before the dispatch moves any token, as the fused layer does
-    problem = gemm_dtype_problem(x.dtype)
-    if problem:
-        raise DitronConfigError(problem)
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
     try:
+        problem = gemm_dtype_problem(x.dtype)
+        if problem:
+            raise DitronConfigError(problem)
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
         validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1],
                         ffn_hidden=w2.shape[1], num_local_experts=w1.shape[0], topk=topk_idx.shape[1],
                         device=x.device)
@@ -108,15 +109,26 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
 
 
+def _moe_key_fields(x: object, topk_idx: object, w1: object, w2: object, group: dist.ProcessGroup | None) -> dict:
+    """The layer-key fields the arguments still give (those with the right number of dimensions)."""
+    fields = key_fields(x=x, topk_idx=topk_idx)
+    if isinstance(w1, torch.Tensor) and w1.ndim == 3:
+        fields["num_experts"] = w1.shape[0] * dist.get_world_size(group)
+    if isinstance(w2, torch.Tensor) and w2.ndim == 3:
+        fields["ffn_hidden"] = w2.shape[1]
+    return fields
+
+
 def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
                hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
                dtype: torch.dtype | None = None) -> None:
-    """This rank rejected arguments that cannot key a cached layer (their number of dimensions),
-    asked for gradients, or failed a module's own checks: join the peers' call flagged through
-    the cached layer these fields key when all are given, else through the group's only cached
-    layer if it matches the fields given (None: any value; staged: the same rule over the
-    dispatch buffers), so the peers raise at once instead of waiting for this rank until they
-    time out. Anything else would be a guess that could put an unrelated layer out of step."""
+    """This rank rejected arguments that cannot all key a cached layer (their number of
+    dimensions), asked for gradients, or failed a module's own checks: join the peers' call
+    flagged through the cached layer these fields key when all are given (none if it is not
+    cached: the peers are building it), else through the group's only cached layer if it
+    matches the fields given (None: unknown; staged: the same rule over the dispatch buffers),
+    so the peers raise at once instead of waiting for this rank until they time out. Anything
+    else would be a guess that could put an unrelated layer out of step."""
     if schedule == "staged":
         refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype)
         return

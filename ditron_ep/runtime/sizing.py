@@ -93,7 +93,7 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     if store is None:
         return _agree_by_collective(g, what, shown, tokens)
     gen = _GENERATIONS.get(g.group_name, 0)
-    while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode() == _TIMEOUT:
+    while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode().startswith(_TIMEOUT):
         gen += 1  # abandoned before this rank got there: not this call's generation
     posts = [f"{gen}/rank{r}" for r in range(world)]
     verdict_key = f"{gen}/verdict"
@@ -104,7 +104,9 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
         if store.check(posts):
             verdict = store.compare_set(verdict_key, "", _OK).decode()
         elif time.monotonic() > deadline:
-            verdict = store.compare_set(verdict_key, "", _TIMEOUT).decode()
+            # the verdict names the ranks missing when it was set, so every rank reports the same
+            missing = ",".join(str(r) for r, p in enumerate(posts) if not store.check([p]))
+            verdict = store.compare_set(verdict_key, "", f"{_TIMEOUT} {missing}").decode()
         elif store.check([verdict_key]):
             verdict = store.get(verdict_key).decode()
         else:
@@ -113,9 +115,10 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
             continue
         break
     _GENERATIONS[g.group_name] = gen + 1
-    if verdict == _TIMEOUT:
-        missing = [r for r, p in enumerate(posts) if not store.check([p])]
-        who = (f"rank(s) {', '.join(map(str, missing))} did not join" if missing else
+    if verdict.startswith(_TIMEOUT):
+        store.delete_key(posts[rank])  # nobody reads an abandoned generation's posts; its verdict stays
+        missing = verdict[len(_TIMEOUT):].strip().replace(",", ", ")
+        who = (f"rank(s) {missing} did not join" if missing else
                "a rank's deadline passed before every rank had joined (all have joined since)")
         raise DitronConfigError(
             f"{what}: {who} the sizing of a new cached buffer for {shown} within {timeout_s:g} s (seen from rank "

@@ -365,6 +365,49 @@ def unkeyed_refusal_case() -> dict:
     return res
 
 
+def refusal_never_guesses_past_an_exact_key_case() -> dict:
+    """A layer / buffer is cached (top-2); every rank then calls at a new shape (top-1), rank 1
+    with an argument the exact key still names (w1 asking for gradients; topk_weights of the
+    wrong length in staged): rank 1 must not refuse through the cached one (its peers are
+    sizing the new one, which times out), and the cached one stays in step for the next call."""
+    import os
+
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+    from ditron_ep.runtime import DitronConfigError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, T = 2 * W, 32, 16, 6
+    res: dict = {}
+    catch = _recorder(res)
+    g = torch.Generator().manual_seed(60 + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+    os.environ[SIZING_TIMEOUT_ENV] = "3"
+    try:
+        for schedule in ("overlap", "staged"):
+            xs, idxs, ws = make_inputs(W, [T] * W, H, E, 2, torch.float32, "uniform", seed=7)
+            x, idx, w = xs[rank], idxs[rank], ws[rank]
+            with torch.no_grad():
+                ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the top-2 layer / buffer
+            x1, idx1, w_1 = x, idx[:, :1].contiguous(), w[:, :1].contiguous()
+            if schedule == "overlap":
+                bad = (x1, idx1, w_1, w1.clone().requires_grad_(rank == 1), w2)
+                want = NotImplementedError if rank == 1 else DitronConfigError
+                catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
+            else:
+                bad_w = w_1[:-1] if rank == 1 else w_1
+                with torch.no_grad():
+                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
+            with torch.no_grad():
+                res[f"{schedule}_cached_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_layers()
+        clear_cache()
+    return res
+
+
 def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
     """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
     from ditron_ep.determinism import ep_moe_oracle

@@ -155,6 +155,16 @@ def test_two_ranks_refusing_one_combine_are_both_counted(emulated_cluster):
     assert r0["after"] and r1["after"] and r2["after"]
 
 
+def test_refusal_never_guesses_a_buffer_past_an_exact_key(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.refusal_never_guesses_past_an_exact_key_case)
+    assert r1["overlap_new_shape"].startswith("NotImplementedError"), r1
+    assert r1["staged_new_shape"].startswith("DitronConfigError"), r1
+    for key in ("overlap_new_shape", "staged_new_shape"):
+        assert r0[key].startswith("DitronConfigError") and "rank(s) 1 did not join the sizing" in r0[key], r0[key]
+    for r in (r0, r1):
+        assert r["overlap_cached_after"] and r["staged_cached_after"], r
+
+
 @pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
                          ids=["W2-uniform", "W3-zipf-empty-rank"])
 def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
