@@ -74,30 +74,45 @@ def bench(fn, iters=20):
         s.record(); fn(); e.record(); e.synchronize(); ts.append(s.elapsed_time(e) * 1e3)
     ts.sort(); return ts[len(ts) // 2]
 
-torch.manual_seed(0)
-a = torch.randn(E * R, H, device="cuda").bfloat16()
-w1 = (torch.randn(E, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
-w2 = (torch.randn(E, I, H, device="cuda") * I ** -0.5).bfloat16()
-h = torch.empty(E * R, I, device="cuda", dtype=torch.bfloat16)
-y = torch.empty(E * R, H, device="cuda", dtype=torch.bfloat16)
-sms = torch.cuda.get_device_properties(0).multi_processor_count
-fl_gu, fl_dn = 2 * E * R * H * 2 * I, 2 * E * R * I * H
-offs = torch.arange(R, E * R + 1, R, device="cuda", dtype=torch.int32)
-t_gu = bench(lambda: torch._grouped_mm(a, w1, offs=offs)); t_dn = bench(lambda: torch._grouped_mm(h, w2, offs=offs))
-print(f"torch._grouped_mm gate-up {t_gu:.0f} us {fl_gu / t_gu / 1e6:.0f} TF/s; down {t_dn:.0f} us {fl_dn / t_dn / 1e6:.0f} TF/s")
-ref_h = None; ref_y = None
-for BN1, BN2, w, s in ((128, 256, 8, 4), (128, 256, 8, 3)):
-    for tma_a, tma_w in ((0, 0), (0, 1), (1, 1)):
-        ad = TensorDescriptor.from_tensor(a, [BM, BK]); w1d = TensorDescriptor.from_tensor(w1, [1, BK, BN1])
-        hd = TensorDescriptor.from_tensor(h, [BM, BK]); w2d = TensorDescriptor.from_tensor(w2, [1, BK, BN2])
-        n1 = (E * R // BM) * (I // BN1); n2 = (E * R // BM) * (H // BN2)
-        for grid_name, g1, g2 in (("one-tile", n1, n2), (f"persistent {sms}", sms, sms)):
-            try:
-                f1 = lambda: gate_up[(g1,)](a, ad, w1, w1d, h, H, I, n1, R, TMA_A=tma_a, TMA_W=tma_w, BM=BM, BN=BN1, BK=BK, num_warps=w, num_stages=s)
-                f2 = lambda: down[(g2,)](h, hd, w2, w2d, y, I, H, n2, R, TMA_A=tma_a, TMA_W=tma_w, BM=BM, BN=BN2, BK=BK, num_warps=w, num_stages=s)
-                t1 = bench(f1); hh = h.clone(); t2 = bench(f2); yy = y.clone()
-                if ref_h is None: ref_h, ref_y = hh, yy
-                same = torch.equal(hh, ref_h) and torch.equal(yy, ref_y)
-                print(f"w{w} s{s} tmaA={tma_a} tmaW={tma_w} {grid_name:>15}: gate-up {t1:.0f} us {fl_gu / t1 / 1e6:.0f} TF/s ({t_gu / t1:.3f} of torch); down {t2:.0f} us {fl_dn / t2 / 1e6:.0f} TF/s ({t_dn / t2:.3f}); bitwise same as first: {same}", flush=True)
-            except Exception as ex:
-                print(f"w{w} s{s} tmaA={tma_a} tmaW={tma_w} {grid_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+FL_GU, FL_DN = 2 * E * R * H * 2 * I, 2 * E * R * I * H  # FLOPs of the two GEMMs
+
+
+def layer_operands():
+    """The probes' operands (bf16, on the GPU, seed 0): a [E*R, H], w1 [E, H, 2I], w2 [E, I, H],
+    outputs h [E*R, I] and y [E*R, H], and torch._grouped_mm's offs (every expert R rows)."""
+    torch.manual_seed(0)
+    a = torch.randn(E * R, H, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, I, H, device="cuda") * I ** -0.5).bfloat16()
+    h = torch.empty(E * R, I, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(E * R, H, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(R, E * R + 1, R, device="cuda", dtype=torch.int32)
+    return a, w1, w2, h, y, offs
+
+
+def main():
+    a, w1, w2, h, y, offs = layer_operands()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fl_gu, fl_dn = FL_GU, FL_DN
+    t_gu = bench(lambda: torch._grouped_mm(a, w1, offs=offs)); t_dn = bench(lambda: torch._grouped_mm(h, w2, offs=offs))
+    print(f"torch._grouped_mm gate-up {t_gu:.0f} us {fl_gu / t_gu / 1e6:.0f} TF/s; down {t_dn:.0f} us {fl_dn / t_dn / 1e6:.0f} TF/s")
+    ref_h = None; ref_y = None
+    for BN1, BN2, w, s in ((128, 256, 8, 4), (128, 256, 8, 3)):
+        for tma_a, tma_w in ((0, 0), (0, 1), (1, 1)):
+            ad = TensorDescriptor.from_tensor(a, [BM, BK]); w1d = TensorDescriptor.from_tensor(w1, [1, BK, BN1])
+            hd = TensorDescriptor.from_tensor(h, [BM, BK]); w2d = TensorDescriptor.from_tensor(w2, [1, BK, BN2])
+            n1 = (E * R // BM) * (I // BN1); n2 = (E * R // BM) * (H // BN2)
+            for grid_name, g1, g2 in (("one-tile", n1, n2), (f"persistent {sms}", sms, sms)):
+                try:
+                    f1 = lambda: gate_up[(g1,)](a, ad, w1, w1d, h, H, I, n1, R, TMA_A=tma_a, TMA_W=tma_w, BM=BM, BN=BN1, BK=BK, num_warps=w, num_stages=s)
+                    f2 = lambda: down[(g2,)](h, hd, w2, w2d, y, I, H, n2, R, TMA_A=tma_a, TMA_W=tma_w, BM=BM, BN=BN2, BK=BK, num_warps=w, num_stages=s)
+                    t1 = bench(f1); hh = h.clone(); t2 = bench(f2); yy = y.clone()
+                    if ref_h is None: ref_h, ref_y = hh, yy
+                    same = torch.equal(hh, ref_h) and torch.equal(yy, ref_y)
+                    print(f"w{w} s{s} tmaA={tma_a} tmaW={tma_w} {grid_name:>15}: gate-up {t1:.0f} us {fl_gu / t1 / 1e6:.0f} TF/s ({t_gu / t1:.3f} of torch); down {t2:.0f} us {fl_dn / t2 / 1e6:.0f} TF/s ({t_dn / t2:.3f}); bitwise same as first: {same}", flush=True)
+                except Exception as ex:
+                    print(f"w{w} s{s} tmaA={tma_a} tmaW={tma_w} {grid_name}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

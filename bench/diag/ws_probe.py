@@ -18,10 +18,8 @@ w8 s4; none at s3); WS on the persistent tile loop 22-28 % slower. Not worth por
 import torch
 import triton
 import triton.language as tl
+from tma_probe import BK, BM, FL_DN, FL_GU, E, H, I, R, bench, layer_operands  # the same shapes and timer
 from triton.tools.tensor_descriptor import TensorDescriptor
-
-E, R, H, I = 16, 2048, 7168, 2048
-BM, BK = 128, 64
 
 
 @triton.jit
@@ -66,32 +64,10 @@ def down(h_desc, w_desc, y_ptr, I, H, n_tiles, R, WS_K: tl.constexpr, WS_TILES: 
         tl.store(y_ptr + (row0 + o_m).to(tl.int64)[:, None] * H + o_n[None, :], acc.to(y_ptr.dtype.element_ty))
 
 
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def main():
-    torch.manual_seed(0)
-    a = torch.randn(E * R, H, device="cuda").bfloat16()
-    w1 = (torch.randn(E, H, 2 * I, device="cuda") * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, I, H, device="cuda") * I ** -0.5).bfloat16()
-    h = torch.empty(E * R, I, device="cuda", dtype=torch.bfloat16)
-    y = torch.empty(E * R, H, device="cuda", dtype=torch.bfloat16)
+    a, w1, w2, h, y, offs = layer_operands()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fl_gu, fl_dn = 2 * E * R * H * 2 * I, 2 * E * R * I * H
-    offs = torch.arange(R, E * R + 1, R, device="cuda", dtype=torch.int32)
+    fl_gu, fl_dn = FL_GU, FL_DN
     t_gu = bench(lambda: torch._grouped_mm(a, w1, offs=offs))
     t_dn = bench(lambda: torch._grouped_mm(h, w2, offs=offs))
     print(f"# {torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}")
