@@ -22,13 +22,16 @@ def _resolved(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD
 
 
-def _group_id(group: dist.ProcessGroup | None) -> object:
+def group_id(group: dist.ProcessGroup | None) -> object:
+    """The group's part of a cache key (its name; None = the default group)."""
     g = _resolved(group)
     return g.group_name if hasattr(g, "group_name") else id(g)
 
 
-def _key(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int, dtype: torch.dtype) -> tuple:
-    return (_group_id(group), num_experts, hidden, topk, dtype)
+def _key(group: dist.ProcessGroup | None, num_experts: int | None, hidden: int | None, topk: int | None,
+         dtype: torch.dtype | None) -> tuple:
+    """A cached buffer's key (None fields: unknown, for `refuse_through_match`)."""
+    return (group_id(group), num_experts, hidden, topk, dtype)
 
 
 def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, topk: int,
@@ -73,19 +76,19 @@ def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = 
     the peers use in the common case of one shape. Anything else is a guess that could put an
     unrelated buffer out of step: then it does nothing, and the peers are left to their bounded
     wait."""
-    pick = match_cached(_CACHE, (_group_id(group), num_experts, hidden, topk, dtype))
-    if pick is not None and not pick.heap.freed:
-        pick._refuse_call()
+    refuse_through_match(_CACHE, _key(group, num_experts, hidden, topk, dtype))
 
 
-def match_cached(cache: dict, want: tuple):
-    """The entry of `cache` (keys start with the group id) that `want` names: exact when no field
-    is None, else the group's only entry if it matches the fields given; None otherwise."""
+def refuse_through_match(cache: dict, want: tuple) -> None:
+    """Refuse (`_refuse_call`) through the live entry of `cache` (keys start with the group id)
+    that `want` names: exact when no field is None, else the group's only entry if it matches
+    the fields given; through none otherwise."""
     group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]
-    assert all(len(k) == len(want) for k, _ in group_items), "match_cached: want must name every key field"
+    assert all(len(k) == len(want) for k, _ in group_items), "refuse_through_match: want must name every key field"
     matches = [v for k, v in group_items if all(w is None or w == f for w, f in zip(want, k))]
     exact = all(w is not None for w in want)
-    return matches[0] if len(matches) == 1 and (exact or len(group_items) == 1) else None
+    if len(matches) == 1 and (exact or len(group_items) == 1) and not matches[0].heap.freed:
+        matches[0]._refuse_call()
 
 
 def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:

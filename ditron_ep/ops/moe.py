@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import combine, dispatch, key_fields, match_cached, refuse_cached, refuse_dispatch
+from .functional import combine, dispatch, group_id, key_fields, refuse_cached, refuse_dispatch, refuse_through_match
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -87,8 +87,7 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
     """The cached FusedMoE for these shapes: sized at first use by one bounded exchange (largest
     T; runtime/sizing.py), regrown on every rank together when a call's layout reports more
     tokens than it holds."""
-    g = group if group is not None else dist.group.WORLD
-    key = (g.group_name, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule)
+    key = _layer_key(group, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule)
     layer = _LAYERS.get(key)
     if layer is None:
         need = agree_on_tokens(group, "ditron_ep.ops.moe", {
@@ -107,6 +106,12 @@ def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_error
                                         max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
                                         schedule=schedule, check_errors=check_errors)
         return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+
+
+def _layer_key(group: dist.ProcessGroup | None, num_experts: int | None, hidden: int | None,
+               ffn_hidden: int | None, topk: int | None, dtype: torch.dtype | None, schedule: str) -> tuple:
+    """A cached layer's key (None fields: unknown, for `refuse_through_match`)."""
+    return (group_id(group), num_experts, hidden, ffn_hidden, topk, dtype, schedule)
 
 
 def _moe_key_fields(x: object, topk_idx: object, w1: object, w2: object, group: dist.ProcessGroup | None) -> dict:
@@ -132,10 +137,7 @@ def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: i
     if schedule == "staged":
         refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype)
         return
-    g = group if group is not None else dist.group.WORLD
-    pick = match_cached(_LAYERS, (g.group_name, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
-    if pick is not None and not pick.heap.freed:
-        pick._refuse_call()
+    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
 
 
 def clear_layers() -> None:
