@@ -2,6 +2,7 @@
 sustained load, against torch._grouped_mm, and what do the SM clock and the power do meanwhile?
 
     python bench/diag/sustained_gemm.py [--seconds 3] [--rounds 2]
+    python bench/diag/sustained_gemm.py --sweep [--seconds 2.5]   # tile configs, sustained
 
 Why: on one idle H200 our two GEMMs took 96 % of torch._grouped_mm's time (bench/results/
 tile_order_H200_20261122_s9.log, ws_probe_H200_20261123_s13_a1db7cf.log), but inside the 4×H200
@@ -14,6 +15,11 @@ drift of the board's temperature shows up in both. Per window: the first 10 call
 nvidia-smi's SM clock, power and throttle reasons sampled every 100 ms.
 Shape: the 4-rank layer's per-rank rows (T=4096, top-8 of E=64, 16 local experts, uniform),
 H=7168, I=2048, bf16; ours gathers rows by index, torch gets them contiguous.
+
+--sweep times candidate tile configs of one GEMM while the other keeps its default (the pair
+runs, so the board's power state is the layer's), with the defaults and torch first and last.
+A config that changes the block over K may change bits: the output's equality with the default
+config's is printed, not required (the determinism contract holds within one Core config).
 """
 import argparse
 import subprocess
@@ -29,10 +35,17 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
+from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
 from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
 from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
 from tile_order import H, I, rank_case  # noqa: E402
+
+# (gate-up, down) candidates; gate-up's BN is half its tile's width (gate and up blocks).
+SWEEP_GATE_UP = ("BM128-BN128-BK64-w8-s3", "BM128-BN64-BK64-w4-s4", "BM128-BN64-BK64-w8-s4",
+                 "BM256-BN64-BK64-w8-s3", "BM64-BN128-BK64-w4-s4", "BM128-BN128-BK32-w8-s6")
+SWEEP_DOWN = ("BM128-BN256-BK64-w8-s3", "BM128-BN128-BK64-w4-s4", "BM128-BN128-BK64-w8-s4",
+              "BM256-BN128-BK64-w8-s3", "BM64-BN256-BK64-w4-s4", "BM128-BN256-BK128-w8-s2",
+              "BM128-BN256-BK32-w8-s6")
 
 _QUERY = "clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
@@ -96,10 +109,37 @@ def med(v):
     return v[len(v) // 2]
 
 
+def sweep(args, ours, native, pair, gu_cfg, dn_cfg, sampler, h, y, fl_gu, fl_dn) -> None:
+    """Each candidate config of one GEMM, the other at its default; defaults and torch first and last."""
+    run_window(ours, 0.3)
+    torch.cuda.synchronize()
+    ref_h, ref_y = h.clone(), y.clone()
+    cases = [("default pair", ours), ("torch", native)]
+    cases += [(f"gate-up {c}", pair(GemmTileConfig.parse(c), dn_cfg)) for c in SWEEP_GATE_UP]
+    cases += [(f"down {c}", pair(gu_cfg, GemmTileConfig.parse(c))) for c in SWEEP_DOWN]
+    cases += [("default pair", ours), ("torch", native)]
+    for name, fn in cases:
+        time.sleep(0.5)
+        try:
+            run_window(fn, 0.2)  # compile
+            times, t0, t1 = run_window(fn, args.seconds)
+        except Exception as exc:  # a config that does not fit (shared memory, registers)
+            print(f"{name:34s}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        half = times[len(times) // 2:]
+        gu, dn, tot = (med([t[i] for t in half]) for i in range(3))
+        same = "" if name == "torch" else (f"; h == default: {torch.equal(h, ref_h)}, y == default: "
+                                           f"{torch.equal(y, ref_y)}")
+        print(f"{name:34s}: sustained {tot:6.0f} us = gate-up {gu:6.0f} ({fl_gu / gu / 1e6:4.0f} TF/s) + down "
+              f"{dn:6.0f} ({fl_dn / dn / 1e6:4.0f} TF/s){same}", flush=True)
+        print(f"    2nd half: {sampler.window((t0 + t1) / 2, t1)}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--sweep", action="store_true", help="time candidate tile configs (SWEEP_*), sustained")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -107,18 +147,22 @@ def main() -> None:
     gu_cfg, dn_cfg = default_gemm_configs(torch.bfloat16, "cuda")
     x, idx, off, w1, w2 = rank_case(dev, 4, 16)
     rows = int(off[-1])
-    tiles = build_tile_map(off, gu_cfg.block_m)
+    tile_maps = {bm: build_tile_map(off, bm) for bm in (64, 128, 256)}
     h = torch.empty(rows, I, dtype=torch.bfloat16, device=dev)
     y = torch.empty(rows, H, dtype=torch.bfloat16, device=dev)
     xc = x.index_select(0, idx.long())  # torch's rows, contiguous (an all_to_all delivers them so)
     offs_end = off[1:].contiguous()
 
-    def ours(ev):
-        ev[0].record()
-        launch_grouped_swiglu(x, idx, w1, h, off, tiles, gu_cfg, sms, "tf32", 1)
-        ev[1].record()
-        launch_grouped_down(h, w2, y, off, tiles, dn_cfg, sms, "tf32", 1)
-        ev[2].record()
+    def pair(gu: GemmTileConfig, dn: GemmTileConfig):
+        def step(ev):
+            ev[0].record()
+            launch_grouped_swiglu(x, idx, w1, h, off, tile_maps[gu.block_m], gu, sms, "tf32", 1)
+            ev[1].record()
+            launch_grouped_down(h, w2, y, off, tile_maps[dn.block_m], dn, sms, "tf32", 1)
+            ev[2].record()
+        return step
+
+    ours = pair(gu_cfg, dn_cfg)
 
     def native(ev):
         ev[0].record()
@@ -136,6 +180,10 @@ def main() -> None:
           f"torch: _grouped_mm + silu*mul + _grouped_mm; {args.seconds:.1f} s a window", flush=True)
     for fn in (ours, native):  # compile and warm up
         run_window(fn, 0.3)
+    if args.sweep:
+        sweep(args, ours, native, pair, gu_cfg, dn_cfg, sampler, h, y, fl_gu, fl_dn)
+        sampler.stop()
+        return
     ref = None
     for rnd in range(args.rounds):
         for name, fn in (("ours", ours), ("torch", native)):

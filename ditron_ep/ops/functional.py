@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.errors import DitronConfigError
-from ..runtime.sizing import agree_on_tokens
+from ..runtime.sizing import agree_on_tokens, refuse_sizing
 from .ep_buffer import CapacityError, DispatchHandle, EPBuffer
 from .input_checks import check_dims
 
@@ -47,14 +47,15 @@ def get_buffer(group: dist.ProcessGroup | None, num_experts: int, hidden: int, t
 
 
 def refuse_dispatch(x: object, topk_idx: object, *, num_experts: int | None,
-                    group: dist.ProcessGroup | None = None) -> None:
-    """This rank rejected its arguments to a call whose peers go on to `dispatch` on a cached
-    buffer: join that dispatch flagged (`EPBuffer._refuse_call`), so that the peers raise at once
-    instead of waiting for this rank until they time out. Only a buffer already cached here: the
-    shapes were just rejected, so building one (a collective) could wait for peers that use
-    another buffer. Which buffer: `refuse_cached` on the key fields x and topk_idx still give
-    (those with the right number of dimensions)."""
-    refuse_cached(group, num_experts=num_experts, **key_fields(x=x, topk_idx=topk_idx))
+                    group: dist.ProcessGroup | None = None, reason: str = "") -> None:
+    """This rank rejected its arguments (`reason`: its error) to a call whose peers go on to
+    `dispatch`: join that dispatch flagged (`EPBuffer._refuse_call`) on a cached buffer, or their
+    sizing of a new one (`refuse_sizing`), so that the peers raise at once instead of waiting for
+    this rank until they time out. Never by building a buffer: the shapes were just rejected, so
+    that (a collective) could wait for peers that use another buffer. Which buffer:
+    `refuse_cached` on the key fields x and topk_idx still give (those with the right number of
+    dimensions)."""
+    refuse_cached(group, num_experts=num_experts, reason=reason, **key_fields(x=x, topk_idx=topk_idx))
 
 
 def key_fields(*, x: object = None, topk_idx: object = None) -> dict:
@@ -69,26 +70,29 @@ def key_fields(*, x: object = None, topk_idx: object = None) -> dict:
 
 
 def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = None, hidden: int | None = None,
-                  topk: int | None = None, dtype: torch.dtype | None = None) -> None:
+                  topk: int | None = None, dtype: torch.dtype | None = None, reason: str = "") -> None:
     """Join the peers' dispatch flagged through a cached buffer of the group: the one these
-    fields key when all are given (none when it is not cached: the peers are building it), else
-    the group's only cached buffer if it matches the fields given (None: unknown) — the buffer
-    the peers use in the common case of one shape. Anything else is a guess that could put an
-    unrelated buffer out of step: then it does nothing, and the peers are left to their bounded
-    wait."""
-    refuse_through_match(_CACHE, _key(group, num_experts, hidden, topk, dtype))
+    fields key when all are given, else the group's only cached buffer if it matches the fields
+    given (None: unknown) — the buffer the peers use in the common case of one shape. Where the
+    peers must be sizing a new buffer instead (the exact key is not cached, or the group has no
+    buffer at all), refuse that sizing. Anything else is a guess that could put an unrelated
+    buffer out of step: then it does nothing, and the peers are left to their bounded wait."""
+    refuse_through_match(_CACHE, _key(group, num_experts, hidden, topk, dtype), group, reason)
 
 
-def refuse_through_match(cache: dict, want: tuple) -> None:
+def refuse_through_match(cache: dict, want: tuple, group: dist.ProcessGroup | None, reason: str) -> None:
     """Refuse (`_refuse_call`) through the live entry of `cache` (keys start with the group id)
     that `want` names: exact when no field is None, else the group's only entry if it matches
-    the fields given; through none otherwise."""
-    group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]
+    the fields given. When the exact key misses, or the group has no entry, the peers making
+    this call are sizing a new one: refuse their sizing (`refuse_sizing`) with `reason`."""
+    group_items = [(k, v) for k, v in cache.items() if k[0] == want[0] and not v.heap.freed]
     assert all(len(k) == len(want) for k, _ in group_items), "refuse_through_match: want must name every key field"
     matches = [v for k, v in group_items if all(w is None or w == f for w, f in zip(want, k))]
     exact = all(w is not None for w in want)
-    if len(matches) == 1 and (exact or len(group_items) == 1) and not matches[0].heap.freed:
+    if len(matches) == 1 and (exact or len(group_items) == 1):
         matches[0]._refuse_call()
+    elif (exact and not matches) or not group_items:
+        refuse_sizing(group, reason or "it rejected its arguments")
 
 
 def _regrow(key: tuple, buf: EPBuffer, needed: int) -> EPBuffer:
@@ -108,9 +112,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     # the cached buffer is looked up by their shapes, so they are checked before the lookup
     try:
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2)), "x [T, hidden], topk_idx [T, topk]")
-    except DitronConfigError:
-        if sync:
-            refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group)  # the peers raise at once too
+    except DitronConfigError as err:
+        if sync:  # the peers raise at once too
+            refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group, reason=str(err))
         raise
     buf = get_buffer(group, num_experts, x.shape[-1], topk_idx.shape[-1], x.dtype, x.shape[0])
     try:

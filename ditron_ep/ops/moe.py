@@ -56,10 +56,11 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
             raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
                                       "torch.no_grad() / inference_mode, or detach its inputs")
-    except (DitronConfigError, NotImplementedError):
+    except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
             # the peers raise at once too: through the layer (buffer) the arguments still key
-            refuse_moe(group, schedule, **_moe_key_fields(x, topk_idx, w1, w2, group))
+            refuse_moe(group, schedule, reason=f"{type(err).__name__}: {err}",
+                       **_moe_key_fields(x, topk_idx, w1, w2, group))
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
@@ -75,8 +76,8 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1],
                         ffn_hidden=w2.shape[1], num_local_experts=w1.shape[0], topk=topk_idx.shape[1],
                         device=x.device)
-    except DitronConfigError:
-        refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group)  # the peers raise at once too
+    except DitronConfigError as err:  # the peers raise at once too
+        refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group, reason=str(err))
         raise
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2, check=False)  # offsets built by dispatch
@@ -126,18 +127,20 @@ def _moe_key_fields(x: object, topk_idx: object, w1: object, w2: object, group: 
 
 def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
                hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
-               dtype: torch.dtype | None = None) -> None:
+               dtype: torch.dtype | None = None, reason: str = "") -> None:
     """This rank rejected arguments that cannot all key a cached layer (their number of
-    dimensions), asked for gradients, or failed a module's own checks: join the peers' call
-    flagged through the cached layer these fields key when all are given (none if it is not
-    cached: the peers are building it), else through the group's only cached layer if it
-    matches the fields given (None: unknown; staged: the same rule over the dispatch buffers),
-    so the peers raise at once instead of waiting for this rank until they time out. Anything
-    else would be a guess that could put an unrelated layer out of step."""
+    dimensions), asked for gradients, or failed a module's own checks (`reason`: its error): join
+    the peers' call flagged through the cached layer these fields key when all are given, else
+    through the group's only cached layer if it matches the fields given (None: unknown;
+    staged: the same rule over the dispatch buffers); where the peers must be sizing a new
+    layer instead (the exact key is not cached, or the group has none), refuse that sizing. So
+    the peers raise at once instead of waiting for this rank until they time out. Anything else
+    would be a guess that could put an unrelated layer out of step."""
     if schedule == "staged":
-        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype)
+        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype, reason=reason)
         return
-    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule))
+    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule), group,
+                         reason)
 
 
 def clear_layers() -> None:

@@ -14,6 +14,11 @@ peer goes on into the buffer's constructor (a collective). After "ok" every rank
 next generation. After "timeout" the ranks that had posted raise and move on; a rank that had not
 posted (it was elsewhere, e.g. reusing another cached buffer) passes over that generation when it
 next sizes, so the ranks' next sizings still line up.
+
+A rank that rejects its own arguments before it could size (`refuse_sizing`) sets the verdict
+"refused" on the generation its peers are sizing in, so they raise at once, naming it and its
+reason, instead of waiting out the deadline. Unlike "timeout", a "refused" generation is not
+passed over by a rank that arrives later: that rank was meant to size in it, so it raises too.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ SIZING_TIMEOUT_ENV = "DITRON_SIZING_TIMEOUT_S"
 # skew (loading weights, compiling), and this only bounds a wait that was unbounded before.
 DEFAULT_SIZING_TIMEOUT_S = 600.0
 _POLL_S = (0.001, 0.05)  # first and longest pause between polls (backing off, to spare a shared store)
-_OK, _TIMEOUT = "ok", "timeout"
+_OK, _TIMEOUT, _REFUSED = "ok", "timeout", "refused"
+_REASON_CHARS = 500  # a refusal's reason, as stored for the peers
 
 # group name -> the generation this rank's next sizing in that group uses.
 _GENERATIONS: dict[str, int] = {}
@@ -76,6 +82,33 @@ def _largest(what: str, posts: list) -> int:
     return max(t for _, t in posts)
 
 
+def _current_generation(store, group_name: str) -> int:
+    """This rank's next sizing generation in the group, past those abandoned on a timeout."""
+    gen = _GENERATIONS.get(group_name, 0)
+    while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode().startswith(_TIMEOUT):
+        gen += 1  # abandoned before this rank got there: not this call's generation
+    return gen
+
+
+def refuse_sizing(group: dist.ProcessGroup | None, reason: str) -> None:
+    """This rank rejected its arguments to a call whose peers may be sizing a new cached buffer
+    for it (the refusal found no cached buffer or layer to go through): set the verdict of the
+    group's current sizing generation to "refused", so peers waiting in `agree_on_tokens` raise
+    at once with `reason`, and move this rank past that generation as they will be. Without a
+    store (the collective fallback) it does nothing: the peers' wait is then unbounded, as it
+    was before sizing went through the store."""
+    if not dist.is_initialized():
+        return
+    g = group if group is not None else dist.group.WORLD
+    store = _group_store(g)
+    if store is None or dist.get_rank(g) < 0:  # no store, or not a member: no sizing of this group to refuse
+        return
+    gen = _current_generation(store, g.group_name)
+    # first verdict wins: a peer's timeout or another rank's refusal of the same call stays
+    store.compare_set(f"{gen}/verdict", "", f"{_REFUSED} {dist.get_rank(g)} {reason[:_REASON_CHARS]}")
+    _GENERATIONS[g.group_name] = gen + 1
+
+
 def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, object], tokens: int,
                     timeout_s: float | None = None) -> int:
     """Collective over `group`, with a deadline: the largest `tokens` over the ranks.
@@ -84,7 +117,8 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     sizing generation, then polls for its peers' posts. Raises DitronConfigError on every rank
     when the ranks' keys differ (naming each rank's), and on every rank that posted when some
     rank's deadline (`timeout_s`; default DITRON_SIZING_TIMEOUT_S, else 600 s) passed before all
-    had posted, naming the ranks missing."""
+    had posted, naming the ranks missing; at once on every rank when a rank refused the call
+    (`refuse_sizing`), naming it and its error."""
     g = group if group is not None else dist.group.WORLD
     timeout_s = sizing_timeout_s() if timeout_s is None else timeout_s
     rank, world = dist.get_rank(g), dist.get_world_size(g)
@@ -92,9 +126,7 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
     store = _group_store(g)
     if store is None:
         return _agree_by_collective(g, what, shown, tokens)
-    gen = _GENERATIONS.get(g.group_name, 0)
-    while store.check([f"{gen}/verdict"]) and store.get(f"{gen}/verdict").decode().startswith(_TIMEOUT):
-        gen += 1  # abandoned before this rank got there: not this call's generation
+    gen = _current_generation(store, g.group_name)
     posts = [f"{gen}/rank{r}" for r in range(world)]
     verdict_key = f"{gen}/verdict"
     store.set(posts[rank], f"{int(tokens)} {shown}")
@@ -115,6 +147,12 @@ def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, o
             continue
         break
     _GENERATIONS[g.group_name] = gen + 1
+    if verdict.startswith(_REFUSED):
+        store.delete_key(posts[rank])
+        refuser, _, reason = verdict[len(_REFUSED):].strip().partition(" ")
+        raise DitronConfigError(
+            f"{what}: rank {refuser} rejected its arguments to this call, so no buffer was sized for {shown} "
+            f"(seen from rank {rank}); rank {refuser}'s error: {reason}")
     if verdict.startswith(_TIMEOUT):
         store.delete_key(posts[rank])  # nobody reads an abandoned generation's posts; its verdict stays
         missing = verdict[len(_TIMEOUT):].strip().replace(",", ", ")

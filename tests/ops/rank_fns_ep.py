@@ -369,7 +369,8 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
     """A layer / buffer is cached (top-2); every rank then calls at a new shape (top-1), rank 1
     with an argument the exact key still names (w1 asking for gradients; topk_weights of the
     wrong length in staged): rank 1 must not refuse through the cached one (its peers are
-    sizing the new one, which times out), and the cached one stays in step for the next call."""
+    sizing the new one): it refuses that sizing, so rank 0 raises at once; the cached one stays
+    in step for the next call."""
     import os
 
     from ditron_ep.ops import clear_cache, clear_layers, moe
@@ -383,7 +384,12 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
     g = torch.Generator().manual_seed(60 + rank)
     w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
     w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
-    os.environ[SIZING_TIMEOUT_ENV] = "3"
+    os.environ[SIZING_TIMEOUT_ENV] = "30"  # a refusal must not wait for it
+
+    def timed_catch(key, fn, exc=DitronConfigError):
+        t0 = time.monotonic()
+        catch(key, fn, exc)
+        res[key + "_s"] = time.monotonic() - t0
     try:
         for schedule in ("overlap", "staged"):
             xs, idxs, ws = make_inputs(W, [T] * W, H, E, 2, torch.float32, "uniform", seed=7)
@@ -394,13 +400,73 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
             if schedule == "overlap":
                 bad = (x1, idx1, w_1, w1.clone().requires_grad_(rank == 1), w2)
                 want = NotImplementedError if rank == 1 else DitronConfigError
-                catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
+                timed_catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
             else:
                 bad_w = w_1[:-1] if rank == 1 else w_1
                 with torch.no_grad():
-                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
+                    timed_catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
             with torch.no_grad():
                 res[f"{schedule}_cached_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_layers()
+        clear_cache()
+    return res
+
+
+def first_use_refusal_case() -> dict:
+    """Nothing is cached yet: rank 1's first call has arguments that are rejected, rank 0's are
+    right and it sizes the new buffer / layer. Rank 1 refuses that sizing, so rank 0 raises at
+    once naming rank 1 and its error, whether rank 0 reached the sizing before rank 1's refusal
+    or after it (`late`). Cases: functional dispatch with a 3-D x; moe overlap with a 1-D
+    topk_weights; EPMoE's first forward with x of the wrong hidden size. Afterwards matching
+    calls on every rank line up (the sizing numbers stayed in step) and are right."""
+    import os
+
+    from ditron_ep.ops import EPMoE, clear_cache, clear_layers, combine, dispatch, moe
+    from ditron_ep.runtime import DitronConfigError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 16, 2, 5
+    res: dict = {}
+    catch = _recorder(res)
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=11)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    g = torch.Generator().manual_seed(70 + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+
+    def timed(key, fn, exc=DitronConfigError):
+        t0 = time.monotonic()
+        catch(key, fn, exc)
+        res[key + "_s"] = time.monotonic() - t0
+
+    os.environ[SIZING_TIMEOUT_ENV] = "30"  # a refusal must not wait for it
+    try:
+        for late in (False, True):
+            sfx = "_late" if late else ""
+            clear_cache()
+            clear_layers()
+            dist.barrier()
+            if rank == 0 and late:
+                time.sleep(1.0)  # rank 1's refusal is already in the store
+            timed("dispatch" + sfx, lambda: dispatch(x[None] if rank == 1 else x, idx, num_experts=E))
+            dist.barrier()
+            if rank == 0 and late:
+                time.sleep(1.0)
+            with torch.no_grad():
+                timed("moe" + sfx, lambda: moe(x, idx, w[:, 0] if rank == 1 else w, w1, w2))
+        recv_x, handle = dispatch(x, idx, num_experts=E)
+        out = combine(recv_x, handle, w, num_experts=E)
+        res["dispatch_after"] = bool(torch.allclose(out, w.sum(dim=1, keepdim=True) * x, rtol=1e-6, atol=1e-6))
+        with torch.no_grad():
+            res["moe_after"] = torch.equal(moe(x, idx, w, w1, w2), moe(x, idx, w, w1, w2))
+        layer = EPMoE(H, I, E, K)
+        clear_layers()  # the calls above cached this shape's layer: EPMoE's first forward sizes it anew
+        with torch.no_grad():
+            timed("epmoe", lambda: layer(x[:, :-1] if rank == 1 else x), ValueError if rank == 1 else DitronConfigError)
+            res["epmoe_after"] = tuple(layer(x)[0].shape) == (T, H)
     finally:
         os.environ.pop(SIZING_TIMEOUT_ENV, None)
         clear_layers()
