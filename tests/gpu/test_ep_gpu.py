@@ -836,3 +836,44 @@ def test_functional_ops_size_their_buffer_through_the_store(dist_env):
     torch.cuda.synchronize()
     clear_cache()
     assert not problems, f"rank {rank}: {problems}"
+
+
+def test_first_call_refusal_reaches_the_peers_sizing(dist_env, monkeypatch):
+    """Nothing cached: the last rank's first ops.dispatch has a 3-D x, the others' are right and
+    size a new buffer through the store. The refusing rank sets that sizing's verdict, so the
+    others raise at once (well inside the sizing deadline, raised to 120 s here) naming it;
+    then matching calls line up and are right."""
+    import time
+
+    from ditron_ep.ops import clear_cache, combine, dispatch
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+    monkeypatch.setenv(SIZING_TIMEOUT_ENV, "120")
+    dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, K, hidden, T, bad = 2 * world, 2, 256, 12, world - 1
+    g = torch.Generator().manual_seed(41 + rank)
+    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    clear_cache()
+    dist.barrier()
+    problems = []
+    t0 = time.monotonic()
+    try:
+        dispatch(x[None] if rank == bad else x, idx, num_experts=E)
+        problems.append("the call did not raise")
+    except DitronConfigError as err:
+        want = "x must be a 2-D tensor"
+        if rank != bad:
+            want = f"rank {bad} rejected its arguments to this call, so no buffer was sized"
+        if want not in str(err):
+            problems.append(f"unexpected message: {err}")
+    if time.monotonic() - t0 > 60:
+        problems.append(f"raised after {time.monotonic() - t0:.0f} s: the sizing timed out")
+    recv_x, handle = dispatch(x, idx, num_experts=E)
+    out = combine(recv_x, handle, w, num_experts=E)
+    ref = (w.sum(dim=1, keepdim=True) * x.float()).to(torch.bfloat16)
+    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+        problems.append(f"dispatch + combine after the refusal off by {float((out.float() - ref.float()).abs().max()):.3g}")
+    torch.cuda.synchronize()
+    clear_cache()
+    assert not problems, f"rank {rank}: {problems}"
