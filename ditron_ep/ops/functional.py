@@ -70,28 +70,35 @@ def key_fields(*, x: object = None, topk_idx: object = None) -> dict:
 
 
 def refuse_cached(group: dist.ProcessGroup | None, *, num_experts: int | None = None, hidden: int | None = None,
-                  topk: int | None = None, dtype: torch.dtype | None = None, reason: str = "") -> None:
+                  topk: int | None = None, dtype: torch.dtype | None = None, reason: str = "",
+                  trusted_key: bool = False) -> None:
     """Join the peers' dispatch flagged through a cached buffer of the group: the one these
     fields key when all are given, else the group's only cached buffer if it matches the fields
     given (None: unknown) — the buffer the peers use in the common case of one shape. Where the
-    peers must be sizing a new buffer instead (the exact key is not cached, or the group has no
-    buffer at all), refuse that sizing. Anything else is a guess that could put an unrelated
-    buffer out of step: then it does nothing, and the peers are left to their bounded wait."""
-    refuse_through_match(_CACHE, _key(group, num_experts, hidden, topk, dtype), group, reason)
+    peers must be sizing a new buffer instead, refuse that sizing (`refuse_through_match` says
+    when). Anything else is a guess that could put an unrelated buffer out of step: then it does
+    nothing, and the peers are left to their bounded wait."""
+    refuse_through_match(_CACHE, _key(group, num_experts, hidden, topk, dtype), group, reason, trusted_key)
 
 
-def refuse_through_match(cache: dict, want: tuple, group: dist.ProcessGroup | None, reason: str) -> None:
+def refuse_through_match(cache: dict, want: tuple, group: dist.ProcessGroup | None, reason: str,
+                         trusted_key: bool = False) -> None:
     """Refuse (`_refuse_call`) through the live entry of `cache` (keys start with the group id)
     that `want` names: exact when no field is None, else the group's only entry if it matches
-    the fields given. When the exact key misses, or the group has no entry, the peers making
-    this call are sizing a new one: refuse their sizing (`refuse_sizing`) with `reason`."""
-    group_items = [(k, v) for k, v in cache.items() if k[0] == want[0] and not v.heap.freed]
+    the fields given. Otherwise refuse the peers' sizing (`refuse_sizing`, with `reason`) where
+    they must be sizing a new entry for this call: when the group has no entry at all (a first
+    call), or when the exact key is not cached and `trusted_key` says the key is the peers'
+    (an `EPMoE` keys its layer from its own fields). A key built from rejected arguments is not
+    trusted: the rejected field (a dtype, a size) may be the very one that misses, while the
+    peers use a cached entry; marking a sizing then would fail their next, valid one."""
+    group_items = [(k, v) for k, v in cache.items() if k[0] == want[0]]
     assert all(len(k) == len(want) for k, _ in group_items), "refuse_through_match: want must name every key field"
     matches = [v for k, v in group_items if all(w is None or w == f for w, f in zip(want, k))]
     exact = all(w is not None for w in want)
     if len(matches) == 1 and (exact or len(group_items) == 1):
-        matches[0]._refuse_call()
-    elif (exact and not matches) or not group_items:
+        if not matches[0].heap.freed:
+            matches[0]._refuse_call()
+    elif not group_items or (trusted_key and exact and not matches):
         refuse_sizing(group, reason or "it rejected its arguments")
 
 

@@ -127,20 +127,22 @@ def _moe_key_fields(x: object, topk_idx: object, w1: object, w2: object, group: 
 
 def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
                hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
-               dtype: torch.dtype | None = None, reason: str = "") -> None:
+               dtype: torch.dtype | None = None, reason: str = "", trusted_key: bool = False) -> None:
     """This rank rejected arguments that cannot all key a cached layer (their number of
     dimensions), asked for gradients, or failed a module's own checks (`reason`: its error): join
     the peers' call flagged through the cached layer these fields key when all are given, else
     through the group's only cached layer if it matches the fields given (None: unknown;
     staged: the same rule over the dispatch buffers); where the peers must be sizing a new
-    layer instead (the exact key is not cached, or the group has none), refuse that sizing. So
-    the peers raise at once instead of waiting for this rank until they time out. Anything else
-    would be a guess that could put an unrelated layer out of step."""
+    layer instead (the group has none yet, or `trusted_key` and the exact key is not cached:
+    `refuse_through_match`), refuse that sizing. So the peers raise at once instead of waiting
+    for this rank until they time out. Anything else would be a guess that could put an
+    unrelated layer out of step."""
     if schedule == "staged":
-        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype, reason=reason)
+        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype, reason=reason,
+                      trusted_key=trusted_key)
         return
     refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule), group,
-                         reason)
+                         reason, trusted_key)
 
 
 def clear_layers() -> None:

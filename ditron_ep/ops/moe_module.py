@@ -183,7 +183,8 @@ class EPMoE(nn.Module):
         if problem:
             # the peers' moe call on this layer's cached FusedMoE raises at once too
             refuse_moe(self.group, self.schedule, num_experts=self.num_experts, hidden=self.hidden,
-                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, reason=problem)
+                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, reason=problem,
+                       trusted_key=True)  # the layer's own fields: the key its peers' calls use
             raise ValueError(problem)
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]

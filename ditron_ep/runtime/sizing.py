@@ -91,22 +91,32 @@ def _current_generation(store, group_name: str) -> int:
 
 
 def refuse_sizing(group: dist.ProcessGroup | None, reason: str) -> None:
-    """This rank rejected its arguments to a call whose peers may be sizing a new cached buffer
-    for it (the refusal found no cached buffer or layer to go through): set the verdict of the
-    group's current sizing generation to "refused", so peers waiting in `agree_on_tokens` raise
-    at once with `reason`, and move this rank past that generation as they will be. Without a
-    store (the collective fallback) it does nothing: the peers' wait is then unbounded, as it
-    was before sizing went through the store."""
-    if not dist.is_initialized():
+    """This rank rejected its arguments to a call whose peers are sizing a new cached buffer for
+    it (the caller knows they must be: `refuse_through_match`): set the verdict of this rank's
+    current sizing generation to "refused", so peers waiting in `agree_on_tokens` raise at once
+    with `reason`, and move this rank past that generation as they will be.
+
+    Only that exact generation: if the peers already abandoned it ("timeout": this rank came
+    late), this rank moves past it and marks nothing, since a later generation would be a later
+    call's. Best effort: without a store (the collective fallback), outside the group, or when
+    the store fails, it does nothing (the peers' wait stays bounded by their deadline), so the
+    rank's own error is what it raises."""
+    try:
+        if not dist.is_initialized():
+            return
+        g = group if group is not None else dist.group.WORLD
+        store = _group_store(g)
+        if store is None or dist.get_rank(g) < 0:  # no store, or not a member: no sizing of this group to refuse
+            return
+        gen = _GENERATIONS.get(g.group_name, 0)
+        verdict = store.compare_set(f"{gen}/verdict", "",
+                                    f"{_REFUSED} {dist.get_rank(g)} {reason[:_REASON_CHARS]}").decode()
+        # first verdict wins: another rank's refusal of this call stays; so does a timeout, past
+        # which this rank moves with the peers (and past any later ones, as a sizing would)
+        _GENERATIONS[g.group_name] = (_current_generation(store, g.group_name) if verdict.startswith(_TIMEOUT)
+                                      else gen + 1)
+    except Exception:  # noqa: BLE001  (telling the peers must never replace this rank's own error)
         return
-    g = group if group is not None else dist.group.WORLD
-    store = _group_store(g)
-    if store is None or dist.get_rank(g) < 0:  # no store, or not a member: no sizing of this group to refuse
-        return
-    gen = _current_generation(store, g.group_name)
-    # first verdict wins: a peer's timeout or another rank's refusal of the same call stays
-    store.compare_set(f"{gen}/verdict", "", f"{_REFUSED} {dist.get_rank(g)} {reason[:_REASON_CHARS]}")
-    _GENERATIONS[g.group_name] = gen + 1
 
 
 def agree_on_tokens(group: dist.ProcessGroup | None, what: str, key: dict[str, object], tokens: int,

@@ -846,8 +846,9 @@ def test_first_call_refusal_reaches_the_peers_sizing(dist_env, monkeypatch):
     import time
 
     from ditron_ep.ops import clear_cache, combine, dispatch
-    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV, agree_on_tokens
     monkeypatch.setenv(SIZING_TIMEOUT_ENV, "120")
+    agree_on_tokens(None, "align", {"test": "align"}, 1)  # past any sizing an earlier test left timed out
     dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
     E, K, hidden, T, bad = 2 * world, 2, 256, 12, world - 1
     g = torch.Generator().manual_seed(41 + rank)

@@ -369,8 +369,8 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
     """A layer / buffer is cached (top-2); every rank then calls at a new shape (top-1), rank 1
     with an argument the exact key still names (w1 asking for gradients; topk_weights of the
     wrong length in staged): rank 1 must not refuse through the cached one (its peers are
-    sizing the new one): it refuses that sizing, so rank 0 raises at once; the cached one stays
-    in step for the next call."""
+    sizing the new one, which times out: the key comes from rejected arguments, so rank 1 does
+    not refuse that sizing either), and the cached one stays in step for the next call."""
     import os
 
     from ditron_ep.ops import clear_cache, clear_layers, moe
@@ -384,12 +384,7 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
     g = torch.Generator().manual_seed(60 + rank)
     w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
     w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
-    os.environ[SIZING_TIMEOUT_ENV] = "30"  # a refusal must not wait for it
-
-    def timed_catch(key, fn, exc=DitronConfigError):
-        t0 = time.monotonic()
-        catch(key, fn, exc)
-        res[key + "_s"] = time.monotonic() - t0
+    os.environ[SIZING_TIMEOUT_ENV] = "3"
     try:
         for schedule in ("overlap", "staged"):
             xs, idxs, ws = make_inputs(W, [T] * W, H, E, 2, torch.float32, "uniform", seed=7)
@@ -400,11 +395,11 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
             if schedule == "overlap":
                 bad = (x1, idx1, w_1, w1.clone().requires_grad_(rank == 1), w2)
                 want = NotImplementedError if rank == 1 else DitronConfigError
-                timed_catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
+                catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
             else:
                 bad_w = w_1[:-1] if rank == 1 else w_1
                 with torch.no_grad():
-                    timed_catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
+                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
             with torch.no_grad():
                 res[f"{schedule}_cached_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
     finally:
@@ -414,13 +409,23 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
     return res
 
 
+def _align_sizings() -> None:
+    """One matching sizing on every rank: it passes over the generations earlier tests left timed
+    out (the cluster's processes and store outlive a test), so the ranks' counters agree. A
+    refusal marks only its rank's current generation: on a rank whose counter still names a
+    timed-out one it marks nothing (it cannot tell a later call's sizing from its own)."""
+    from ditron_ep.runtime.sizing import agree_on_tokens
+    agree_on_tokens(None, "align", {"test": "align"}, 1)
+
+
 def first_use_refusal_case() -> dict:
     """Nothing is cached yet: rank 1's first call has arguments that are rejected, rank 0's are
     right and it sizes the new buffer / layer. Rank 1 refuses that sizing, so rank 0 raises at
     once naming rank 1 and its error, whether rank 0 reached the sizing before rank 1's refusal
     or after it (`late`). Cases: functional dispatch with a 3-D x; moe overlap with a 1-D
-    topk_weights; EPMoE's first forward with x of the wrong hidden size. Afterwards matching
-    calls on every rank line up (the sizing numbers stayed in step) and are right."""
+    topk_weights; EPMoE's first forward with x of the wrong hidden size while a layer of another
+    shape is cached (the module's own key is trusted). Afterwards matching calls on every rank
+    line up (the sizing numbers stayed in step) and are right."""
     import os
 
     from ditron_ep.ops import EPMoE, clear_cache, clear_layers, combine, dispatch, moe
@@ -443,6 +448,7 @@ def first_use_refusal_case() -> dict:
         res[key + "_s"] = time.monotonic() - t0
 
     os.environ[SIZING_TIMEOUT_ENV] = "30"  # a refusal must not wait for it
+    _align_sizings()
     try:
         for late in (False, True):
             sfx = "_late" if late else ""
@@ -465,8 +471,65 @@ def first_use_refusal_case() -> dict:
         layer = EPMoE(H, I, E, K)
         clear_layers()  # the calls above cached this shape's layer: EPMoE's first forward sizes it anew
         with torch.no_grad():
+            moe(x, idx[:, :1].contiguous(), w[:, :1].contiguous(), w1, w2)  # while one of another shape is cached
             timed("epmoe", lambda: layer(x[:, :-1] if rank == 1 else x), ValueError if rank == 1 else DitronConfigError)
             res["epmoe_after"] = tuple(layer(x)[0].shape) == (T, H)
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_layers()
+        clear_cache()
+    return res
+
+
+def refusal_marks_no_later_sizing_case() -> dict:
+    """A refusal must not mark a sizing its peers are not in, or the peers' next valid sizing
+    fails. (a) A staged buffer is cached; rank 1 calls with a float64 x (rejected; the key built
+    from it is not cached), rank 0's valid call runs on the cached buffer and times out waiting
+    for rank 1. (b) Nothing cached; rank 0 sizes alone past its deadline; rank 1 arrives late
+    with a 3-D x and refuses. After each, a first valid dispatch on every rank must succeed."""
+    import os
+
+    from ditron_ep.ops import clear_cache, clear_layers, combine, dispatch, get_buffer, moe
+    from ditron_ep.runtime import DitronConfigError, DitronTimeoutError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 16, 2, 6
+    res: dict = {}
+    catch = _recorder(res)
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=13)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    g = torch.Generator().manual_seed(80 + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+
+    def valid_first_use(key):
+        clear_cache()
+        dist.barrier()
+        t0 = time.monotonic()
+        recv_x, handle = dispatch(x, idx, num_experts=E)
+        out = combine(recv_x, handle, w, num_experts=E)
+        res[key] = bool(torch.allclose(out, w.sum(dim=1, keepdim=True) * x, rtol=1e-6, atol=1e-6))
+        res[key + "_s"] = time.monotonic() - t0
+
+    os.environ[SIZING_TIMEOUT_ENV] = "20"
+    _align_sizings()
+    try:
+        with torch.no_grad():
+            moe(x, idx, w, w1, w2, schedule="staged")  # caches the buffer
+            if rank == 0:
+                get_buffer(None, E, H, K, torch.float32, 0).heap.wait_budget = 4000  # time out in seconds
+            catch("a", lambda: moe(x.double() if rank == 1 else x, idx, w, w1, w2, schedule="staged"),
+                  DitronConfigError if rank == 1 else DitronTimeoutError)
+        valid_first_use("a_after")
+        os.environ[SIZING_TIMEOUT_ENV] = "2"
+        clear_cache()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(4)  # past rank 0's deadline
+        catch("b", lambda: dispatch(x[None] if rank == 1 else x, idx, num_experts=E))
+        os.environ[SIZING_TIMEOUT_ENV] = "20"
+        valid_first_use("b_after")
     finally:
         os.environ.pop(SIZING_TIMEOUT_ENV, None)
         clear_layers()
