@@ -35,7 +35,9 @@ import torch.distributed as dist  # noqa: E402
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
 from ditron_ep.bench.timing import time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig  # noqa: E402
+from ditron_ep.compiler.plan import PlanError  # noqa: E402
 from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
+from ditron_ep.runtime.errors import DitronConfigError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         w, idx = torch.topk(torch.randn(T, E, device=dev, generator=gen).softmax(-1), K, dim=-1)
         first_out = None
         for schedule, (_, overrides) in [(s, v) for s in args.schedules for v in variants]:
-            layer = FusedMoE(None, E, H, I, T, K, dtype, schedule=schedule,
-                             backend="torch" if on_gpu else "emulated", **overrides)
+            try:
+                layer = FusedMoE(None, E, H, I, T, K, dtype, schedule=schedule,
+                                 backend="torch" if on_gpu else "emulated", **overrides)
+            except (PlanError, DitronConfigError) as err:  # raised alike on every rank, before any collective
+                if rank == 0:
+                    print(f"T={T} {schedule} {overrides}: skipped, the plan is refused: {err}", flush=True)
+                continue
             for _ in range(args.warmup):
                 layer(x, idx, w, w1, w2)
             if on_gpu:

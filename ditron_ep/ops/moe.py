@@ -14,7 +14,7 @@ from ..runtime.errors import DitronConfigError
 from ..runtime.mode import gemm_dtype_problem
 from ..runtime.sizing import agree_on_tokens
 from .ep_buffer import SUPPORTED_DTYPES, CapacityError
-from .functional import combine, dispatch, group_id, key_fields, refuse_cached, refuse_dispatch, refuse_through_match
+from .functional import combine, dispatch, group_id, key_fields, refuse_cached, refuse_through_match
 from .fused_moe import FusedMoE, validate_inputs
 from .grouped_ffn import grouped_swiglu_ffn
 from .input_checks import check_dims
@@ -56,32 +56,35 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
             raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
                                       "torch.no_grad() / inference_mode, or detach its inputs")
+        _check_call(x, topk_idx, topk_weights, w1, w2)
     except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
             # the peers raise at once too: through the layer (buffer) the arguments still key
             refuse_moe(group, schedule, reason=f"{type(err).__name__}: {err}",
-                       **_moe_key_fields(x, topk_idx, w1, w2, group))
+                       **_moe_key_fields(x, topk_idx, topk_weights, w1, w2, group))
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule != "staged":
         return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
-    # checked here, before the dispatch moves any token, as the fused layer does
-    try:
-        problem = gemm_dtype_problem(x.dtype)
-        if problem:
-            raise DitronConfigError(problem)
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
-        validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1],
-                        ffn_hidden=w2.shape[1], num_local_experts=w1.shape[0], topk=topk_idx.shape[1],
-                        device=x.device)
-    except DitronConfigError as err:  # the peers raise at once too
-        refuse_dispatch(x, topk_idx, num_experts=num_experts, group=group, reason=str(err))
-        raise
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2, check=False)  # offsets built by dispatch
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
+
+
+def _check_call(x, topk_idx, topk_weights, w1, w2) -> None:
+    """The layer's argument checks (`validate_inputs`), on this rank, before a cached layer or
+    buffer is looked up by the arguments' shapes: a mistake the rank can see alone raises here at
+    once, instead of keying a layer its peers do not have (and waiting in its sizing). The FFN
+    width comes from w1 (gate ‖ up), so a w2 that does not match it is the one named."""
+    problem = gemm_dtype_problem(x.dtype)
+    if problem:
+        raise DitronConfigError(problem)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
+    inter = w1.shape[2] // 2 if w1.shape[2] % 2 == 0 else w2.shape[1]
+    validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1], ffn_hidden=inter,
+                    num_local_experts=w1.shape[0], topk=topk_idx.shape[1], device=x.device)
 
 
 def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts) -> torch.Tensor:
@@ -115,13 +118,31 @@ def _layer_key(group: dist.ProcessGroup | None, num_experts: int | None, hidden:
     return (group_id(group), num_experts, hidden, ffn_hidden, topk, dtype, schedule)
 
 
-def _moe_key_fields(x: object, topk_idx: object, w1: object, w2: object, group: dist.ProcessGroup | None) -> dict:
-    """The layer-key fields the arguments still give (those with the right number of dimensions)."""
+def _moe_key_fields(x: object, topk_idx: object, topk_weights: object, w1: object, w2: object,
+                    group: dist.ProcessGroup | None) -> dict:
+    """The layer-key fields the arguments still give: from tensors whose number of dimensions is
+    right, and only where the arguments agree on the field. When they disagree (x in fp16 with
+    fp32 weights, a w2 that does not match w1, ...) the rejected argument may be the one that
+    names the layer, so the field stays unknown rather than keying some other cached layer."""
     fields = key_fields(x=x, topk_idx=topk_idx)
-    if isinstance(w1, torch.Tensor) and w1.ndim == 3:
+    w1_ok = isinstance(w1, torch.Tensor) and w1.ndim == 3
+    w2_ok = isinstance(w2, torch.Tensor) and w2.ndim == 3
+    if w1_ok:
         fields["num_experts"] = w1.shape[0] * dist.get_world_size(group)
-    if isinstance(w2, torch.Tensor) and w2.ndim == 3:
+    if w2_ok:
         fields["ffn_hidden"] = w2.shape[1]
+    weights = [w for w, ok in ((w1, w1_ok), (w2, w2_ok)) if ok]
+    if "dtype" in fields and any(w.dtype != fields["dtype"] for w in weights):
+        del fields["dtype"]
+    hidden = fields.get("hidden")
+    if (w1_ok and w1.shape[1] != hidden) or (w2_ok and w2.shape[2] != hidden):
+        fields.pop("hidden", None)
+    if w1_ok and w2_ok and (w1.shape[0] != w2.shape[0] or w1.shape[2] != 2 * w2.shape[1]):
+        fields.pop("num_experts", None)
+        fields.pop("ffn_hidden", None)
+    if (isinstance(topk_weights, torch.Tensor) and topk_weights.ndim == 2
+            and topk_weights.shape[-1] != fields.get("topk")):
+        fields.pop("topk", None)
     return fields
 
 

@@ -90,40 +90,40 @@ class EPMoE(nn.Module):
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                             ("topk", topk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                raise DitronConfigError(f"{name} must be a positive int, got {value!r}")
         if topk > num_experts:
-            raise ValueError(f"topk={topk} exceeds num_experts={num_experts}; pick topk <= num_experts")
+            raise DitronConfigError(f"topk={topk} exceeds num_experts={num_experts}; pick topk <= num_experts")
         if score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+            raise DitronConfigError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
         if not isinstance(renormalize, bool):
-            raise ValueError(f"renormalize must be a bool, got {renormalize!r}")
+            raise DitronConfigError(f"renormalize must be a bool, got {renormalize!r}")
         if not isinstance(aux_loss_coef, numbers.Real) or isinstance(aux_loss_coef, bool) \
                 or not math.isfinite(aux_loss_coef) or aux_loss_coef < 0:
-            raise ValueError(f"aux_loss_coef must be a finite number >= 0, got {aux_loss_coef!r}")
+            raise DitronConfigError(f"aux_loss_coef must be a finite number >= 0, got {aux_loss_coef!r}")
         if router_dtype not in ROUTER_DTYPES:
-            raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+            raise DitronConfigError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} (the experts' dtype), got {dtype!r}")
+            raise DitronConfigError(f"dtype must be one of {SUPPORTED_DTYPES} (the experts' dtype), got {dtype!r}")
         if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
+            raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
         if not dist.is_available() or not dist.is_initialized():
             raise DitronConfigError("EPMoE needs torch.distributed initialised: call dist.init_process_group "
                                     "before building the layer")
         # dist.new_group returns a sentinel (not a group) on the ranks it leaves out
         if group is dist.GroupMember.NON_GROUP_MEMBER or (
                 isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
-            raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of `group`; build EPMoE "
+            raise DitronConfigError(f"this rank (global rank {dist.get_rank()}) is not a member of `group`; build EPMoE "
                              f"only on the ranks of its expert-parallel group")
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise ValueError(f"group must be a torch.distributed.ProcessGroup (e.g. from dist.new_group) or None "
+            raise DitronConfigError(f"group must be a torch.distributed.ProcessGroup (e.g. from dist.new_group) or None "
                              f"for the default group, got {type(group).__name__}")
         world = dist.get_world_size(group)
         if num_experts % world:
-            raise ValueError(f"num_experts={num_experts} is not a multiple of the expert-parallel group size "
+            raise DitronConfigError(f"num_experts={num_experts} is not a multiple of the expert-parallel group size "
                              f"{world}; every rank must own the same number of experts")
         if num_experts // world > MAX_LOCAL_EXPERTS:
-            raise ValueError(f"{num_experts // world} experts per rank exceed the supported "
+            raise DitronConfigError(f"{num_experts // world} experts per rank exceed the supported "
                              f"{MAX_LOCAL_EXPERTS}; use a larger group or fewer experts")
 
         self.hidden, self.ffn_hidden, self.num_experts, self.topk = hidden, ffn_hidden, num_experts, topk
@@ -163,7 +163,7 @@ class EPMoE(nn.Module):
         """Broadcast the router weight from group rank `src` to every rank (collective: call on
         every rank of the group). Returns self."""
         if not isinstance(src, int) or isinstance(src, bool) or not 0 <= src < self.world_size:
-            raise ValueError(f"src must be a rank of the group, 0..{self.world_size - 1}, got {src!r}")
+            raise DitronConfigError(f"src must be a rank of the group, 0..{self.world_size - 1}, got {src!r}")
         group = self.group if self.group is not None else dist.group.WORLD
         dist.broadcast(self.router_weight.data, src=dist.get_global_rank(group, src), group=self.group)
         return self
@@ -185,7 +185,7 @@ class EPMoE(nn.Module):
             refuse_moe(self.group, self.schedule, num_experts=self.num_experts, hidden=self.hidden,
                        ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, reason=problem,
                        trusted_key=True)  # the layer's own fields: the key its peers' calls use
-            raise ValueError(problem)
+            raise DitronConfigError(problem)
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)

@@ -472,7 +472,7 @@ def first_use_refusal_case() -> dict:
         clear_layers()  # the calls above cached this shape's layer: EPMoE's first forward sizes it anew
         with torch.no_grad():
             moe(x, idx[:, :1].contiguous(), w[:, :1].contiguous(), w1, w2)  # while one of another shape is cached
-            timed("epmoe", lambda: layer(x[:, :-1] if rank == 1 else x), ValueError if rank == 1 else DitronConfigError)
+            timed("epmoe", lambda: layer(x[:, :-1] if rank == 1 else x))
             res["epmoe_after"] = tuple(layer(x)[0].shape) == (T, H)
     finally:
         os.environ.pop(SIZING_TIMEOUT_ENV, None)
@@ -530,6 +530,52 @@ def refusal_marks_no_later_sizing_case() -> dict:
         catch("b", lambda: dispatch(x[None] if rank == 1 else x, idx, num_experts=E))
         os.environ[SIZING_TIMEOUT_ENV] = "20"
         valid_first_use("b_after")
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_layers()
+        clear_cache()
+    return res
+
+
+def moe_local_mistake_case() -> dict:
+    """A layer is cached; then rank 1 alone makes a mistake it can see by itself, while rank 0's
+    call is right: x in fp16 with fp32 weights, or a w2 that does not match w1. Rank 1 raises at
+    once naming the argument (not a sizing timeout for a layer keyed from its mismatched
+    arguments); its key leaves the disputed field unknown, which still names the one cached
+    layer, so rank 0 raises at once too; the next call is right on both. Then every rank passes
+    the bad w2: the message names w2, not w1."""
+    import os
+
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+    from ditron_ep.runtime import DitronConfigError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 16, 2, 6
+    res: dict = {}
+    catch = _recorder(res)
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=17)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    g = torch.Generator().manual_seed(90 + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+    w2_bad = torch.randn(E // W, I + 1, H, generator=g)
+
+    def timed(key, fn):
+        t0 = time.monotonic()
+        catch(key, fn)
+        res[key + "_s"] = time.monotonic() - t0
+
+    os.environ[SIZING_TIMEOUT_ENV] = "30"
+    _align_sizings()
+    try:
+        with torch.no_grad():
+            ref = moe(x, idx, w, w1, w2)  # caches the fp32 layer
+            timed("x_fp16", lambda: moe(x.half() if rank == 1 else x, idx, w, w1, w2))
+            res["x_fp16_after"] = torch.equal(moe(x, idx, w, w1, w2), ref)
+            timed("w2_bad", lambda: moe(x, idx, w, w1, w2_bad if rank == 1 else w2))
+            res["w2_bad_after"] = torch.equal(moe(x, idx, w, w1, w2), ref)
+            catch("w2_bad_everywhere", lambda: moe(x, idx, w, w1, w2_bad))
     finally:
         os.environ.pop(SIZING_TIMEOUT_ENV, None)
         clear_layers()

@@ -170,10 +170,22 @@ def test_a_first_use_refusal_reaches_the_peers_sizing(emulated_cluster):
     for key in ("dispatch", "dispatch_late", "moe", "moe_late", "epmoe"):
         assert r0[key].startswith("DitronConfigError") and "rank 1 rejected its arguments" in r0[key], (key, r0[key])
         assert r0[key + "_s"] < 10, f"{key}: rank 0 waited {r0[key + '_s']:.1f} s (its sizing timed out)"
-        assert r1[key].startswith("ValueError" if key == "epmoe" else "DitronConfigError"), (key, r1[key])
+        assert r1[key].startswith("DitronConfigError"), (key, r1[key])
     assert "x must be [..., hidden=32]" in r0["epmoe"] and "topk_weights" in r0["moe"], r0
     for r in (r0, r1):
         assert r["dispatch_after"] and r["moe_after"] and r["epmoe_after"], r
+
+
+def test_a_local_moe_mistake_raises_at_once_and_names_the_argument(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.moe_local_mistake_case)
+    assert "w1 must be float16, got torch.float32" in r1["x_fp16"], r1["x_fp16"]
+    assert "w2 must have shape [E_local=2, ffn_hidden=16, hidden=32]" in r1["w2_bad"], r1["w2_bad"]
+    for key in ("x_fp16", "w2_bad"):
+        assert r1[key + "_s"] < 5 and r0[key + "_s"] < 10, (key, r0[key + "_s"], r1[key + "_s"])
+        assert r0[key].startswith("DitronConfigError") and "(ranks 1)" in r0[key], (key, r0[key])
+    for r in (r0, r1):
+        assert r["x_fp16_after"] and r["w2_bad_after"], r
+        assert "w2 must have shape" in r["w2_bad_everywhere"], r["w2_bad_everywhere"]
 
 
 def test_a_refusal_marks_no_sizing_its_peers_are_not_in(emulated_cluster):
