@@ -483,9 +483,9 @@ def first_use_refusal_case() -> dict:
 
 def refusal_marks_no_later_sizing_case() -> dict:
     """A refusal must not mark a sizing its peers are not in, or the peers' next valid sizing
-    fails. (a) A staged buffer is cached; rank 1 calls with a float64 x (rejected; the key built
-    from it is not cached), rank 0's valid call runs on the cached buffer and times out waiting
-    for rank 1. (b) Nothing cached; rank 0 sizes alone past its deadline; rank 1 arrives late
+    fails. (a) A staged buffer is cached; rank 1 calls with x, w1 and w2 in float64 (rejected;
+    the key they agree on is not cached), rank 0's valid call runs on the cached buffer and times
+    out waiting for rank 1. (b) Nothing cached; rank 0 sizes alone past its deadline; rank 1 arrives late
     with a 3-D x and refuses. After each, a first valid dispatch on every rank must succeed."""
     import os
 
@@ -519,7 +519,8 @@ def refusal_marks_no_later_sizing_case() -> dict:
             moe(x, idx, w, w1, w2, schedule="staged")  # caches the buffer
             if rank == 0:
                 get_buffer(None, E, H, K, torch.float32, 0).heap.wait_budget = 4000  # time out in seconds
-            catch("a", lambda: moe(x.double() if rank == 1 else x, idx, w, w1, w2, schedule="staged"),
+            args = (x, w1, w2) if rank == 0 else (x.double(), w1.double(), w2.double())  # agreeing, all rejected
+            catch("a", lambda: moe(args[0], idx, w, args[1], args[2], schedule="staged"),
                   DitronConfigError if rank == 1 else DitronTimeoutError)
         valid_first_use("a_after")
         os.environ[SIZING_TIMEOUT_ENV] = "2"
