@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
 from ditron_ep.megakernel.grouped_gemm import build_tile_map, grouped_down_kernel, grouped_swiglu_kernel, max_m_tiles  # noqa: E402
-from sustained_gemm import SmiSampler, med, run_window  # noqa: E402
+from sustained_gemm import board_sampler, print_sustained, run_window  # noqa: E402
 from tile_order import H, I, rank_case  # noqa: E402
 import tma_probe  # noqa: E402
 
@@ -83,8 +83,7 @@ def main() -> None:
             ev[2].record()
         return step
 
-    uuid = str(props.uuid)
-    sampler = SmiSampler(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    sampler = board_sampler(props)
     print(f"# {props.name}, {sms} SMs, triton {triton.__version__}; library: {rows} rows gathered, 16 experts, "
           f"gate-up {gu}, down {dn}; probe: {E} x {R} contiguous rows, TMA loads; {args.seconds} s a window",
           flush=True)
@@ -101,14 +100,10 @@ def main() -> None:
         except Exception as exc:  # a num_ctas the compiler rejects
             print(f"{label:24s}: FAILED {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        half = times[len(times) // 2:]
-        t_gu, t_dn, tot = (med([t[i] for t in half]) for i in range(3))
         got = tuple(o.clone() for o in outs)
         ref = refs.setdefault(name, got)
         same = all(torch.equal(g_, r_) for g_, r_ in zip(got, ref))
-        print(f"{label:24s}: sustained {tot:6.0f} us = gate-up {t_gu:6.0f} ({fl_gu / t_gu / 1e6:4.0f} TF/s) + down "
-              f"{t_dn:6.0f} ({fl_dn / t_dn / 1e6:4.0f} TF/s); bitwise == num_ctas=1: {same}", flush=True)
-        print(f"    2nd half: {sampler.window((t0 + t1) / 2, t1)}", flush=True)
+        print_sustained(f"{label:24s}", times, t0, t1, sampler, fl_gu, fl_dn, f"; bitwise == num_ctas=1: {same}")
     sampler.stop()
 
 

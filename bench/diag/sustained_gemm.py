@@ -109,6 +109,23 @@ def med(v):
     return v[len(v) // 2]
 
 
+def board_sampler(props) -> SmiSampler:
+    """The nvidia-smi sampler of the GPU `props` describes (by UUID: CUDA_VISIBLE_DEVICES renumbers)."""
+    uuid = str(props.uuid)
+    return SmiSampler(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+
+
+def print_sustained(label: str, times, t0: float, t1: float, sampler: SmiSampler, fl_gu: float, fl_dn: float,
+                    note: str = "") -> None:
+    """A window's line: medians over its second half (total, gate-up, down with TF/s) and `note`,
+    then nvidia-smi over that half."""
+    half = times[len(times) // 2:]
+    gu, dn, tot = (med([t[i] for t in half]) for i in range(3))
+    print(f"{label}: sustained {tot:6.0f} us = gate-up {gu:6.0f} ({fl_gu / gu / 1e6:4.0f} TF/s) + down "
+          f"{dn:6.0f} ({fl_dn / dn / 1e6:4.0f} TF/s){note}", flush=True)
+    print(f"    2nd half: {sampler.window((t0 + t1) / 2, t1)}", flush=True)
+
+
 def sweep(args, ours, native, pair, gu_cfg, dn_cfg, sampler, h, y, fl_gu, fl_dn) -> None:
     """Each candidate config of one GEMM, the other at its default; defaults and torch first and last."""
     run_window(ours, 0.3)
@@ -126,13 +143,9 @@ def sweep(args, ours, native, pair, gu_cfg, dn_cfg, sampler, h, y, fl_gu, fl_dn)
         except Exception as exc:  # a config that does not fit (shared memory, registers)
             print(f"{name:34s}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        half = times[len(times) // 2:]
-        gu, dn, tot = (med([t[i] for t in half]) for i in range(3))
         same = "" if name == "torch" else (f"; h == default: {torch.equal(h, ref_h)}, y == default: "
                                            f"{torch.equal(y, ref_y)}")
-        print(f"{name:34s}: sustained {tot:6.0f} us = gate-up {gu:6.0f} ({fl_gu / gu / 1e6:4.0f} TF/s) + down "
-              f"{dn:6.0f} ({fl_dn / dn / 1e6:4.0f} TF/s){same}", flush=True)
-        print(f"    2nd half: {sampler.window((t0 + t1) / 2, t1)}", flush=True)
+        print_sustained(f"{name:34s}", times, t0, t1, sampler, fl_gu, fl_dn, same)
 
 
 def main() -> None:
@@ -172,8 +185,7 @@ def main() -> None:
         torch._grouped_mm(hh, w2, offs=offs_end)
         ev[2].record()
 
-    uuid = str(props.uuid)
-    sampler = SmiSampler(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    sampler = board_sampler(props)
     fl_gu, fl_dn = 4.0 * rows * H * I, 2.0 * rows * I * H
     print(f"# {props.name}, {sms} SMs, triton {triton.__version__}, torch {torch.__version__}; {rows} rows, "
           f"16 experts, H={H} I={I} bf16; ours gate-up {gu_cfg}, down {dn_cfg}, {sms} programs, tiles M-major; "

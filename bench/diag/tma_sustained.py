@@ -16,7 +16,7 @@ import time
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sustained_gemm import SmiSampler, med, run_window
+from sustained_gemm import board_sampler, print_sustained, run_window
 from tma_probe import BK, BM, E, FL_DN, FL_GU, H, I, R, down, gate_up, layer_operands
 
 
@@ -49,8 +49,7 @@ def main() -> None:
         torch._grouped_mm(h, w2, offs=offs)
         ev[2].record()
 
-    uuid = str(props.uuid)
-    sampler = SmiSampler(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    sampler = board_sampler(props)
     print(f"# {props.name}; tma_probe kernels, one tile a program, BM{BM} BK{BK}, gate-up BN{bn1}, down BN{bn2}, "
           f"w{warps} s{stages}; torch = two _grouped_mm (no silu); {args.seconds} s a window", flush=True)
     cases = [("torch", native), ("pointer", probe(0, 0)), ("TMA weights", probe(0, 1)), ("TMA both", probe(1, 1))]
@@ -60,16 +59,12 @@ def main() -> None:
         time.sleep(0.5)
         run_window(fn, 0.3)
         times, t0, t1 = run_window(fn, args.seconds)
-        half = times[len(times) // 2:]
-        gu, dn, tot = (med([t[i] for t in half]) for i in range(3))
         same = ""
         if name != "torch":
             if ref is None:
                 ref = (h.clone(), y.clone())
             same = f"; bitwise == pointer: {torch.equal(h, ref[0]) and torch.equal(y, ref[1])}"
-        print(f"{name:12s}: sustained {tot:6.0f} us = gate-up {gu:6.0f} ({FL_GU / gu / 1e6:4.0f} TF/s) + down {dn:6.0f} "
-              f"({FL_DN / dn / 1e6:4.0f} TF/s){same}", flush=True)
-        print(f"    2nd half: {sampler.window((t0 + t1) / 2, t1)}", flush=True)
+        print_sustained(f"{name:12s}", times, t0, t1, sampler, FL_GU, FL_DN, same)
     sampler.stop()
 
 

@@ -807,11 +807,30 @@ def test_bad_input_raises_on_every_rank(dist_env, ep_buffers):
     assert not problems, f"rank {dist_env.rank}:\n" + _fail(problems)
 
 
+def _functional_tokens(T: int, hidden: int, E: int, K: int, g: torch.Generator, dev):
+    """(x bf16 [T, hidden], topk_idx [T, K] of distinct experts, weights [T, K]) on dev, from g."""
+    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
+    return x, idx, torch.rand(T, K, generator=g).to(dev)
+
+
+def _functional_round_trip_problem(x, idx, w, E: int, what: str) -> str | None:
+    """ops.dispatch then ops.combine of the rows unchanged must give sum_k w[t, k] * x[t] (bf16
+    tolerance); else the problem, named by `what`."""
+    from ditron_ep.ops import combine, dispatch
+    recv_x, handle = dispatch(x, idx, num_experts=E)
+    out = combine(recv_x, handle, w, num_experts=E)
+    ref = (w.sum(dim=1, keepdim=True) * x.float()).to(torch.bfloat16)
+    if torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
+        return None
+    return f"{what} off by {float((out.float() - ref.float()).abs().max()):.3g}"
+
+
 def test_functional_ops_size_their_buffer_through_the_store(dist_env):
     """ops.dispatch sizes a new cached buffer through the process group's store (not a
     collective): ranks whose first call keys different buffers (hidden sizes) all raise at once,
     naming each rank's shapes; matching calls after that line up and are right."""
-    from ditron_ep.ops import clear_cache, combine, dispatch
+    from ditron_ep.ops import clear_cache, dispatch
     dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
     E, K, hidden = 2 * world, 2, 256
     g = torch.Generator().manual_seed(31 + rank)
@@ -824,15 +843,9 @@ def test_functional_ops_size_their_buffer_through_the_store(dist_env):
     except DitronConfigError as err:
         if "different shapes" not in str(err) or f"hidden={hidden + 64 * (world - 1)}" not in str(err):
             problems.append(f"unexpected message: {err}")
-    T = 16 + 3 * rank
-    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-    w = torch.rand(T, K, generator=g).to(dev)
-    recv_x, handle = dispatch(x, idx, num_experts=E)
-    out = combine(recv_x, handle, w, num_experts=E)
-    ref = (w.sum(dim=1, keepdim=True) * x.float()).to(torch.bfloat16)
-    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-        problems.append(f"dispatch + combine off by {float((out.float() - ref.float()).abs().max()):.3g}")
+    x, idx, w = _functional_tokens(16 + 3 * rank, hidden, E, K, g, dev)
+    if problem := _functional_round_trip_problem(x, idx, w, E, "dispatch + combine"):
+        problems.append(problem)
     torch.cuda.synchronize()
     clear_cache()
     assert not problems, f"rank {rank}: {problems}"
@@ -845,16 +858,13 @@ def test_first_call_refusal_reaches_the_peers_sizing(dist_env, monkeypatch):
     then matching calls line up and are right."""
     import time
 
-    from ditron_ep.ops import clear_cache, combine, dispatch
+    from ditron_ep.ops import clear_cache, dispatch
     from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV, agree_on_tokens
     monkeypatch.setenv(SIZING_TIMEOUT_ENV, "120")
     agree_on_tokens(None, "align", {"test": "align"}, 1)  # past any sizing an earlier test left timed out
     dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
     E, K, hidden, T, bad = 2 * world, 2, 256, 12, world - 1
-    g = torch.Generator().manual_seed(41 + rank)
-    x = torch.randn(T, hidden, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(dev)
-    w = torch.rand(T, K, generator=g).to(dev)
+    x, idx, w = _functional_tokens(T, hidden, E, K, torch.Generator().manual_seed(41 + rank), dev)
     clear_cache()
     dist.barrier()
     problems = []
@@ -870,11 +880,8 @@ def test_first_call_refusal_reaches_the_peers_sizing(dist_env, monkeypatch):
             problems.append(f"unexpected message: {err}")
     if time.monotonic() - t0 > 60:
         problems.append(f"raised after {time.monotonic() - t0:.0f} s: the sizing timed out")
-    recv_x, handle = dispatch(x, idx, num_experts=E)
-    out = combine(recv_x, handle, w, num_experts=E)
-    ref = (w.sum(dim=1, keepdim=True) * x.float()).to(torch.bfloat16)
-    if not torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2):
-        problems.append(f"dispatch + combine after the refusal off by {float((out.float() - ref.float()).abs().max()):.3g}")
+    if problem := _functional_round_trip_problem(x, idx, w, E, "dispatch + combine after the refusal"):
+        problems.append(problem)
     torch.cuda.synchronize()
     clear_cache()
     assert not problems, f"rank {rank}: {problems}"
