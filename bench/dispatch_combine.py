@@ -49,8 +49,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import (add_run_options, json_path_of, log, payload_header, print_table,  # noqa: E402
-                          ranks_timer, write_json)
+from bench.common import add_run_options, json_path_of, log, payload_header, print_table, ranks_timer, write_json  # noqa: E402
 from ditron_ep.bench.alltoall import AllToAll, gather_routing  # noqa: E402
 from ditron_ep.bench.dispatch_combine import dispatch_kernel_call  # noqa: E402
 from ditron_ep.bench.environment import device_info  # noqa: E402
@@ -58,7 +57,7 @@ from ditron_ep.bench.ep_inputs import BYTE_RULE, Bytes, Inputs, make_inputs, tra
 from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded  # noqa: E402
 from ditron_ep.bench.spec import DTYPES  # noqa: E402
 from ditron_ep.bench.timing import capture_graph, gbps, summarize, time_fn  # noqa: E402
-from ditron_ep.determinism import ROUTING_KINDS  # noqa: E402
+from ditron_ep.check import ROUTING_KINDS  # noqa: E402
 from ditron_ep.ops import EPBuffer  # noqa: E402
 from ditron_ep.runtime import kernels_interpreted  # noqa: E402
 

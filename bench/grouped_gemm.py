@@ -40,10 +40,10 @@ import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels be
 from bench.common import add_run_options, json_path_of, log, payload_header, print_table, write_json  # noqa: E402
 from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
+from ditron_ep.check import make_routing  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
-from ditron_ep.determinism import make_routing  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
-from ditron_ep.ops.grouped_ffn import grouped_swiglu_ffn, launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn, launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map  # noqa: E402
 from ditron_ep.runtime import kernels_interpreted  # noqa: E402
 
 BENCH = "grouped_gemm"

@@ -1,4 +1,4 @@
-"""Benchmark the EP MoE layer forward (`ditron_ep.ops.moe`) against a tuned torch-native pipeline, on the launched ranks.
+"""Benchmark the EP MoE layer forward (`ditron_ep.ops.moe_layer.functional`) against a tuned torch-native pipeline, on the launched ranks.
 
     torchrun --nproc-per-node 4 bench/moe_layer.py [--tokens 128 4096 1024] [--hidden 7168] [--inter 2048]
         [--experts 64] [--topk 8] [--routing uniform] [--iters 10] [--warmup 3] [--time-budget 150]
@@ -9,7 +9,7 @@ Weights per rank: w1 [E_local, H, 2I] (gate ‖ up), w2 [E_local, I, H], random,
 I^-1/2 (so h and y are O(1)); drawn once and shared by every config. A config is (T tokens per
 rank, routing); per config, in this order (everything under torch.no_grad):
   ours          `moe(x, topk_idx, topk_weights, w1, w2, schedule=S)` for every S in
-                `ditron_ep.ops.moe.SCHEDULES` (dispatch + grouped SwiGLU GEMMs + combine); from
+                `ditron_ep.ops.moe_layer.functional.SCHEDULES` (dispatch + grouped SwiGLU GEMMs + combine); from
                 the second call of a shape the fused schedules replay CUDA graphs of their
                 launches (FusedMoE graph_cache). On GPUs also the overlap layer with
                 graph_cache=0 (every call's launches issued from the host), checked bitwise
@@ -55,25 +55,23 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # repo root: `bench.common`, `ditron_ep`
 
 # Also sets the NCCL / symmetric-memory environment (no NVLink multicast) before NCCL starts.
-from bench.dispatch_combine import Ctx, finish, init_distributed, synced_elapsed  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels before any triton.jit)
-from bench.common import (add_run_options, json_path_of, log, payload_header, print_table,  # noqa: E402
-                          ranks_timer)
+from bench.common import add_run_options, json_path_of, log, payload_header, print_table, ranks_timer  # noqa: E402
+from bench.dispatch_combine import Ctx, finish, init_distributed, synced_elapsed  # noqa: E402
 from ditron_ep.bench.environment import device_info  # noqa: E402
 from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
 from ditron_ep.bench.moe_layer import FLOP_RULE, Weights, gemm_flops, make_weights, probe_grouped_mm  # noqa: E402
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors  # noqa: E402
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.bench.torch_moe import BASELINE_NOTE, torch_native_moe  # noqa: E402
-from ditron_ep.determinism.tolerances import TOLERANCES  # noqa: E402
+from ditron_ep.check.tolerances import TOLERANCES  # noqa: E402
 from ditron_ep.ops import EPBuffer, clear_cache, dispatch, get_buffer, grouped_swiglu_ffn, moe  # noqa: E402
-from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
-from ditron_ep.ops.moe import SCHEDULES  # noqa: E402
+from ditron_ep.ops.moe_layer.functional import SCHEDULES  # noqa: E402
+from ditron_ep.ops.moe_layer.fused import FusedMoE  # noqa: E402
 from ditron_ep.runtime import kernels_interpreted  # noqa: E402
 
 BENCH = "moe_layer"

@@ -36,7 +36,7 @@ import ditron_ep  # noqa: E402,F401  (decides compiled vs interpreted kernels be
 from ditron_ep.bench.timing import time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig  # noqa: E402
 from ditron_ep.compiler.plan import PlanError  # noqa: E402
-from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
+from ditron_ep.ops.moe_layer.fused import FusedMoE  # noqa: E402
 from ditron_ep.runtime.errors import DitronConfigError  # noqa: E402
 
 

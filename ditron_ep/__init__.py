@@ -1,13 +1,9 @@
 """ditron_ep: expert-parallel MoE megakernels in stock Triton, with deterministic token ordering.
 
-Importing the package decides, once, whether kernels are compiled for a GPU or run by the Triton
-interpreter (see `ditron_ep.runtime.mode`); kernel modules are imported only after that.
+Importing the package has no side effects: the kernel mode (compiled or Triton interpreter) is
+fixed when the first kernel module is imported — see `ditron_ep.runtime.mode`.
 """
 from __future__ import annotations
-
-from .runtime.mode import decide_mode as _decide_mode
-
-_decide_mode()
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
 """`python -m ditron_ep` — see `ditron_ep.cli`."""
 import sys
 
-from .cli import main
+from ditron_ep.cli import main
 
 sys.exit(main())

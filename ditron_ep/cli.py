@@ -7,7 +7,7 @@
   dispatch/combine (received rows vs the reference permutation bit for bit, combine vs the
   float64 oracle, run vs run bitwise) and the MoE layer (`moe` overlap vs sequential bitwise,
   run vs run bitwise, vs the float64 oracle) for several routings. `--against MODULE:FN` checks
-  the user's own MoE forward instead (see ditron_ep/determinism/against.py for the contract).
+  the user's own MoE forward instead (see ditron_ep/check/against.py for the contract).
   Prints a table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
 * `bench` — the benchmarks of `ditron_ep.bench` (dispatch, combine, moe), each with its baselines
   timed in the same run and its output checked against theirs, on emulated CPU ranks (tiny shapes,
@@ -44,12 +44,12 @@ from rich.table import Table
 from rich.text import Text
 
 import ditron_ep
-from ditron_ep.runtime import DitronConfigError, RankError, kernels_interpreted
+from ditron_ep.runtime import DitronConfigError, RankError, kernels_interpreted, mode_source
 from ditron_ep.runtime.mode import BACKENDS
 
 if TYPE_CHECKING:
     from ditron_ep.bench.spec import BenchRequest, Row
-    from ditron_ep.determinism.selfcheck import CheckReport
+    from ditron_ep.check.report import CheckReport
 
 DEFAULT_WORLD_SIZE = 4
 # bench on emulated ranks: 2 ranks (each a Triton interpreter process) keep the default run of
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--against", default=None, metavar="MODULE:FN",
                        help="check your own MoE forward instead of the built-in cases: "
                             "FN(x, topk_idx, topk_weights, w1, w2, *, group=None, "
-                            "schedule='overlap') with the contract of ditron_ep.ops.moe; its "
+                            "schedule='overlap') with the contract of ditron_ep.ops.moe_layer.functional; its "
                             "overlap output must equal its sequential output and every rerun bit "
                             "for bit, and match the float64 oracle. MODULE must be importable "
                             "from sys.path on every rank")
@@ -175,13 +175,13 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _routing_names() -> list[str]:
-    from ditron_ep.determinism.selfcheck import REFERENCE_ROUTINGS
+    from ditron_ep.check.selfcheck import REFERENCE_ROUTINGS
 
     return sorted(REFERENCE_ROUTINGS)
 
 
 def _case_routings() -> tuple[str, ...]:
-    from ditron_ep.determinism.selfcheck import CASE_ROUTINGS
+    from ditron_ep.check.selfcheck import CASE_ROUTINGS
 
     return CASE_ROUTINGS
 
@@ -227,8 +227,8 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
 
 def _plan_options(args: argparse.Namespace, world_size: int, backend: str) -> dict:
     """plan_cases keyword arguments from the command line; DitronConfigError if they cannot run."""
-    from ditron_ep.determinism.against import load_moe_fn
-    from ditron_ep.determinism.selfcheck import DEFAULT_SHAPE, default_dtypes, moe_dtypes
+    from ditron_ep.check.against import load_moe_fn
+    from ditron_ep.check.selfcheck import DEFAULT_SHAPE, default_dtypes, moe_dtypes
 
     shape = args.shape or DEFAULT_SHAPE
     if shape[3] % world_size:
@@ -408,7 +408,8 @@ def cmd_info(console: Console) -> int:
     runtime.add_column("item")
     runtime.add_column("value")
     interpreted = kernels_interpreted()
-    runtime.add_row("kernels", "interpreted (TRITON_INTERPRET=1)" if interpreted else "compiled for the GPU")
+    runtime.add_row("kernels", f"{'interpreted (Triton interpreter)' if interpreted else 'compiled for the GPU'}, "
+                               f"chosen because {mode_source()}")
     for name, (available, why) in _backends().items():
         runtime.add_row(f"backend {name}", f"[green]available[/] — {why}" if available
                         else f"[yellow]unavailable[/] — {why}")
@@ -510,7 +511,7 @@ def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) ->
     `options`: plan_cases keyword arguments (routings, dtypes, repeats, shape, against).
     Returns None (after printing why) if the ranks could not start.
     """
-    from ditron_ep.determinism.selfcheck import count_rows, plan_cases, run_check
+    from ditron_ep.check.selfcheck import count_rows, plan_cases, run_check
     from ditron_ep.runtime import EmulatedCluster
 
     cases = plan_cases(world_size, quick=quick, **options)
@@ -530,7 +531,8 @@ def run_emulated_check(world_size: int, *, seed: int, quick: bool, **options) ->
 
 def _check_launched_ranks(args: argparse.Namespace) -> int:
     """Under torchrun: every process is one rank; all run the cases, rank 0 reports."""
-    from ditron_ep.determinism.selfcheck import count_rows, exit_status, local_runner, plan_cases, run_check
+    from ditron_ep.check.report import exit_status
+    from ditron_ep.check.selfcheck import count_rows, local_runner, plan_cases, run_check
 
     world_size, rank, backend = _launched_ranks(args)
     options = _plan_options(args, world_size, backend)
@@ -615,7 +617,7 @@ def _verdict_line(report: "CheckReport") -> str:
 
 def emit_report(report: "CheckReport", console: Console, json_path: Path | None) -> int:
     """Print the table, write the JSON report if asked, return the exit status."""
-    from ditron_ep.determinism.selfcheck import exit_status
+    from ditron_ep.check.report import exit_status
 
     console.print(build_table(report))
     for case in report.failures:

@@ -1,6 +1,6 @@
 """MoE forwards for `python -m ditron_ep check --against cli_broken_impls:FN` (tests/test_cli.py).
 
-Every function has the signature of `ditron_ep.ops.moe` and is built from ditron_ep's staged
+Every function has the signature of `ditron_ep.ops.moe_layer.functional` and is built from ditron_ep's staged
 pieces (dispatch -> grouped_swiglu_ffn -> combine) plus torch. `staged_moe` is correct; each of
 the others is broken in one way that exactly one check of `--against` must catch:
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ditron_ep  # noqa: F401  (decides interpreter mode before any kernel module is imported)
 from ditron_ep.runtime import EmulatedCluster
 
 _POOLS: dict[int, EmulatedCluster] = {}

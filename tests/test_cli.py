@@ -17,9 +17,9 @@ import torch
 from rich.console import Console
 
 from ditron_ep import cli
-from ditron_ep.determinism import selfcheck
-from ditron_ep.determinism.oracle import ep_moe_oracle
-from ditron_ep.determinism.selfcheck import CaseResult, CheckReport, exit_status
+from ditron_ep.check import selfcheck
+from ditron_ep.check.report import CaseResult, CheckReport, exit_status
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 from ditron_ep.runtime import RankError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -235,7 +235,7 @@ AGAINST = ["check", "--world-size", "2", "--routings", "uniform", "--shape", "16
 
 
 @pytest.mark.parametrize("spec, failing", [
-    ("ditron_ep.ops.moe:moe", set()),
+    ("ditron_ep.ops.moe_layer.functional:moe", set()),
     ("cli_broken_impls:staged_moe", set()),
     ("cli_broken_impls:overlap_ulp_moe", {"overlap vs sequential"}),
     ("cli_broken_impls:swapped_rows_moe", {"vs oracle"}),

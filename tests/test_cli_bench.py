@@ -26,7 +26,7 @@ from ditron_ep.bench.ranks import RankContext
 from ditron_ep.bench.registry import BENCHMARKS
 from ditron_ep.bench.runner import build_rows
 from ditron_ep.bench.spec import BenchRequest, Measurement, Row, Shape
-from ditron_ep.determinism import make_routing
+from ditron_ep.check import make_routing
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENS = (3, 8)

@@ -15,11 +15,11 @@ import os
 
 import torch
 import torch.distributed as dist
+from layer_inputs import layer_inputs
 
 from ditron_ep.bench.timing import summarize, time_fn
 from ditron_ep.bench.torch_moe import torch_native_moe
 from ditron_ep.ops import moe
-from layer_inputs import layer_inputs
 
 
 def main():

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from layer_inputs import E, H, I, K, layer_inputs
 from torch.profiler import ProfilerActivity, profile
 
-from ditron_ep.ops.fused_moe import FusedMoE
-from layer_inputs import E, H, I, K, layer_inputs
+from ditron_ep.ops.moe_layer.fused import FusedMoE
 
 
 @triton.jit(do_not_specialize=["i"])

@@ -20,15 +20,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import tma_probe  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
+from sustained_gemm import board_sampler, print_sustained, run_window  # noqa: E402
+from tile_order import H, I, rank_case  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map, grouped_down_kernel, grouped_swiglu_kernel, max_m_tiles  # noqa: E402
-from sustained_gemm import board_sampler, print_sustained, run_window  # noqa: E402
-from tile_order import H, I, rank_case  # noqa: E402
-import tma_probe  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (  # noqa: E402
+    build_tile_map,
+    grouped_down_kernel,
+    grouped_swiglu_kernel,
+    max_m_tiles,
+)
 
 
 def main() -> None:

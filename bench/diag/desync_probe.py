@@ -21,12 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from gate_up_variants import E, H, I, layer_case  # noqa: E402  (the script beside this one)
 from triton.language.extra.cuda import globaltimer  # noqa: E402
 
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map, max_m_tiles, swiglu_tile, tile_coords  # noqa: E402
-
-from gate_up_variants import E, H, I, layer_case  # noqa: E402  (the script beside this one)
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map, max_m_tiles, swiglu_tile, tile_coords  # noqa: E402
 
 LATE, DELAY_US = 33, 430
 

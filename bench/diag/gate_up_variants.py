@@ -30,10 +30,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
+from ditron_ep.check import make_routing  # noqa: E402
 from ditron_ep.compiler.core_config import GemmTileConfig as C  # noqa: E402
-from ditron_ep.determinism import make_routing  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map, max_m_tiles, tile_coords  # noqa: E402
-from ditron_ep.ops.grouped_ffn import launch_grouped_down  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_ffn import launch_grouped_down  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map, max_m_tiles, tile_coords  # noqa: E402
 
 E, H, I, RANKS, T, K = 16, 7168, 2048, 4, 4096, 8
 

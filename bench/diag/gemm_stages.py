@@ -31,10 +31,10 @@ import triton  # noqa: E402
 
 from bench.moe_timeline import parse_variant  # noqa: E402  (--variant's syntax, one run's overrides)
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
-from ditron_ep.ops.functional import clear_cache, dispatch  # noqa: E402
-from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
-from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.ep.functional import clear_cache, dispatch  # noqa: E402
+from ditron_ep.ops.moe_layer.fused import FusedMoE  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map  # noqa: E402
 
 
 def median_us(fn, n=10):

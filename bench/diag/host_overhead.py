@@ -7,10 +7,17 @@ one call from an idle GPU (when the host returns, when the GPU is done: the benc
 then rank 0's cProfile of 30 calls. Shapes: T=$TOK tokens per rank, E=64, top-8, H=7168,
 I=2048, bf16, uniform routing.
 """
-import cProfile, io, os, pstats, time
-import torch, torch.distributed as dist
-from ditron_ep.ops import moe
+import cProfile
+import io
+import os
+import pstats
+import time
+
+import torch
+import torch.distributed as dist
 from layer_inputs import layer_inputs
+
+from ditron_ep.ops import moe
 
 dist.init_process_group("nccl")
 rank, W = dist.get_rank(), dist.get_world_size()

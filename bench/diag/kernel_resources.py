@@ -12,13 +12,13 @@ import os
 
 import torch
 import torch.distributed as dist
-
-from ditron_ep.megakernel.grouped_gemm import grouped_down_kernel, grouped_swiglu_kernel
-from ditron_ep.megakernel.moe_fused import moe_fused_kernel
-from ditron_ep.ops.fused_moe import FusedMoE
-from ditron_ep.ops.functional import dispatch
-from ditron_ep.ops.grouped_ffn import grouped_swiglu_ffn
 from layer_inputs import E, H, I, K, layer_inputs
+
+from ditron_ep.ops.ep.functional import dispatch
+from ditron_ep.ops.moe_layer.fused import FusedMoE
+from ditron_ep.ops.moe_layer.fused_kernels import moe_fused_kernel
+from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import grouped_down_kernel, grouped_swiglu_kernel
 
 
 def report(fn, name):

@@ -2,7 +2,7 @@
 inputs for it (imported by the scripts beside it: torchrun puts their folder on sys.path)."""
 import torch
 
-from ditron_ep.determinism.routing import make_routing
+from ditron_ep.check.routing import make_routing
 
 E, K, H, I = 64, 8, 7168, 2048
 

@@ -25,7 +25,7 @@ import torch.distributed._symmetric_memory as symm_mem
 import triton
 import triton.language as tl
 
-from ditron_ep.megakernel.primitives import heap_ptr
+from ditron_ep.language.primitives import heap_ptr
 from ditron_ep.runtime.heap import SymmetricHeap
 
 H = 7168

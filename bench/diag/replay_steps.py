@@ -11,9 +11,16 @@ takes them (x copied on this stream); then `whole_call`, one whole `layer(...)` 
 waits for the host, so host µs before the layout replay are µs of the call.
 Shapes: E=64, top-8, H=7168, I=2048, bf16, uniform routing.
 """
-import os, time, statistics, torch, torch.distributed as dist
-from ditron_ep.ops.fused_moe import FusedMoE
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
 from layer_inputs import E, H, I, K, layer_inputs
+
+from ditron_ep.ops.moe_layer.fused import FusedMoE
+
 dist.init_process_group("nccl")
 rank, W = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(rank)

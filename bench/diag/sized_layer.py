@@ -13,10 +13,10 @@ import statistics
 
 import torch
 import torch.distributed as dist
+from layer_inputs import E, H, I, K, layer_inputs
 
 from ditron_ep.bench.timing import time_fn
-from ditron_ep.ops.fused_moe import FusedMoE
-from layer_inputs import E, H, I, K, layer_inputs
+from ditron_ep.ops.moe_layer.fused import FusedMoE
 
 
 def main():

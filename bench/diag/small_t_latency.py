@@ -27,15 +27,17 @@ import torch.distributed as dist
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from layer_inputs import E as LAYER_E  # noqa: E402
+from layer_inputs import H, I, K, layer_inputs
+
 from ditron_ep.bench.alltoall import AllToAll, gather_routing  # noqa: E402
 from ditron_ep.bench.ep_inputs import make_inputs  # noqa: E402
 from ditron_ep.bench.ranks import RankContext  # noqa: E402
 from ditron_ep.bench.timing import capture_graph, time_fn  # noqa: E402
-from ditron_ep.megakernel.ep_layout import build_send_layout, exchange_layout  # noqa: E402
-from ditron_ep.megakernel.primitives import call_begin, call_end  # noqa: E402
+from ditron_ep.language.primitives import call_begin, call_end  # noqa: E402
 from ditron_ep.ops import EPBuffer  # noqa: E402
-from ditron_ep.ops.fused_moe import FusedMoE  # noqa: E402
-from layer_inputs import E as LAYER_E, H, I, K, layer_inputs  # noqa: E402
+from ditron_ep.ops.ep.layout_kernels import build_send_layout, exchange_layout  # noqa: E402
+from ditron_ep.ops.moe_layer.fused import FusedMoE  # noqa: E402
 
 
 @triton.jit

@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
+from tile_order import H, I, rank_case  # noqa: E402
 
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
-from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
-from tile_order import H, I, rank_case  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map  # noqa: E402
 
 # (gate-up, down) candidates; gate-up's BN is half its tile's width (gate and up blocks).
 SWEEP_GATE_UP = ("BM128-BN128-BK64-w8-s3", "BM128-BN64-BK64-w4-s4", "BM128-BN64-BK64-w8-s4",

@@ -21,8 +21,8 @@ import triton  # noqa: E402
 
 from ditron_ep.bench.timing import summarize, time_fn  # noqa: E402
 from ditron_ep.compiler.core_config import default_gemm_configs  # noqa: E402
-from ditron_ep.megakernel.grouped_gemm import build_tile_map  # noqa: E402
-from ditron_ep.ops.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_ffn import launch_grouped_down, launch_grouped_swiglu  # noqa: E402
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map  # noqa: E402
 
 H, I, T, K = 7168, 2048, 4096, 8
 

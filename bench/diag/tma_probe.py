@@ -9,7 +9,9 @@ over [E, K, N] for weights, so a K tail zero-fills per expert); one-tile and per
 torch._grouped_mm measured in the same run; every variant checked bitwise against the first.
 Result on an H200 (bench/results/tma_probe_H200_20261122_s4.log): TMA did not help.
 """
-import torch, triton, triton.language as tl
+import torch
+import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 E, R, H, I = 16, 2048, 7168, 2048

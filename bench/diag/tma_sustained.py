@@ -14,10 +14,9 @@ import argparse
 import time
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
-
 from sustained_gemm import board_sampler, print_sustained, run_window
-from tma_probe import BK, BM, E, FL_DN, FL_GU, H, I, R, down, gate_up, layer_operands
+from tma_probe import BK, BM, FL_DN, FL_GU, E, H, I, R, down, gate_up, layer_operands
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ranks import RankContext
+from ditron_ep.bench.ranks import RankContext
 
 
 def gather_routing(ctx: RankContext, idx: torch.Tensor,

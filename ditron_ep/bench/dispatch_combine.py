@@ -21,12 +21,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..determinism.tolerances import TOLERANCES
-from ..ops import EPBuffer
-from .alltoall import AllToAll, gather_routing
-from .ep_inputs import Inputs, make_inputs, traffic_bytes
-from .ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors
-from .spec import Benchmark, BenchContext, Measurement, Shape, tolerance_check
+from ditron_ep.bench.alltoall import AllToAll, gather_routing
+from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
+from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors
+from ditron_ep.bench.spec import BenchContext, Benchmark, Measurement, Shape, tolerance_check
+from ditron_ep.check.tolerances import TOLERANCES
+from ditron_ep.ops import EPBuffer
 
 BASELINE = "all_to_all_single"
 WORK_RULE = ("bytes = tokens each rank receives from other ranks (one copy per (token, destination rank)) "

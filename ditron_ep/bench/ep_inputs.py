@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..determinism import make_routing
-from .ranks import RankContext
+from ditron_ep.bench.ranks import RankContext
+from ditron_ep.check import make_routing
 
 BYTE_RULE = (
     "bytes = tokens this rank receives from OTHER ranks, one copy per (token, destination rank), "

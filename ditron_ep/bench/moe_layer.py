@@ -1,4 +1,4 @@
-"""Registry entry "moe": the EP MoE layer forward (`ditron_ep.ops.moe`) against a torch-native
+"""Registry entry "moe": the EP MoE layer forward (`ditron_ep.ops.moe_layer.functional`) against a torch-native
 pipeline and against its own grouped GEMM run alone.
 
 Weights per rank: w1 [E_local, H, 2I] (gate ‖ up), w2 [E_local, I, H], random, scaled by H^-1/2
@@ -6,7 +6,7 @@ and I^-1/2 (so h and y are O(1)). Per token count T (per rank), tokens and a uni
 `ep_inputs.make_inputs`, the EP buffer and fused layers sized for T (caches cleared first);
 everything under torch.no_grad. Implementations:
   moe <schedule>      `moe(x, topk_idx, topk_weights, w1, w2, schedule=S)` for every S in
-                      `ditron_ep.ops.moe.SCHEDULES`;
+                      `ditron_ep.ops.moe_layer.functional.SCHEDULES`;
   torch-native        `torch_moe.torch_native_moe`, all of it timed (row-major weights; a
                       per-expert torch.matmul loop where torch._grouped_mm is unsupported);
   moe overlap, CUDA graph   (GPUs only) `moe(..., schedule="overlap", sync=False)` captured
@@ -26,14 +26,14 @@ from typing import Callable
 
 import torch
 
-from ..determinism.tolerances import TOLERANCES
-from ..ops import clear_cache, clear_layers, dispatch, grouped_swiglu_ffn, moe
-from ..ops.moe import SCHEDULES
-from .ep_inputs import make_inputs
-from .ranks import Fatal, RankContext, StageFailed, guarded, relative_errors
-from .spec import Benchmark, BenchContext, Measurement, Shape, tolerance_check
-from .timing import capture_graph
-from .torch_moe import torch_experts, torch_native_moe
+from ditron_ep.bench.ep_inputs import make_inputs
+from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, guarded, relative_errors
+from ditron_ep.bench.spec import BenchContext, Benchmark, Measurement, Shape, tolerance_check
+from ditron_ep.bench.timing import capture_graph
+from ditron_ep.bench.torch_moe import torch_experts, torch_native_moe
+from ditron_ep.check.tolerances import TOLERANCES
+from ditron_ep.ops import clear_cache, clear_layers, dispatch, grouped_swiglu_ffn, moe
+from ditron_ep.ops.moe_layer.functional import SCHEDULES
 
 FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down) with rows = the (token, k) rows of the busiest "
              "rank (most received rows); TFLOP/s = those FLOPs / median of the slowest rank's per-iteration "
@@ -170,7 +170,7 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
 
 MOE = Benchmark(
     name="moe",
-    description="EP MoE layer forward: dispatch, grouped SwiGLU experts, combine (ditron_ep.ops.moe)",
+    description="EP MoE layer forward: dispatch, grouped SwiGLU experts, combine (ditron_ep.ops.moe_layer.functional)",
     ours=(*(f"moe {S}" for S in SCHEDULES), GRAPH), baselines=(TORCH_NATIVE, GEMM_ALONE), metric="TFLOP/s",
     gpu_only=(GRAPH,),
     work_rule=FLOP_RULE,

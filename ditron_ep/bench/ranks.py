@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from ..ops import EPBuffer
+    from ditron_ep.ops import EPBuffer
 
 
 @dataclass(kw_only=True)

@@ -2,8 +2,8 @@
 (spec.py) in a module of its own, listed here."""
 from __future__ import annotations
 
-from .dispatch_combine import COMBINE, DISPATCH
-from .moe_layer import MOE
-from .spec import Benchmark
+from ditron_ep.bench.dispatch_combine import COMBINE, DISPATCH
+from ditron_ep.bench.moe_layer import MOE
+from ditron_ep.bench.spec import Benchmark
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (DISPATCH, COMBINE, MOE)}

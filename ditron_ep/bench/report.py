@@ -34,11 +34,10 @@ from rich.table import Table
 from rich.text import Text
 
 import ditron_ep
-
-from ..runtime import DitronConfigError
-from .environment import git_commit, git_dirty
-from .registry import BENCHMARKS
-from .spec import BenchRequest, Row
+from ditron_ep.bench.environment import git_commit, git_dirty
+from ditron_ep.bench.registry import BENCHMARKS
+from ditron_ep.bench.spec import BenchRequest, Row
+from ditron_ep.runtime import DitronConfigError
 
 SCHEMA = "ditron_ep.bench/1"
 CPU_NOTE = "CPU (Triton interpreter, emulated ranks) — not performance figures"

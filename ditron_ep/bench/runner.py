@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .progress import ProgressFn
-from .ranks import Fatal, StageFailed
-from .registry import BENCHMARKS
-from .spec import DTYPES, BenchContext, Benchmark, BenchRequest, Measurement, Row
-from .timing import gbps, summarize, tflops
+from ditron_ep.bench.progress import ProgressFn
+from ditron_ep.bench.ranks import Fatal, StageFailed
+from ditron_ep.bench.registry import BENCHMARKS
+from ditron_ep.bench.spec import DTYPES, BenchContext, Benchmark, BenchRequest, Measurement, Row
+from ditron_ep.bench.timing import gbps, summarize, tflops
 
 
 def iterations(requests: Sequence[BenchRequest]) -> int:

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
-from ..runtime import DitronConfigError
-from .ranks import RankContext, StageFailed, guarded
-from .timing import time_fn
+from ditron_ep.bench.ranks import RankContext, StageFailed, guarded
+from ditron_ep.bench.timing import time_fn
+from ditron_ep.runtime import DitronConfigError
 
 if TYPE_CHECKING:
-    from ..ops import EPBuffer
+    from ditron_ep.ops import EPBuffer
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("ours", "baseline")

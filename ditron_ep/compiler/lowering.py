@@ -20,12 +20,27 @@ import dataclasses
 import torch
 import triton
 
-from ..runtime import control as C
-from .core_config import default_gemm_configs
-from .plan import (CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, BufferPlacement, CorePlan, DevicePlan,
-                   MoEPlan, MoESpec, NotifySpec, RoutingPlan, SignalFamily, StagePlan, WaitSpec,
-                   cdiv, index_space_size, numel, row_tiles_bound)
-from .verifier import verify, verify_core, verify_device, verify_routing
+from ditron_ep.compiler.core_config import default_gemm_configs
+from ditron_ep.compiler.plan import (
+    CROSS_RANK_BARRIER_BEFORE,
+    DTYPE_BYTES,
+    BufferPlacement,
+    CorePlan,
+    DevicePlan,
+    MoEPlan,
+    MoESpec,
+    NotifySpec,
+    RoutingPlan,
+    SignalFamily,
+    StagePlan,
+    WaitSpec,
+    cdiv,
+    index_space_size,
+    numel,
+    row_tiles_bound,
+)
+from ditron_ep.compiler.verifier import verify, verify_core, verify_device, verify_routing
+from ditron_ep.runtime import control as C
 
 __all__ = ["DEFAULT_NUM_PROGRAMS", "OVERRIDABLE", "default_block_t", "default_comm_programs", "fill_defaults", "lower",
            "seal"]

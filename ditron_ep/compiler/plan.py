@@ -38,8 +38,8 @@ import hashlib
 import math
 from typing import NamedTuple
 
-from ..runtime import control as C
-from .core_config import DEVICE_TYPES, GemmTileConfig
+from ditron_ep.compiler.core_config import DEVICE_TYPES, GemmTileConfig
+from ditron_ep.runtime import control as C
 
 __all__ = [
     "CROSS_RANK_BARRIER_BEFORE", "DTYPE_BYTES", "GEMM_TILE_ORDERS", "INDEX_SPACES",

@@ -28,11 +28,33 @@ from typing import Sequence
 
 import torch
 
-from ..runtime import control as C
-from .plan import (COMM_STAGES, CROSS_RANK_BARRIER_BEFORE, DTYPE_BYTES, DYNAMIC_FORMULAS, GEMM_TILE_ORDERS,
-                   INDEX_SPACES, NOTIFY_ELEMENTS, SCHEDULES, SOURCE_ORDERS, STAGE_NAMES,
-                   WAIT_ELEMENTS, CorePlan, MoEPlan, PlanError, RoutingPlan, StagePlan, cdiv, is_dynamic_formula,
-                   is_nonnegative_int, is_positive_int, is_pow2, numel, row_tiles_bound, ticketed_stage)
+from ditron_ep.compiler.plan import (
+    COMM_STAGES,
+    CROSS_RANK_BARRIER_BEFORE,
+    DTYPE_BYTES,
+    DYNAMIC_FORMULAS,
+    GEMM_TILE_ORDERS,
+    INDEX_SPACES,
+    NOTIFY_ELEMENTS,
+    SCHEDULES,
+    SOURCE_ORDERS,
+    STAGE_NAMES,
+    WAIT_ELEMENTS,
+    CorePlan,
+    MoEPlan,
+    PlanError,
+    RoutingPlan,
+    StagePlan,
+    cdiv,
+    is_dynamic_formula,
+    is_nonnegative_int,
+    is_positive_int,
+    is_pow2,
+    numel,
+    row_tiles_bound,
+    ticketed_stage,
+)
+from ditron_ep.runtime import control as C
 
 __all__ = ["PlanError", "verify", "verify_core", "verify_device", "verify_instance",
            "verify_routing"]

@@ -1,11 +1,15 @@
-"""Public ops: EP dispatch/combine (buffer object and functional forms), the grouped SwiGLU
-expert FFN, the MoE layer forward (fused megakernel) and the EPMoE module."""
-from .ep_buffer import CapacityError, DispatchHandle, EPBuffer, RoutingError
-from .functional import clear_cache, combine, dispatch, get_buffer
-from .fused_moe import FusedMoE
-from .grouped_ffn import grouped_swiglu_ffn
-from .moe import clear_layers, moe
-from .moe_module import EPMoE
+"""Public ops, one folder per op: `ep/` (dispatch and combine) and `moe_layer/` (the MoE layer)."""
+from ditron_ep.ops.ep import (
+           CapacityError,
+           DispatchHandle,
+           EPBuffer,
+           RoutingError,
+           clear_cache,
+           combine,
+           dispatch,
+           get_buffer,
+)
+from ditron_ep.ops.moe_layer import EPMoE, FusedMoE, clear_layers, grouped_swiglu_ffn, moe
 
 __all__ = ["CapacityError", "DispatchHandle", "EPBuffer", "EPMoE", "FusedMoE", "RoutingError", "clear_cache",
            "clear_layers", "combine", "dispatch", "get_buffer", "grouped_swiglu_ffn", "moe"]

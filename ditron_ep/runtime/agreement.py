@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .errors import DitronConfigError
+from ditron_ep.runtime.errors import DitronConfigError
 
 
 def raise_unless_all_agree(group: dist.ProcessGroup | None, what: str, problem: str | None,

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import control as C
-from .agreement import raise_unless_all_agree
-from .errors import DitronConfigError, DitronTimeoutError
-from .mode import resolve_backend
+from ditron_ep.runtime import control as C
+from ditron_ep.runtime.agreement import raise_unless_all_agree
+from ditron_ep.runtime.errors import DitronConfigError, DitronTimeoutError
+from ditron_ep.runtime.mode import resolve_backend
 
 DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30}
 # Poll budgets of a bounded wait. Emulated: one poll costs ~0.25 ms under the interpreter on an
@@ -89,11 +89,11 @@ class SymmetricHeap:
                                     (self.backend, self.size_bytes, self.num_signals))
 
         if self.backend == "torch":
-            from .backends.torch_symm import create_arena
+            from ditron_ep.runtime.backends.torch_symm import create_arena
 
             self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size, self.device)
         else:
-            from .backends.emulated import create_arena
+            from ditron_ep.runtime.backends.emulated import create_arena
 
             self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size)
         misaligned = [b for b in self._arena.peer_bases if b % C.ARENA_ALIGN]

@@ -20,8 +20,8 @@ import weakref
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
-from .backends.emulated import SHM_PREFIX_ENV, leftover_segments, sweep_segments
-from .errors import DitronConfigError, RankError
+from ditron_ep.runtime.backends.emulated import SHM_PREFIX_ENV, leftover_segments, sweep_segments
+from ditron_ep.runtime.errors import DitronConfigError, RankError
 
 _LIVE_CLUSTERS: "weakref.WeakSet[EmulatedCluster]" = weakref.WeakSet()
 # After one rank has failed, how long the others may still take before the pool is killed.

@@ -1,13 +1,17 @@
 """Kernel execution mode: compiled for a GPU, or run by the Triton interpreter on the CPU.
 
-Triton fixes the mode when `@triton.jit` runs, i.e. when a kernel module is imported. So the
-choice is made once, at `import ditron_ep`, before any kernel module loads:
+Triton fixes the mode when `@triton.jit` runs, i.e. when a kernel module is imported. The choice
+is made once, the first time a ditron_ep kernel module is imported (`ditron_ep.language` asks) or
+the mode is queried — never by `import ditron_ep`, and never by writing `os.environ`:
 
-* `TRITON_INTERPRET` set in the environment (to anything) is honoured as given;
-* otherwise `DITRON_BACKEND=emulated`, or no CUDA/ROCm device visible, turns the interpreter on.
+1. `use_interpreter(True/False)`, called before that moment, wins;
+2. else `TRITON_INTERPRET` in the environment (Triton's own convention) is honoured as given;
+3. else `DITRON_BACKEND=emulated` turns the interpreter on;
+4. else the interpreter is on exactly when no CUDA/ROCm device is visible.
 
-Everything else asks `kernels_interpreted()` and refuses a backend that does not match, with an
-error that says which variable to set before importing ditron_ep.
+Cases 1, 3 and 4 set Triton's own switch (`triton.knobs.runtime.interpret`) for this process
+only. `mode_source()` says which rule decided (`python -m ditron_ep info` prints it). Everything
+else asks `kernels_interpreted()` and refuses a backend that does not match.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import os
 BACKENDS = ("auto", "emulated", "torch")
 
 _decided: bool | None = None
+_source: str = ""
+_requested: bool | None = None
 
 
 def _gpu_visible() -> bool:
@@ -24,20 +30,60 @@ def _gpu_visible() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _env_flag(value: str) -> bool:
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def use_interpreter(on: bool = True) -> None:
+    """Choose the Triton interpreter (`on=True`) or compiled kernels before any kernel is imported.
+
+    Raises `DitronConfigError` if the mode was already fixed the other way.
+    """
+    global _requested
+    if _decided is not None:
+        if _decided != bool(on):
+            raise _config_error(
+                f"the kernel mode is already fixed ({'interpreted' if _decided else 'compiled'}, by {_source}): "
+                f"call ditron_ep.runtime.use_interpreter({bool(on)}) before importing ditron_ep.ops "
+                f"or any other kernel module")
+        return
+    _requested = bool(on)
+
+
 def decide_mode() -> bool:
-    """Set `TRITON_INTERPRET` if the user has not; return whether kernels will be interpreted."""
-    global _decided
+    """Fix the mode (see the module docstring); return whether kernels will be interpreted."""
+    global _decided, _source
     if _decided is not None:
         return _decided
     explicit = os.environ.get("TRITON_INTERPRET")
-    if explicit is not None:
-        _decided = explicit.strip().lower() not in ("", "0", "false", "no", "off")
+    if _requested is not None:
+        _decided, _source = _requested, f"use_interpreter({_requested})"
+    elif explicit is not None:
+        _decided, _source = _env_flag(explicit), f"TRITON_INTERPRET={explicit} in the environment"
+    elif os.environ.get("DITRON_BACKEND", "").strip().lower() == "emulated":
+        _decided, _source = True, "DITRON_BACKEND=emulated in the environment"
+    elif _gpu_visible():
+        _decided, _source = False, "a GPU is visible"
     else:
-        want_emulated = os.environ.get("DITRON_BACKEND", "").strip().lower() == "emulated"
-        _decided = want_emulated or not _gpu_visible()
-        # Set before any ditron_ep kernel module runs `triton.jit` (the only moment it matters).
-        os.environ["TRITON_INTERPRET"] = "1" if _decided else "0"
+        _decided, _source = True, "no GPU is visible"
+    if _requested is not None or explicit is None:
+        import triton
+
+        # Triton's switch for this process; kernels decorated from now on follow it. Its setter
+        # also exports TRITON_INTERPRET: take that back, so the environment (and what child
+        # processes inherit) stays as the user left it.
+        triton.knobs.runtime.interpret = _decided
+        if explicit is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = explicit
     return _decided
+
+
+def mode_source() -> str:
+    """Which rule fixed the mode, e.g. 'TRITON_INTERPRET=1 in the environment' (fixes it if not yet)."""
+    decide_mode()
+    return _source
 
 
 def kernels_interpreted() -> bool:
@@ -67,19 +113,18 @@ def resolve_backend(backend: str) -> str:
         raise _config_error(
             "backend 'emulated' needs kernels under the Triton interpreter, but ditron_ep was "
             "imported in compiled (GPU) mode. Set TRITON_INTERPRET=1 (or DITRON_BACKEND=emulated) "
-            "in the environment before importing ditron_ep.")
+            "in the environment (or call ditron_ep.runtime.use_interpreter()) before importing ditron_ep.ops.")
     if backend == "torch":
         if interpreted:
             raise _config_error(
                 "backend 'torch' runs compiled kernels on CUDA/ROCm, but ditron_ep was imported "
-                "with the Triton interpreter on (TRITON_INTERPRET=1, DITRON_BACKEND=emulated, or "
-                "no GPU visible). Unset those and import ditron_ep on a machine with a GPU.")
+                f"with the Triton interpreter on ({_source}). Unset that and import ditron_ep.ops on a machine with a GPU.")
         if not _gpu_visible():
             raise _config_error("backend 'torch' needs a CUDA or ROCm device; none is visible")
     return backend
 
 
 def _config_error(msg: str) -> Exception:
-    from .errors import DitronConfigError
+    from ditron_ep.runtime.errors import DitronConfigError
 
     return DitronConfigError(msg)

@@ -27,7 +27,7 @@ def main() -> None:
     try:
         import torch.distributed as dist
 
-        import ditron_ep  # noqa: F401  (decides interpreter mode from the environment)
+        import ditron_ep.language  # noqa: F401  (fixes the interpreter mode: the launcher set TRITON_INTERPRET=1)
 
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=600))

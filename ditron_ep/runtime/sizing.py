@@ -28,7 +28,7 @@ import time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .errors import DitronConfigError
+from ditron_ep.runtime.errors import DitronConfigError
 
 SIZING_TIMEOUT_ENV = "DITRON_SIZING_TIMEOUT_S"
 # As long as NCCL's default collective timeout: ranks legitimately reach their first call with

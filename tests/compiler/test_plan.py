@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
+from ditron_ep.check.routing import make_routing
 from ditron_ep.compiler.core_config import GemmTileConfig
 from ditron_ep.compiler.lowering import fill_defaults, lower, number_stages, seal
 from ditron_ep.compiler.plan import STAGE_NAMES, MoEPlan, MoESpec, PlanError
 from ditron_ep.compiler.verifier import verify, verify_instance
-from ditron_ep.determinism.routing import make_routing
 
 # (W, E, K, H, I, max_tokens): small shapes so that tiles are ragged in every dimension.
 SHAPES = [(2, 8, 1, 64, 96, 40), (2, 8, 2, 48, 64, 17), (4, 16, 4, 64, 96, 40),

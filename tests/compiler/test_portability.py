@@ -16,10 +16,16 @@ import pytest
 import triton
 import triton.language as tl
 
-from ditron_ep.compiler import portability
-from ditron_ep.compiler.portability import (PORTABILITY_TARGETS, find_jit_functions, format_report_failures,
-                                            register_device_function, register_kernel, run_portability_check,
-                                            target_name)
+from tools import portability
+from tools.portability import (
+    PORTABILITY_TARGETS,
+    find_jit_functions,
+    format_report_failures,
+    register_device_function,
+    register_kernel,
+    run_portability_check,
+    target_name,
+)
 
 TARGETS = [target_name(t) for t in PORTABILITY_TARGETS]
 TIMEOUT_S = 300
@@ -132,7 +138,7 @@ def test_count_narrow_accesses_reads_ptx() -> None:
 _GOOD = '''
 import triton
 import triton.language as tl
-from ditron_ep.compiler.portability import register_device_function, register_kernel
+from tools.portability import register_device_function, register_kernel
 
 
 @register_device_function
@@ -222,7 +228,7 @@ register_kernel(matmul_kernel, _MM, {"BLOCK_M": 256, "BLOCK_N": 256, "BLOCK_K": 
 _BROKEN = '''
 import triton
 import triton.language as tl
-from ditron_ep.compiler.portability import register_kernel
+from tools.portability import register_kernel
 
 
 @triton.jit
@@ -318,7 +324,7 @@ def test_worker_refuses_to_run_interpreted(fixture_package: tuple[Path, str], tm
     repo = Path(portability.__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(repo), str(root)]))
-    proc = subprocess.run([sys.executable, "-m", "ditron_ep.compiler._compile_worker", "--package", name],
+    proc = subprocess.run([sys.executable, "-m", "tools.compile_worker", "--package", name],
                           env=env, cwd=repo, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "TRITON_INTERPRET=0" in json.loads(proc.stdout)["fatal"]

@@ -1,6 +1,6 @@
 """EP dispatch/combine on CUDA ranks (`EPBuffer`, torch symmetric memory), under torchrun.
 
-The GPU twin of tests/ops/test_ep_dispatch_combine.py (tests/ops/rank_fns_ep.py): the same checks,
+The GPU twin of tests/ops/ep/test_ep_dispatch_combine.py (tests/ops/ep/rank_fns_ep.py): the same checks,
 at GPU sizes. Run with tests/gpu/run_gpu_suite.sh. Every rank runs every test, in the same order;
 test bodies record problems and assert only after their last collective (the conftest then fails
 the test on every rank if it failed on any). EPBuffers are freed (collectively) by the
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import ditron_ep  # noqa: F401  (decides compiled vs interpreted kernels before any triton.jit)
-from ditron_ep.determinism import TOLERANCES, make_routing
+from ditron_ep.check import TOLERANCES, make_routing
 from ditron_ep.ops import CapacityError, EPBuffer, RoutingError
 from ditron_ep.runtime import DitronConfigError
 

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 import ditron_ep  # noqa: F401
-from ditron_ep.determinism import ep_moe_oracle, make_routing
-from ditron_ep.ops.fused_moe import FusedMoE
-from ditron_ep.ops.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.check import make_routing
+from ditron_ep.ops.moe_layer.fused import FusedMoE
+from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 
 H, I, K = 1024, 512, 4
 
@@ -236,8 +237,8 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, layers, mon
     or on a side stream beside the layout graph: both paths run); an earlier output is not rewritten by
     later replays; bad input raises on every rank through the replay path and the layer then
     goes on correctly."""
-    from ditron_ep.ops import fused_moe
-    from ditron_ep.ops.ep_buffer import RoutingError
+    from ditron_ep.ops.ep.buffer import RoutingError
+    from ditron_ep.ops.moe_layer import fused as fused_moe
 
     monkeypatch.setattr(fused_moe, "_SIDE_COPY_BYTES", 0 if side_copy else 1 << 62)
 
@@ -329,7 +330,7 @@ def test_grouped_ffn_bad_values_repaired_on_device(dist_env):
     out-of-range row_index are repaired on the device, giving the result of the repaired inputs
     (no fault, no unwritten rows); valid inputs give the same bits as check=False; check=True
     raises."""
-    from ditron_ep.ops.grouped_ffn import _made_valid
+    from ditron_ep.ops.moe_layer.grouped_ffn import _made_valid
     dev = dist_env.device
     g = torch.Generator().manual_seed(12)
     n_x, E = 200, 3
@@ -369,7 +370,7 @@ def test_epmoe_builds_on_gpu_and_equals_moe(dist_env):
     import torch.nn.functional as F
 
     from ditron_ep.ops import EPMoE, clear_layers, moe
-    from ditron_ep.ops.moe_module import _route
+    from ditron_ep.ops.moe_layer.module import _route
     dev, rank, world = dist_env.device, dist.get_rank(), dist.get_world_size()
     torch.manual_seed(5)
     layer = EPMoE(H, I, 4 * world, K, dtype=torch.bfloat16, device=dev)

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
-import ditron_ep  # noqa: F401  (decides compiled vs interpreted before the triton.jit below)
 import triton
 import triton.language as tl
-from ditron_ep.megakernel.exchange import exchange_tiles
-from ditron_ep.megakernel.primitives import heap_ptr
+
+import ditron_ep  # noqa: F401  (decides compiled vs interpreted before the triton.jit below)
+from ditron_ep.check.kernels import exchange_tiles
+from ditron_ep.language.primitives import heap_ptr
 from ditron_ep.runtime import DitronConfigError, DitronTimeoutError, SymmetricHeap
 
 # ---------------------------------------------------------------------------------------------

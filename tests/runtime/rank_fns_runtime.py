@@ -40,7 +40,7 @@ def heap_visibility(shapes_dtypes: list) -> list:
 def exchange(R: int, C: int, dtype: torch.dtype, n_calls: int = 1, programs: int | None = None,
              start_epoch: int | None = None, check_every: int = 1) -> dict:
     """Run `n_calls` tile exchanges back to back; verify every received tile element-exact."""
-    from ditron_ep.megakernel.exchange import exchange_tiles
+    from ditron_ep.check.kernels import exchange_tiles
 
     rank, world = dist.get_rank(), dist.get_world_size()
     heap = SymmetricHeap(size_bytes=2 << 20, wait_budget=50_000)
@@ -65,7 +65,7 @@ def exchange(R: int, C: int, dtype: torch.dtype, n_calls: int = 1, programs: int
 
 def timeout_then_recover(budget: int) -> dict:
     """Rank 0 launches an exchange that rank 1.. never join: its call barrier must time out."""
-    from ditron_ep.megakernel.exchange import exchange_tiles
+    from ditron_ep.check.kernels import exchange_tiles
 
     rank = dist.get_rank()
     heap = SymmetricHeap(size_bytes=1 << 20, wait_budget=budget)
@@ -109,7 +109,7 @@ def asymmetric_alloc() -> str:
 
 def bad_inputs() -> dict:
     """Every misuse must raise DitronConfigError with a message naming the fix."""
-    from ditron_ep.megakernel.exchange import exchange_tiles
+    from ditron_ep.check.kernels import exchange_tiles
 
     world = dist.get_world_size()
     msgs = {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 
 import pytest
+import rank_fns_runtime as fns
 import torch
 
-import rank_fns_runtime as fns
 from ditron_ep.runtime import EmulatedCluster, RankError
 
 

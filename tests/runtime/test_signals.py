@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 import rank_fns_runtime as fns
+import torch
 
 CASES = [  # (world, R, C, dtype, programs)
     (2, 5, 40, torch.float32, None),

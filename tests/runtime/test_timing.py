@@ -4,7 +4,6 @@ leaves the others waiting."""
 from __future__ import annotations
 
 import pytest
-
 import rank_fns_runtime as fns
 
 SKEW_S = 0.2

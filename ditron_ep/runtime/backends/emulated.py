@@ -14,7 +14,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from . import Arena
+from ditron_ep.runtime.backends import Arena
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX_ENV = "DITRON_SHM_PREFIX"

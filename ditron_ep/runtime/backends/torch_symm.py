@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import Arena
+from ditron_ep.runtime.backends import Arena
 
 
 def create_arena(size_bytes: int, group: dist.ProcessGroup, rank: int, world_size: int,

@@ -1,0 +1,634 @@
+"""`EPBuffer`: owns the symmetric-heap resources of EP dispatch/combine; one method per primitive.
+
+Layering: Triton kernels (megakernel/ep_*.py) -> launchers here (`_launch_*`) -> autograd
+Functions -> `EPBuffer.dispatch` / `EPBuffer.combine` -> functional wrappers (ops/functional.py).
+"""
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ditron_ep.compiler.plan import is_nonnegative_int, is_positive_int
+from ditron_ep.language import task_queue
+from ditron_ep.ops.ep.combine_kernels import ep_combine_kernel
+from ditron_ep.ops.ep.dispatch_kernels import ep_dispatch_kernel
+from ditron_ep.ops.ep.layout_kernels import (
+    FLAG_BAD_EXPERT,
+    FLAG_PEER_GAVE_UP,
+    FLAG_REFUSED,
+    FLAG_TOO_MANY_TOKENS,
+    FLAG_UNREPORTED_REFUSAL,
+    RecvLayout,
+    SendLayout,
+    build_send_layout,
+    exchange_layout,
+    layout_landing_shape,
+)
+from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, layout_arena_words
+from ditron_ep.ops.ep.refusal_kernels import refused_call_kernel
+from ditron_ep.runtime import control as C
+from ditron_ep.runtime.agreement import raise_unless_all_agree
+from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
+from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
+from ditron_ep.runtime.heap import SymmetricHeap
+from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class CapacityError(DitronError, ValueError):
+    """Some rank has more tokens than `max_tokens_per_rank`; raised on every rank alike.
+
+    needed: the largest T of any rank (a lower bound when `pending`); pending: the problem was
+    recorded by an earlier graph-mode call (sync=False), whose tokens past the capacity were
+    dropped, and is raised by this later call, which itself moved nothing yet."""
+
+    def __init__(self, message: str, *, needed: int, pending: bool = False) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.pending = pending
+
+
+class RoutingError(DitronError, ValueError):
+    """Some rank passed expert ids outside [-1, num_experts); raised on every rank alike."""
+
+
+@dataclass
+class DispatchHandle:
+    """What `combine` (and the backward passes) need from a `dispatch`. Device tensors.
+
+    num_recv_per_expert: int32 [E_local]      rows received per local expert
+    expert_offsets:      int32 [E_local + 1]  first row of each local expert; [-1] = total rows
+    num_rows:            host int (default mode) or None (graph mode: see expert_offsets[-1])
+    recv_weights:        fp32 [rows] routing weight of every row, if weights were dispatched
+    """
+
+    buffer_id: int
+    send: SendLayout
+    recv: RecvLayout
+    recv_rows: torch.Tensor    # int32 [W, MAXT, K] row of (source, slot, k), -1 if none
+    recv_tok: torch.Tensor     # int32 [W, MAXT] source token of each staged token
+    recv_weights: torch.Tensor | None
+    num_tokens: int
+    rows_cap: int
+    num_rows: int | None
+    sync: bool
+
+    @property
+    def num_recv_per_expert(self) -> torch.Tensor:
+        return self.recv.num_recv
+
+    @property
+    def expert_offsets(self) -> torch.Tensor:
+        return self.recv.expert_off
+
+    @property
+    def grouped_mm_offs(self) -> torch.Tensor:
+        """int32 [E_local] cumulative row ends: the `offs` argument of `torch._grouped_mm`."""
+        return self.recv.expert_off[1:]
+
+
+def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
+                      num_warps, hidden_slices, num_programs, graph_cache) -> str | None:
+    """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
+    for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
+                    ("topk", topk)):
+        if not is_positive_int(v):
+            return f"{name} must be a positive int, got {v!r}"
+    if num_experts % world:
+        return f"num_experts={num_experts} is not a multiple of the world size {world}; choose E = k * {world}"
+    if topk > num_experts:
+        return f"topk={topk} exceeds num_experts={num_experts}"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}"
+    if not is_positive_int(block_rows) or block_rows & (block_rows - 1):
+        return f"block_rows must be a power of two, got {block_rows!r}"
+    # tile widths reach tl.arange, which takes powers of two only
+    if block_hidden is not None and (not is_positive_int(block_hidden) or block_hidden & (block_hidden - 1)
+                                     or block_hidden < 16):
+        return f"block_hidden must be a power of two >= 16 (or None), got {block_hidden!r}"
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps must be one of 1, 2, 4, 8, 16 (or None), got {num_warps!r}"
+    if hidden_slices is not None and not is_positive_int(hidden_slices):
+        return f"hidden_slices must be a positive int or None, got {hidden_slices!r}"
+    if num_programs is not None and not is_positive_int(num_programs):
+        return f"num_programs must be a positive int or None, got {num_programs!r}"
+    if not is_nonnegative_int(graph_cache):
+        return f"graph_cache must be an int >= 0 (0 disables it), got {graph_cache!r}"
+    return None
+
+
+class EPBuffer:
+    """Expert-parallel dispatch and combine over a symmetric heap.
+
+    Args:
+        group: process group of the EP ranks (None = default group).
+        num_experts: E, a multiple of the world size; rank r owns experts [r*E/W, (r+1)*E/W).
+        hidden: H, the token width.
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch.
+        topk: K, experts per token.
+        dtype: token dtype (bf16, fp16 or fp32).
+        num_programs: programs (SMs) dispatch/combine occupy; default: every SM on GPU, 2 on CPU.
+        block_rows / block_hidden / num_warps: copy tile shape (rows per signalled chunk, columns
+            per step) and warps per program.
+        hidden_slices: column slices a chunk's copy is split into (one task each); default: enough
+            for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
+        check_errors: in the default (synchronising) mode, read the device error slot after each
+            launch and raise DitronTimeoutError there (one extra device-to-host read).
+        graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
+            dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
+            a signature's second call and replayed after (ops/layout_replay.py, ops/call_graphs.py):
+            the same kernels and arguments, so the same bits, for a replay, a copy and a clone
+            instead of four launches and a dozen allocations (~190 µs of host time on a lent H200
+            host). 0 launches every call directly.
+
+    Every call reuses the buffer's heap and signals, so calls run in the order of the CUDA stream
+    they are issued on: issue them on one stream (or order the streams yourself).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int,
+                 max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
+                 backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
+                 block_hidden: int | None = None, num_warps: int | None = None,
+                 hidden_slices: int | None = None, wait_budget: int | None = None,
+                 check_errors: bool = True, graph_cache: int = 4) -> None:
+        if not dist.is_initialized():
+            raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
+        world = dist.get_world_size(group)
+        # Every rank learns every rank's verdict before any heap collective: a rank that raised
+        # alone would leave the others waiting in the heap's set-up.
+        raise_unless_all_agree(group, "EPBuffer", _argument_problem(
+            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
+            hidden_slices, num_programs, graph_cache), same={
+                "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
+                "topk": topk, "dtype": dtype, "block_rows": block_rows})
+        self._layouts: CallGraphCache[CapturedLayout] = CallGraphCache(graph_cache)
+        self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
+        self.max_tokens = max_tokens_per_rank
+        self.world_size = world
+        self.num_local_experts = num_experts // world
+        self.block_rows = block_rows
+        self.n_chunks = triton.cdiv(max_tokens_per_rank, block_rows)
+        self.check_errors = check_errors
+        elt = torch.empty((), dtype=dtype).element_size()
+        W, T, K, H = world, max_tokens_per_rank, topk, hidden
+        self._specs = [  # (name, shape, dtype)
+            ("ep/layout", layout_landing_shape(W, self.num_local_experts), torch.int32),
+            ("ep/stage", (W, T, H), dtype),
+            ("ep/meta", (W, T, 1 + 2 * K), torch.int32),
+            ("ep/wstage", (W, T, K), torch.float32),
+            ("ep/land", (T, K, H), dtype),
+        ]
+        # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
+        # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
+        self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
+        self.n_slices, self.slice_cols = task_queue.hidden_slices(
+            max_tokens_per_rank, W, block_rows, H, self.block_hidden, hidden_slices)
+        sig_per_kernel = W * self.n_chunks * self.n_slices  # (rank, chunk, column slice)
+        num_signals = W + 2 * sig_per_kernel
+        data = sum(C.align_up(_numel(s) * torch.empty((), dtype=d).element_size()) for _, s, d in self._specs)
+        size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
+        self.heap = SymmetricHeap(group, backend=backend, size_bytes=size, num_signals=num_signals,
+                                  wait_budget=wait_budget)
+        for name, shape, dt in self._specs:
+            self.heap.alloc(name, shape, dt)
+        # Sender and receiver index signals and columns by the same tiling: it must agree everywhere
+        # (the signal count alone does not show a different block_hidden).
+        try:
+            self.heap.check_same_everywhere(
+                "EPBuffer copy tiling (block_rows, block_hidden, slices, columns per slice)",
+                (block_rows, self.block_hidden, self.n_slices, self.slice_cols))
+        except DitronConfigError:
+            self.heap.free()
+            raise
+        self._sig_layout = self.heap.alloc_signals("ep/layout", W)
+        self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", sig_per_kernel)
+        self._sig_combine = self.heap.alloc_signals("ep/combine", sig_per_kernel)
+        self.device = self.heap.device
+        if num_programs is None:
+            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                            if self.device.type == "cuda" else 2)
+        self.num_programs = num_programs
+        # Chunks a receive (reduce) trails the sends by: a group is W * slices sends plus as many
+        # receives (dispatch) or plus `slices` reduces (combine).
+        self._dispatch_lag = task_queue.default_lag(num_programs, 2 * W * self.n_slices)
+        self._combine_lag = task_queue.default_lag(num_programs, (W + 1) * self.n_slices)
+        self.num_warps = num_warps if num_warps is not None else (8 if self.device.type == "cuda" else 4)
+        self._block_w = triton.next_power_of_2(W)  # the copy kernels' BLOCK_W (reads every rank's src_info)
+        # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
+        self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent weight pointers
+        self._elt = elt
+
+    # ------------------------------------------------------------------ public API
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
+                 *, sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
+        """Send every token to the ranks of its experts; return expert-major rows and a handle.
+
+        Args:
+            x: [T, H] tokens of this rank (T <= max_tokens_per_rank; T may be 0), buffer dtype.
+            topk_idx: [T, K] int32/int64 global expert ids, -1 = dropped slot.
+            topk_weights: optional [T, K] float routing weights, carried to the receiver
+                (`handle.recv_weights`); gradients w.r.t. weights flow through `combine`.
+            sync: True (default): one device-to-host read; recv_x has exactly the received rows
+                and bad input raises before any token moves. False (graph mode): no host sync;
+                recv_x has capacity W * max_tokens * K rows, the valid extent is
+                `handle.expert_offsets[-1]`, and bad input is recorded for the next sync call.
+        Returns:
+            recv_x: [rows, H] rows of local expert e at expert_offsets[e]:expert_offsets[e+1],
+                ordered by (source rank, source token); one row per (token, k) routed here.
+            handle: DispatchHandle for `combine`.
+        """
+        self._check_alive()
+        try:
+            self._check_tokens(x, "x")
+            w = self._check_routing(x, topk_idx, topk_weights)
+        except DitronConfigError:
+            if sync:
+                self._refuse_call()
+            raise
+        return _Dispatch.apply(x, self, topk_idx, w, sync)
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle,
+                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """Return expert outputs to their tokens: out[t] = sum_k w[t, k] * y(t, k).
+
+        Args:
+            y: [rows, H] expert outputs in `recv_x`'s row order (same rows as dispatch returned).
+            handle: from `dispatch` on this buffer.
+            topk_weights: [T, K] float weights; None = unweighted sum (weights already applied).
+        Returns:
+            out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
+        A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
+        no rank moves anything, and its peers raise DitronConfigError naming it (at once in
+        default mode with check_errors, else on every rank at the next counts exchange).
+        """
+        self._check_alive()
+        try:
+            if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
+                raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
+            self._check_tokens(y, "y", rows=handle.rows_cap)
+            w = None
+            if topk_weights is not None:
+                w = self._check_weights(topk_weights, handle.num_tokens)
+        except DitronConfigError:
+            self._refuse_combine()
+            raise
+        return _Combine.apply(y, w, self, handle)
+
+    def check(self) -> None:
+        """Raise a timeout or a peer's refusal recorded by any launch, then input problems
+        recorded by graph-mode dispatches (one host read each)."""
+        self.heap.check_error()
+        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
+
+    def free(self) -> None:
+        self._layouts.clear()  # the graphs point into the heap
+        self.heap.free()
+
+    # ------------------------------------------------------------------ validation
+    def _check_alive(self) -> None:
+        if self.heap.freed:
+            raise DitronConfigError("this EPBuffer was freed (free() was called); build a new EPBuffer")
+
+    def _refuse_call(self) -> None:
+        """Default mode, after this rank rejected its own arguments: join the call's counts
+        exchange with no tokens and FLAG_REFUSED, so that every peer raises at its status read
+        (before moving anything) instead of waiting for this rank in the exchange until it times
+        out. No rank launches the data kernel, so the ranks stay in step for the next call."""
+        self._launch_layout(torch.empty((0, self.topk), dtype=torch.int32, device=self.device), refused=True)
+
+    def _refuse_combine(self) -> None:
+        """This rank rejected its arguments to a combine its peers are entering: take part in the
+        call's barrier, flagged (megakernel/refusal.py). Not while a CUDA graph is captured (the
+        raise ends the capture, and nothing ran)."""
+        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)
+
+    def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
+        check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
+        if rows is not None and x.shape[0] != rows:
+            raise DitronConfigError(f"{name} has {x.shape[0]} rows but dispatch produced {rows}; "
+                                    f"pass expert outputs in recv_x's row order")
+        check_tensor(name, x, dtypes=(self.dtype,), device=self.device,
+                     dtype_hint=f"cast it or build the EPBuffer with dtype={x.dtype}")
+
+    def _check_routing(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                       topk_weights: torch.Tensor | None) -> torch.Tensor | None:
+        T = x.shape[0]
+        check_tensor("topk_idx", topk_idx, dtypes=INDEX_DTYPES, shape=(("T", T), ("topk", self.topk)),
+                     device=self.device, contiguous=False)
+        return None if topk_weights is None else self._check_weights(topk_weights, T)
+
+    def _check_weights(self, w: torch.Tensor, T: int) -> torch.Tensor:
+        return check_tensor("topk_weights", w, dtypes=FLOAT_DTYPES, shape=(("T", T), ("topk", self.topk)),
+                            device=self.device, contiguous=False)
+
+    # ------------------------------------------------------------------ launchers
+    def _launch_layout(self, topk_idx: torch.Tensor, alloc: Int32Arena | None = None,
+                       record_pending: bool = False, refused: bool = False) -> tuple[SendLayout, RecvLayout]:
+        """The layout launches; record_pending (graph mode): the exchange also keeps every rank's
+        input flags for the next host-visible call (no sync); refused: this rank joins the
+        exchange flagged FLAG_REFUSED (`_refuse_call`)."""
+        send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
+        if refused:
+            send.flags.fill_(FLAG_REFUSED)
+        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout, alloc=alloc,
+                               pending=self._pending_flags if record_pending else None)
+        return send, recv
+
+    def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
+        """This call's layout: in default mode replayed from a captured graph when the signature
+        has one (`graph_cache`), else launched directly. Returns (send, recv, captured): in default
+        mode `_rows_from_status` reads the status (the host waits there, not here).
+
+        Graph mode never replays: capturing synchronises the device (torch.cuda.graph does), and
+        graph mode promises no host sync; its callers capture their own graphs anyway."""
+        T = topk_idx.shape[0]
+        # Launched directly: a call over capacity (it only raises), and routing whose address is
+        # not 16-byte aligned: the kernels compiled for it would not serve the aligned static
+        # copy, which would then compile inside the capture.
+        if (sync and self._layouts.capacity and T <= self.max_tokens and topk_idx.data_ptr() % 16 == 0
+                and self._can_capture()):
+            key = (T, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
+            c = self._layouts.lookup_or_give_up(key, lambda: self._capture_layout(topk_idx), "EPBuffer")
+            if c is not None:
+                send, recv = c.replay(topk_idx)
+                return send, recv, c
+        send, recv = self._launch_layout(topk_idx, record_pending=not sync)
+        return send, recv, None
+
+    def _can_capture(self) -> bool:
+        """CUDA graphs need a GPU, and a call inside the caller's own capture launches directly."""
+        return self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+
+    def _rows_from_status(self, recv: RecvLayout, captured: CapturedLayout | None) -> int:
+        """Default mode's one host read (of the replay's pinned status, or of the directly
+        launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
+        if captured is None:
+            return read_layout_status(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
+        captured.ready.synchronize()
+        return raise_layout_status(captured.status.tolist(), self.heap, self._pending_flags, self.num_experts,
+                                   self.max_tokens)
+
+    def _capture_layout(self, topk_idx: torch.Tensor) -> CapturedLayout:
+        """Capture a default-mode signature's layout launches (see `_layout`)."""
+        c = self._layout_statics(topk_idx)
+        with graph_capture(c.graph):
+            self._layout_launches(c)
+        return c
+
+    def _layout_statics(self, topk_idx: torch.Tensor) -> CapturedLayout:
+        """The static tensors a captured layout reads and writes (nothing launched yet)."""
+        W, T, cuda = self.world_size, topk_idx.shape[0], self.device.type == "cuda"
+        return CapturedLayout(
+            topk_idx=torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device),
+            graph=torch.cuda.CUDAGraph() if cuda else None,
+            arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
+            status=torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=cuda),
+            ready=torch.cuda.Event() if cuda else None)
+
+    def _layout_launches(self, c: CapturedLayout) -> None:
+        """What a captured layout graph runs: the layout launches on c's static routing into c's
+        arena (setting c.send, c.recv), then the copy of the status words into c's pinned buffer."""
+        c.arena.used = 0
+        c.send, c.recv = self._launch_layout(c.topk_idx, alloc=c.arena)
+        c.status.copy_(layout_status_words(self.heap, c.recv, self._pending_flags), non_blocking=True)
+
+    def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
+                         rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
+                         recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor, *,
+                         after_layout: bool) -> None:
+        """The data kernel. after_layout: this call's counts exchange ran right before on this
+        stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
+        False for a replay along an old handle (combine's backward)."""
+        h = self.heap
+        dummy_f = self._dummy_f32
+        ep_dispatch_kernel[(self.num_programs,)](
+            x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
+            recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
+            recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
+            h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
+            h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
+            self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
+            self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
+            SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
+            BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
+
+    def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
+        h = self.heap
+        T = handle.num_tokens
+        out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
+        ep_combine_kernel[(self.num_programs,)](
+            y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
+            handle.send.topk_idx, w if w is not None else self._dummy_f32, out,
+            h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
+            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
+            self.slice_cols, self._combine_lag,
+            K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
+            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, num_warps=self.num_warps)
+        return out
+
+    def _finish(self, sync: bool) -> None:
+        if sync and self.check_errors:
+            self.heap.check_error()
+
+    # ------------------------------------------------------------------ raw passes (no autograd)
+    def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
+                      sync: bool) -> tuple[torch.Tensor, DispatchHandle]:
+        send, recv, captured = self._layout(topk_idx, sync)
+        W, T, K = self.world_size, self.max_tokens, self.topk
+        # Queued before the host read below, so the GPU fills them while the host waits.
+        # -1 = "no row": after a timed-out graph-mode dispatch, combine gathers through no garbage
+        # index (a timed-out column slice may still leave its columns of recv_x unwritten; the
+        # timeout is raised by the next host-visible call, and this rank's next launches refuse
+        # all work until then).
+        recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
+        recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
+        if sync:
+            rows_cap = num_rows = self._rows_from_status(recv, captured)
+        else:
+            rows_cap, num_rows = W * T * K, None
+        recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
+        recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
+                              after_layout=True)
+        self._finish(sync)
+        handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
+                                num_rows, sync)
+        return recv_x, handle
+
+    def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        out = self._launch_combine(y.contiguous(), w32, handle)
+        self._finish(handle.sync)
+        return out
+
+    def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
+        """Dispatch `g` [T, H] along an existing handle (rows scaled by w): combine's backward."""
+        grad = torch.zeros((handle.rows_cap, self.hidden), dtype=g.dtype, device=g.device)
+        recv_w = torch.empty(handle.rows_cap, dtype=torch.float32, device=g.device) if w is not None else None
+        recv_rows = torch.empty_like(handle.recv_rows)
+        recv_tok = torch.empty_like(handle.recv_tok)
+        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
+                              grad, recv_w, recv_rows, recv_tok, after_layout=False)
+        self._finish(handle.sync)
+        return grad
+
+    def _landed(self, num_tokens: int) -> torch.Tensor:
+        """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
+        return self.heap.local_view("ep/land")[:num_tokens].clone()
+
+
+# The order in which FLAG_* bits are raised: of several set bits, the first in this order.
+_FLAG_ORDER = (FLAG_PEER_GAVE_UP, FLAG_UNREPORTED_REFUSAL, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS, FLAG_BAD_EXPERT)
+
+
+def _first_flag(flags: int) -> int:
+    """The FLAG_* bit of `flags` raised first (_FLAG_ORDER); 0 when none is set."""
+    return next((bit for bit in _FLAG_ORDER if flags & bit), 0)
+
+
+def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int,
+                      heap: SymmetricHeap | None = None) -> None:
+    """Raise the error for the first set FLAG_* bit (_FLAG_ORDER). info: (flags, T) of every rank
+    in this call; None for flags an earlier graph-mode call recorded (it moved its tokens, the
+    offending ones dropped). heap: this rank's, whose refusal record is cleared once
+    FLAG_UNREPORTED_REFUSAL is raised."""
+    flag = _first_flag(flags)
+    if not flag:
+        return
+    who = ""
+    if info is not None:
+        who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+    moved = ("no token was moved" if info is not None else
+             "recorded by an earlier graph-mode call (sync=False), which dropped the offending tokens or slots")
+    if flag == FLAG_PEER_GAVE_UP:
+        raise DitronTimeoutError(
+            f"a rank timed out waiting for a peer in this call's layout exchange and gave up{who}: the ranks' "
+            f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
+            f"was moved. Call heap.reset() on every rank (collectively) before the next call",
+            stage="ep layout: counts exchange")
+    if flag == FLAG_UNREPORTED_REFUSAL:
+        if heap is not None:
+            heap.clear_refusal()
+        when = ("raised at this call's counts exchange, before this call moved anything" if info is not None else
+                "recorded by an earlier graph-mode call's counts exchange")
+        raise DitronConfigError(
+            f"a rank rejected its own arguments to an earlier combine and raised the reason there; rank(s) that "
+            f"skipped that combine without raising it (check_errors=False or a graph-mode handle){who} did not "
+            f"write its output ({when})")
+    if flag == FLAG_REFUSED:
+        raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
+                                f"no token was moved. Fix that rank's call (every rank must call with valid "
+                                f"arguments, in the same order)")
+    if flag == FLAG_TOO_MANY_TOKENS:
+        needed = max(t for _, t in info) if info is not None else max_tokens + 1
+        raise CapacityError(
+            f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed "
+            f"{needed if info is not None else f'more than {max_tokens}'}; build the buffer with a larger "
+            f"max_tokens_per_rank ({moved})", needed=needed, pending=info is None)
+    if flag == FLAG_BAD_EXPERT:
+        raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
+                           f"fix the router output ({moved})")
+
+
+def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int,
+                        heap: SymmetricHeap | None = None, flags: int | None = None) -> None:
+    """Raise input problems recorded by graph-mode calls (one host read, unless `flags` holds
+    that read already): the first in raise_input_flags' order; the others stay recorded for the
+    next check."""
+    flags = int(pending_flags.item()) if flags is None else flags
+    if not flags:
+        return
+    first = _first_flag(flags) or flags
+    pending_flags.fill_(flags & ~first)
+    raise_input_flags(first, None, num_experts, max_tokens, heap)
+
+
+def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
+    """The words default mode reads on the host, as one device tensor (no sync): total rows,
+    flags pending from graph-mode calls, the heap's error word, every rank's (flags, T)."""
+    return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word, recv.src_info.reshape(-1)])
+
+
+def layout_status_numel(world_size: int) -> int:
+    """How many int32 words `layout_status_words` returns (3, then 2 per rank)."""
+    return 3 + 2 * world_size
+
+
+def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, num_experts: int,
+                        max_tokens: int) -> int:
+    """Raise on what `layout_status_words` read (a timeout, pending or current input flags of any
+    rank); else return the total rows."""
+    total, pending, err = words[0], words[1], words[2]
+    if err:
+        heap.check_error()
+    info = [words[3 + 2 * r: 5 + 2 * r] for r in range(heap.world_size)]
+    raise_pending_flags(pending_flags, num_experts, max_tokens, heap, flags=pending)
+    raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens, heap)
+    return total
+
+
+def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
+                       max_tokens: int) -> int:
+    """The one device-to-host read of default mode: total rows, every rank's input flags, the
+    heap's error word and flags pending from graph-mode calls. Raises on any of them."""
+    words = layout_status_words(heap, recv, pending_flags).tolist()
+    return raise_layout_status(words, heap, pending_flags, num_experts, max_tokens)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class _Dispatch(torch.autograd.Function):
+    """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine)."""
+
+    @staticmethod
+    def forward(ctx, x, buffer, topk_idx, w, sync):
+        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync)
+        ctx.buffer, ctx.handle = buffer, handle
+        return recv_x, handle
+
+    @staticmethod
+    def backward(ctx, grad_recv_x, _grad_handle):
+        if grad_recv_x is None:
+            return None, None, None, None, None
+        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None)
+        return grad_x, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Forward: combine. Backward: grad_y = w * grad_out dispatched along the handle;
+    grad_w[t, k] = <grad_out[t], y(t, k)> in fp32."""
+
+    @staticmethod
+    def forward(ctx, y, w, buffer, handle):
+        out = buffer._combine_raw(y, handle, w)
+        ctx.buffer, ctx.handle = buffer, handle
+        ctx.save_for_backward(w)
+        ctx.landed = buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (w,) = ctx.saved_tensors
+        buffer, handle = ctx.buffer, ctx.handle
+        grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.landed is not None and ctx.needs_input_grad[1]:
+            valid = handle.send.topk_idx >= 0
+            dots = torch.einsum("th,tkh->tk", grad_out.to(torch.float32), ctx.landed.to(torch.float32))
+            grad_w = torch.where(valid, dots, torch.zeros_like(dots)).to(w.dtype)
+        return grad_y, grad_w, None, None

@@ -1,0 +1,148 @@
+"""EP combine kernel: expert outputs go back to the token's rank and are summed in k order.
+
+One persistent launch whose programs take tasks from an interleaved queue (task_queue.py):
+  - send-back tasks (chunk c, source s, column slice j), sources rank, rank-1, ...: the slice's
+    columns of every expanded row of the chunk's tokens are written to s's landing buffer at
+    [token, k] (its exact place, so no ordering question arises), then the (expert rank, chunk,
+    slice) signal is stamped with the epoch;
+  - reduce tasks (block b of this rank's tokens, slice j), trailing the send-backs by `lag`
+    chunks: wait for exactly the chunks holding the block's tokens, then
+    out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k) for the slice's columns, fp32, cast once.
+A token's staging slot on any rank is at most its index, so block b (BLOCK_T == BLOCK_S) needs
+chunks 0..b only: the queue's producer-before-consumer rule holds.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from ditron_ep.language.registry import register_device_function, register_kernel
+from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
+from ditron_ep.ops.ep.refusal_kernels import peer_refused
+from ditron_ep.runtime.heap import register_stage
+
+STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
+
+
+@register_device_function
+@triton.jit
+def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: tl.constexpr,
+                  HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over k = 0..K-1 of w[t, k] * land[t, k] (routed k only), fp32, k in order, one
+    cast: the combine contract, for columns [h_lo, h_hi). land is (T, K, H); o_t / m_t are the
+    block's tokens and mask."""
+    o_t64 = o_t.to(tl.int64)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_t[:, None] & (o_h < h_hi)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for k in tl.static_range(K):
+            valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
+            b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :], mask=m & valid[:, None],
+                          other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+            if HAS_WEIGHTS:
+                b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & valid, other=0.0)
+                acc += b_w[:, None] * b_y
+            else:
+                acc += b_y
+        tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def ep_combine_kernel(
+    y_ptr,            # (rows_cap, H) expert outputs in dispatch's row order
+    recv_rows_ptr,    # int32 (W, MAXT, K) row of (source, slot, k), -1 if none
+    recv_tok_ptr,     # int32 (W, MAXT) source token index of each staged token
+    tokens_from_ptr,  # int32 (W,)
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the dispatch's layout exchange
+    slot_ptr,         # int32 (T, W) staging slot of token t on rank d, -1 if t does not go there
+    topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
+    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
+    out_ptr,          # out (T, H)
+    table_ptr,        # int64 (W,)
+    sig_table_ptr,    # int64 (W,)
+    land_offset,      # bytes: symmetric (MAXT, K, H) landing buffer, y dtype
+    sig_first,        # W * n_chunks * n_slices signals: (expert rank, chunk, column slice)
+    T, H, rank, world, MAXT, n_chunks, budget,
+    n_slices,         # the buffer's column slices per chunk and per token block (task_queue.hidden_slices;
+    slice_cols,       # a smaller call may use more, task_queue.call_slices), columns per slice
+    lag,              # chunks a reduce trails the send-backs by in the queue
+    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
+    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    ok = ok & (peer_refused(table_ptr, rank, world, epoch, BLOCK_W) == 0)  # then no rank moves anything
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
+    n_blocks = tl.cdiv(T, BLOCK_T)
+    n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
+    n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, world + 1, BLOCK_H)
+    A = world * n_sl   # send-back tasks per chunk: (ring position, column slice)
+    o_s = tl.arange(0, BLOCK_S)
+    t = next_task(my_ctrl)
+    while t < n_call * A + n_blocks * n_sl:
+        if ok:
+            is_send, idx = interleaved_task(t, n_call, A, n_blocks, n_sl, lag_c)
+            i_j = idx % n_sl
+            h_lo = i_j * cols
+            h_hi = tl.minimum(h_lo + cols, H)
+            if is_send:
+                # ---- send back: the slice's columns of the rows of chunk c of source s's tokens
+                i_c = idx // A
+                i_s = (rank - (idx % A) // n_sl + world) % world
+                n = tl.load(tokens_from_ptr + i_s)
+                if i_c * BLOCK_S < n:
+                    o_j = i_c * BLOCK_S + o_s
+                    m_j = o_j < n
+                    r_src = (i_s * MAXT + o_j).to(tl.int64)
+                    i_tok = tl.load(recv_tok_ptr + r_src, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+                    p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
+                    for k in tl.static_range(K):
+                        row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                        m_r = m_j & (row >= 0)
+                        for h0 in range(h_lo, h_hi, BLOCK_H):
+                            o_h = h0 + tl.arange(0, BLOCK_H)
+                            m = m_r[:, None] & (o_h < h_hi)[None, :]
+                            b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                            tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
+                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) +
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
+            else:
+                # ---- reduce the slice's columns of a block of this rank's tokens
+                o_t = (idx // n_sl) * BLOCK_T + tl.arange(0, BLOCK_T)
+                m_t = o_t < T
+                n_bad = 0
+                for d in range(world):
+                    b_slot = tl.load(slot_ptr + o_t * world + d, mask=m_t, other=-1)  # [BLOCK_T]
+                    top = tl.max(b_slot, axis=0)
+                    lo = tl.min(tl.where(b_slot >= 0, b_slot, MAXT), axis=0) // BLOCK_S
+                    # No token of the block goes to d: an empty range (no signed division of -1).
+                    hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
+                    for c in range(lo, hi + 1):
+                        i_sig = chunk_signal(sig_first, d, n_chunks, n_slices, c, n_sl, i_j)
+                        ok_c = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
+                        n_bad += (ok_c == 0).to(tl.int32)
+                if n_bad == 0:
+                    reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
+                                  out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
+        t = next_task(my_ctrl)
+    call_end(table_ptr, rank, epoch, world, RETIRE_REFUSALS=True)
+
+
+_SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",
+        "src_info_ptr": "*i32", "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
+        "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
+        "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32",
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
+_MULT16 = ("H", "land_offset", "slice_cols")
+register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
+                                          "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)
+# fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
+# slice, lag 1, rank 1)
+_ONES = ("n_chunks", "rank", "n_slices", "lag")
+register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
+                                    "y_ptr": "*fp32", "out_ptr": "*fp32"},
+                {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
+                 "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)

@@ -1,0 +1,189 @@
+"""EP dispatch kernel: each token crosses the wire once per destination rank, the receiver
+expands it into expert-major rows.
+
+One persistent launch whose programs take tasks from an interleaved queue (task_queue.py):
+  - send tasks (chunk c, destination d, column slice j): copy columns of the c-th chunk of the
+    tokens going to d into d's staging area (slot = prefix count, never an atomic); slice 0 adds
+    per-token metadata (source token, local expert and position of every k); then stamp the
+    (source, chunk, slice) signal with the epoch. Destinations rank, rank-1, rank-2, ...;
+  - receive tasks (chunk c, source s, slice j), sources rank, rank+1, ..., trailing the sends
+    by `lag` chunks: wait for the slice (and slice 0, which carries the metadata), then write
+    every staged token's columns to its rows expert_off[e] + src_off[s, e] + pos.
+Sending and expanding thereby overlap. Column slices exist for small T, where the chunks alone
+would leave most programs idle. Rows of local expert e are ordered by (source rank, source
+token): a pure function of the routing. The same kernel replays a dispatch for combine's
+backward (SCALE_ROWS: each row times its routing weight, in fp32, cast once).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from ditron_ep.language.registry import register_device_function, register_kernel
+from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
+from ditron_ep.runtime.heap import register_stage
+
+STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk"))
+
+
+@register_device_function
+@triton.jit
+def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+                      stage_offset, meta_offset, wstage_offset, h_lo, h_hi, write_meta, H, E_local, MAXT,
+                      K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy columns [h_lo, h_hi) of staging slots o_j (mask m_j) of the tokens going to rank i_d
+    into i_d's staging area at row (rank, slot); with write_meta also the per-token metadata
+    [token, local expert of every k (-1: not on i_d), position of every k] and, with HAS_WEIGHTS,
+    the routing weights."""
+    i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
+    r_dst = (rank * MAXT + o_j).to(tl.int64)
+    p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_j[:, None] & (o_h < h_hi)[None, :]
+        b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+        tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
+    if write_meta:
+        p_meta = heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * (1 + 2 * K)
+        tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
+        for k in tl.static_range(K):
+            e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
+            mine = (e >= 0) & (e // E_local == i_d)
+            tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
+            tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+            if HAS_WEIGHTS:
+                p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
+                tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+
+
+@triton.jit
+def ep_dispatch_kernel(
+    x_ptr,            # (T, H) tokens of this rank
+    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
+    topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
+    pos_ptr,          # int32 (T, K) position of the pair among this rank's pairs of its expert
+    send_idx_ptr,     # int32 (W, MAXT) token index of the j-th token sent to rank d
+    tokens_to_ptr,    # int32 (W,)
+    expert_off_ptr,   # int32 (E_local + 1,)
+    src_off_ptr,      # int32 (W, E_local)
+    tokens_from_ptr,  # int32 (W,)
+    src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the layout exchange
+    recv_x_ptr,       # out (rows_cap, H) expert-major rows
+    recv_w_ptr,       # out fp32 (rows_cap,) weight of each row (written when HAS_WEIGHTS)
+    recv_rows_ptr,    # out int32 (W, MAXT, K) row of (source, slot, k), -1 if none
+    recv_tok_ptr,     # out int32 (W, MAXT) source token index of each staged token
+    table_ptr,        # int64 (W,) arena bases
+    sig_table_ptr,    # int64 (W,) signal bases
+    stage_offset,     # bytes: symmetric (W, MAXT, H) staged tokens, x dtype
+    meta_offset,      # bytes: symmetric int32 (W, MAXT, 1 + 2K): [token, e_local[K], pos[K]]
+    wstage_offset,    # bytes: symmetric fp32 (W, MAXT, K) staged weights
+    sig_first,        # W * n_chunks * n_slices signals: (source, chunk, column slice)
+    H, rank, world, E_local, MAXT, n_chunks, rows_cap, budget,
+    n_slices,         # the buffer's column slices per chunk (task_queue.hidden_slices; a smaller call
+    slice_cols,       # may use more, task_queue.call_slices) and columns per slice, a multiple of BLOCK_H
+    lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
+    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
+):
+    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER)
+    my_ctrl = ctrl_ptr(table_ptr, rank)
+    p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
+    META: tl.constexpr = 1 + 2 * K
+    n_call = call_chunks(src_info_ptr, world, n_chunks, BLOCK_S, BLOCK_W)
+    n_sl, cols, lag_c = call_slices(n_call, world, n_chunks, n_slices, slice_cols, lag, H, 2 * world, BLOCK_H)
+    A = world * n_sl  # tasks per chunk and side: (ring position, column slice)
+    o_s = tl.arange(0, BLOCK_S)
+    t = next_task(my_ctrl)
+    while t < 2 * n_call * A:
+        if ok:
+            is_send, idx = interleaved_task(t, n_call, A, n_call, A, lag_c)
+            i_c = idx // A
+            i_pos = (idx % A) // n_sl
+            i_j = idx % n_sl
+            h_lo = i_j * cols
+            h_hi = tl.minimum(h_lo + cols, H)
+            o_j = i_c * BLOCK_S + o_s
+            if is_send:
+                # ---- send: columns [h_lo, h_hi) of chunk c of the tokens going to rank d
+                # (slice 0 also carries the metadata); destinations rank, rank-1, ...
+                i_d = (rank - i_pos + world) % world
+                n = tl.load(tokens_to_ptr + i_d)
+                if i_c * BLOCK_S < n:
+                    stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
+                                      o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
+                                      H, E_local, MAXT, K, HAS_WEIGHTS, BLOCK_H)
+                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) +
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
+            else:
+                # ---- receive: the slice's columns of chunk c from source s, expanded into
+                # expert-major rows; sources rank, rank+1, ...
+                i_s = (rank + i_pos) % world
+                n = tl.load(tokens_from_ptr + i_s)
+                if i_c * BLOCK_S < n:
+                    i_sig = chunk_signal(sig_first, i_s, n_chunks, n_slices, i_c, n_sl, 0)
+                    arrived = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
+                    if i_j > 0:  # the metadata travels with slice 0
+                        arrived = arrived & wait(p_sig + i_sig + i_j, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV,
+                                                 i_sig + i_j, budget)
+                    if arrived:
+                        m_j = o_j < n
+                        r_src = (i_s * MAXT + o_j).to(tl.int64)
+                        p_meta = heap_ptr(table_ptr, rank, meta_offset, tl.int32) + r_src * META
+                        if i_j == 0:
+                            tl.store(recv_tok_ptr + r_src, tl.load(p_meta, mask=m_j, other=0), mask=m_j)
+                        for k in tl.static_range(K):
+                            el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
+                            pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
+                            valid = m_j & (el >= 0)
+                            base = tl.load(expert_off_ptr + el, mask=valid, other=0) + \
+                                tl.load(src_off_ptr + i_s * E_local + el, mask=valid, other=0)
+                            row = tl.where(valid & (base + pos < rows_cap), base + pos, -1)
+                            # every slice stores the same rows (it reads them back below)
+                            tl.store(recv_rows_ptr + r_src * K + k, row, mask=m_j)
+                            if HAS_WEIGHTS:
+                                if i_j == 0:
+                                    b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
+                                                  mask=row >= 0, other=0.0)
+                                    tl.store(recv_w_ptr + row, b_w, mask=row >= 0)
+                        # recv_rows was just written lane by lane; other warps read it below.
+                        tl.debug_barrier()
+                        p_stage = heap_ptr(table_ptr, rank, stage_offset, x_ptr.dtype.element_ty)
+                        for h0 in range(h_lo, h_hi, BLOCK_H):
+                            o_h = h0 + tl.arange(0, BLOCK_H)
+                            m = m_j[:, None] & (o_h < h_hi)[None, :]
+                            b_x = tl.load(p_stage + r_src[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                            for k in tl.static_range(K):
+                                r_dst = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                                m_k = m & (r_dst >= 0)[:, None]
+                                if SCALE_ROWS:
+                                    b_s = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
+                                                  mask=m_j & (r_dst >= 0), other=0.0)
+                                    b_y = (b_x.to(tl.float32) * b_s[:, None]).to(recv_x_ptr.dtype.element_ty)
+                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_y, mask=m_k)
+                                else:
+                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
+        t = next_task(my_ctrl)
+    call_end(table_ptr, rank)
+
+
+_SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",
+        "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
+        "src_info_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
+        "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
+        "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
+        "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
+_MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "slice_cols")  # real sizes; heap offsets
+# the forward dispatch (right after its layout: no entry barrier) ...
+register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
+                                           "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False},
+                label="bf16-K8", multiples_of_16=_MULT16)
+# ... and combine's backward (scaled rows, along an old handle: with the barrier), fp32 also with
+# the arguments equal to 1 that Triton specialises into plain ints (one chunk, one slice, lag 1, rank 1)
+_ONES = ("n_chunks", "rank", "n_slices", "lag")
+register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
+                                     "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
+                {**{n: 1 for n in _ONES}, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16,
+                 "BLOCK_H": 128, "BLOCK_W": 2, "ENTRY_BARRIER": True}, label="fp32-K2-scaled", multiples_of_16=_MULT16)

@@ -1,0 +1,16 @@
+"""The expert-parallel MoE layer.
+
+* `functional.py`  — `moe()`: the layer forward on cached layers (overlap / sequential / staged);
+* `fused.py`       — `FusedMoE`: the fused megakernel's launcher (plan, heap, graph cache);
+* `fused_kernels.py` — the persistent megakernel: dispatch, both expert GEMMs and combine as tasks;
+* `grouped_ffn.py` and `grouped_gemm_kernels.py` — the grouped SwiGLU FFN on its own;
+* `module.py`      — `EPMoE`: router plus local experts, an `nn.Module`;
+* `naive.py`       — the sequential torch.distributed reference and the float64 oracle.
+"""
+from ditron_ep.ops.moe_layer.functional import clear_layers, moe
+from ditron_ep.ops.moe_layer.fused import FusedMoE
+from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.ops.moe_layer.module import EPMoE
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle, ep_moe_reference
+
+__all__ = ["EPMoE", "FusedMoE", "clear_layers", "ep_moe_oracle", "ep_moe_reference", "grouped_swiglu_ffn", "moe"]

@@ -1,0 +1,867 @@
+"""Rank-side EP dispatch/combine checks (imported by name in emulated rank processes).
+
+Every rank builds every rank's inputs from the same seeds, so the expected permutation and the
+float64 oracle are computed locally with plain loops that share no code with the kernels.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.check import TOLERANCES, make_routing
+from ditron_ep.ops import EPBuffer
+
+
+def make_inputs(W: int, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
+                seed: int, drop_prob: float = 0.0):
+    xs, idxs, ws = [], [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        xs.append(torch.randn(tokens[r], H, generator=g).to(dtype))
+        idx, w = make_routing(tokens[r], E, K, kind, generator=g, drop_prob=drop_prob, num_ranks=W)
+        idxs.append(idx)
+        ws.append(w)
+    return xs, idxs, ws
+
+
+def expected_rows(xs, idxs, rank: int, W: int, E: int):
+    """(source, token, k) of every row of `rank`, in expert-major, (source, token) order."""
+    e_local = E // W
+    order = []
+    for e in range(rank * e_local, (rank + 1) * e_local):
+        for s in range(W):
+            for t in range(idxs[s].shape[0]):
+                for k in range(idxs[s].shape[1]):
+                    if int(idxs[s][t, k]) == e:
+                        order.append((s, t, k))
+    return order
+
+
+def row_scale(e: int) -> float:
+    # Expert "FFN" of the test: y = x * (1 + e / 8): exact in every dtype for small e, and
+    # different per expert, so a row returned to the wrong (t, k) shows.
+    return 1.0 + e / 8.0
+
+
+def call_slices_expected(n_call: int, W: int, buf: EPBuffer) -> int:
+    """Column slices the copy kernels should use for a call walking n_call of the buffer's chunks:
+    those of a buffer of the call's size, when more than the buffer's and within its signal words."""
+    from ditron_ep.language.task_queue import hidden_slices
+
+    used = max(n_call, 1)
+    want, _ = hidden_slices(used * buf.block_rows, W, buf.block_rows, buf.hidden, buf.block_hidden)
+    if want <= buf.n_slices:
+        return buf.n_slices
+    cap = buf.n_chunks * buf.n_slices // used
+    n_hb = -(-buf.hidden // buf.block_hidden)
+    return -(-n_hb // -(-n_hb // min(want, cap)))
+
+
+def stamped_words_ok(buf: EPBuffer, idxs, rank: int, W: int, E: int) -> dict:
+    """After one dispatch + combine (the buffer's last two launches): the words each copy kernel
+    stamped with its epoch are exactly (source, chunk < the chunks holding that pair's tokens,
+    slice < the call's slices), at chunk_signal's index: dispatch's on the receiver, combine's on
+    the tokens' owner."""
+    e_local = E // W
+    goes = [[int(((i >= 0) & (i // e_local == d)).any(1).sum()) for d in range(W)] for i in idxs]  # [src][dst]
+    n_call = min(-(-max(i.shape[0] for i in idxs) // buf.block_rows), buf.n_chunks)
+    n_sl = call_slices_expected(n_call, W, buf)
+    per_rank = buf.n_chunks * buf.n_slices
+    sig = buf.heap.signals.cpu()
+    epoch = buf.heap.epoch  # the combine's; the dispatch data kernel's is one less
+    out = {"n_sl": n_sl}
+    for name, first, e, pairs in (("dispatch", buf._sig_dispatch, epoch - 1, [goes[s][rank] for s in range(W)]),
+                                  ("combine", buf._sig_combine, epoch, [goes[rank][d] for d in range(W)])):
+        ok = True
+        for peer, n in enumerate(pairs):
+            words = sig[first + peer * per_rank:first + (peer + 1) * per_rank]
+            got = set((words == e).nonzero().flatten().tolist())
+            want = {c * n_sl + j for c in range(-(-n // buf.block_rows)) for j in range(n_sl)}
+            ok = ok and got == want
+        out[name] = ok
+    return out
+
+
+def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
+                          seed: int = 0, drop_prob: float = 0.0, max_tokens: int | None = None,
+                          num_programs: int | None = None, block_rows: int = 16, block_hidden: int | None = None,
+                          hidden_slices: int | None = None) -> dict:
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    buf = EPBuffer(None, E, H, max_tokens or max(max(tokens), 1), K, dtype, num_programs=num_programs,
+                   block_rows=block_rows, block_hidden=block_hidden, hidden_slices=hidden_slices)
+    report: dict = {"n_slices": buf.n_slices}
+
+    order = expected_rows(xs, idxs, rank, W, E)
+    ref = torch.stack([xs[s][t] for s, t, _ in order]) if order else torch.empty(0, H, dtype=dtype)
+    e_local = E // W
+    counts = [sum(1 for s, t, k in order if int(idxs[s][t, k]) == e)
+              for e in range(rank * e_local, (rank + 1) * e_local)]
+
+    def run(sync: bool):
+        recv_x, handle = buf.dispatch(x, idx, w, sync=sync)
+        n = int(handle.expert_offsets[-1])
+        scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - n))
+        y = (recv_x.to(torch.float32) * scale[:, None]).to(dtype)
+        out = buf.combine(y, handle, w)
+        return recv_x, handle, n, y, out
+
+    recv_x, handle, n, y, out = run(True)
+    report["stamped"] = stamped_words_ok(buf, idxs, rank, W, E)
+    report["rows"] = (recv_x.shape[0], len(order))
+    report["dispatch_exact"] = recv_x.shape[0] == len(order) and torch.equal(recv_x, ref)
+    report["counts_ok"] = handle.num_recv_per_expert.tolist() == counts
+    report["offsets_ok"] = handle.expert_offsets.tolist() == [sum(counts[:i]) for i in range(e_local + 1)]
+    report["recv_weights_ok"] = torch.equal(handle.recv_weights, torch.tensor(
+        [float(ws[s][t, k]) for s, t, k in order], dtype=torch.float32))
+
+    # float64 oracle of combine from the exact rows each expert rank produced
+    ys = [None] * W
+    dist.all_gather_object(ys, (order, y))
+    exp = torch.zeros(tokens[rank], H, dtype=torch.float64)
+    for s_rank, (order_d, y_d) in enumerate(ys):
+        for row, (s, t, k) in enumerate(order_d):
+            if s == rank:
+                exp[t] += float(w[t, k]) * y_d[row].to(torch.float64)
+    err = (out.to(torch.float64) - exp).abs()
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else TOLERANCES[dtype]
+    report["combine_max_abs"] = float(err.max()) if err.numel() else 0.0
+    report["combine_ok"] = bool((err <= atol + rtol * exp.abs()).all())
+
+    # run-to-run and graph mode: bitwise identical
+    recv_x2, _, _, _, out2 = run(True)
+    report["rerun_bitwise"] = torch.equal(recv_x2, recv_x) and torch.equal(out2, out)
+    report["out_bytes"] = out.contiguous().view(torch.uint8).flatten().tolist() if out.numel() else []
+    recv_g, handle_g, n_g, _, out_g = run(False)
+    report["graph_rows_cap"] = recv_g.shape[0]
+    report["graph_bitwise"] = n_g == n and torch.equal(recv_g[:n], recv_x) and torch.equal(out_g, out)
+    buf.free()
+    return report
+
+
+def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int = 0,
+                  sync: bool = True, block_hidden: int | None = None, hidden_slices: int | None = None) -> dict:
+    """d(sum(out * R)) / dx and / dw through dispatch -> per-expert scale -> combine, vs float64."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob=0.1)
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, block_hidden=block_hidden, hidden_slices=hidden_slices)
+    x = xs[rank].clone().requires_grad_(True)
+    w = ws[rank].clone().requires_grad_(True)
+    idx = idxs[rank]
+    g = torch.Generator().manual_seed(seed + 77 + rank)
+    upstream = torch.randn(tokens[rank], H, generator=g).to(dtype)
+    order = expected_rows(xs, idxs, rank, W, E)
+    recv_x, handle = buf.dispatch(x, idx, sync=sync)
+    scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - len(order)))
+    y = recv_x * scale[:, None].to(dtype)
+    out = buf.combine(y, handle, w)
+    (out.to(torch.float32) * upstream.to(torch.float32)).sum().backward()
+
+    # float64 oracle: out[t] = sum_k w[t,k] * x[t] * scale(e_k)
+    x64 = xs[rank].to(torch.float64).requires_grad_(True)
+    w64 = ws[rank].to(torch.float64).requires_grad_(True)
+    valid = idx >= 0
+    sc = torch.where(valid, 1.0 + idx.clamp(min=0).to(torch.float64) / 8.0, torch.zeros((), dtype=torch.float64))
+    out64 = (w64 * sc).sum(dim=1, keepdim=True) * x64
+    (out64 * upstream.to(torch.float64)).sum().backward()
+    rtol, atol = TOLERANCES[dtype]
+    rtol, atol = rtol * 4, atol * 4 * H  # gradients sum H (for w) or K (for x) rounded terms
+    dx = (x.grad.to(torch.float64) - x64.grad).abs()
+    dw = (w.grad.to(torch.float64) - w64.grad).abs()
+    buf.free()
+    return {
+        "dx_max": float(dx.max()) if dx.numel() else 0.0, "dw_max": float(dw.max()) if dw.numel() else 0.0,
+        "dx_ok": bool((dx <= atol + rtol * x64.grad.abs()).all()),
+        "dw_ok": bool((dw <= atol + rtol * w64.grad.abs()).all()),
+        "dw_dropped_zero": bool((w.grad[~valid] == 0).all()),
+    }
+
+
+def _recorder(res: dict):
+    """catch(key, fn, exc=DitronConfigError): run fn and record under `key` "no error" or the
+    expected exception as "<type>: <message>" (any other exception propagates)."""
+    from ditron_ep.runtime import DitronConfigError
+
+    def catch(key, fn, exc=DitronConfigError):
+        try:
+            fn()
+            res[key] = "no error"
+        except exc as err:
+            res[key] = f"{type(err).__name__}: {err}"
+    return catch
+
+
+def _timed_recorder(res: dict):
+    """timed(key, fn, exc=DitronConfigError): `_recorder`'s catch, and the seconds the call took
+    recorded under key + "_s" (a refusal answers at once; a timeout takes its deadline)."""
+    catch = _recorder(res)
+
+    def timed(key, fn, *exc):
+        t0 = time.monotonic()
+        catch(key, fn, *exc)
+        res[key + "_s"] = time.monotonic() - t0
+    return timed
+
+
+def _is_weighted_sum(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A combine of identity experts: out[t] = sum_k w[t, k] * x[t], to fp32 rounding."""
+    return bool(torch.allclose(out, w.sum(dim=1, keepdim=True) * x, rtol=1e-6, atol=1e-6))
+
+
+def _functional_round_trip(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, E: int) -> bool:
+    """ops.dispatch then ops.combine of the received rows unchanged: the weighted sum of x."""
+    from ditron_ep.ops import combine, dispatch
+
+    recv_x, handle = dispatch(x, idx, num_experts=E)
+    return _is_weighted_sum(combine(recv_x, handle, w, num_experts=E), x, w)
+
+
+def _refusal_operands(T: int, inputs_seed: int, weights_seed: int):
+    """This rank's operands of a refusal case: 2 experts a rank, H=32, I=16, top-2, fp32, T tokens
+    a rank, uniform routing. Returns (E, H, I, K, x, idx, w, w1, w2, g); g drew w1 and w2 and can
+    draw more."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K = 2 * W, 32, 16, 2
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=inputs_seed)
+    g = torch.Generator().manual_seed(weights_seed + rank)
+    w1 = torch.randn(E // W, H, 2 * I, generator=g) / H ** 0.5
+    w2 = torch.randn(E // W, I, H, generator=g) / I ** 0.5
+    return E, H, I, K, xs[rank], idxs[rank], ws[rank], w1, w2, g
+
+
+@contextlib.contextmanager
+def _sizing_timeout(seconds: str):
+    """DITRON_SIZING_TIMEOUT_S=seconds inside the block; on leaving it the variable is unset and
+    every cached layer and buffer freed (collective, as the cases' calls are)."""
+    from ditron_ep.ops import clear_cache, clear_layers
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    os.environ[SIZING_TIMEOUT_ENV] = seconds
+    try:
+        yield
+    finally:
+        os.environ.pop(SIZING_TIMEOUT_ENV, None)
+        clear_layers()
+        clear_cache()
+
+
+def error_cases() -> dict:
+    """Bad input: clear errors on every rank before any token moves; graph mode records them."""
+    from ditron_ep.ops import CapacityError, RoutingError
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 4 * W, 32, 2
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    x = torch.randn(6, H)
+    idx = torch.tensor([[0, 1]] * 6)
+    res = {}
+    catch = _recorder(res)
+
+    bad_idx = idx.clone()
+    if rank == 1:
+        bad_idx[2, 1] = E + 3
+    catch("bad_expert", lambda: buf.dispatch(x, bad_idx), RoutingError)
+    big = torch.randn(12 if rank == 0 else 4, H)
+    catch("too_many", lambda: buf.dispatch(big, torch.zeros(big.shape[0], K, dtype=torch.long)), CapacityError)
+    # graph mode: recorded, offending slot dropped, raised by the next host-visible call
+    recv_x, handle = buf.dispatch(x, bad_idx, sync=False)
+    res["graph_rows_dropped"] = int(handle.expert_offsets[-1])
+    catch("graph_then_check", buf.check, RoutingError)
+    catch("after_check_clean", buf.check, RoutingError)
+    catch("hidden", lambda: buf.dispatch(torch.randn(6, H + 1), idx), DitronConfigError)
+    catch("dtype", lambda: buf.dispatch(x.to(torch.float16), idx), DitronConfigError)
+    catch("topk_shape", lambda: buf.dispatch(x, idx[:, :1]), DitronConfigError)
+    catch("idx_dtype", lambda: buf.dispatch(x, idx.float()), DitronConfigError)
+    catch("non_contig", lambda: buf.dispatch(torch.randn(H, 6).t(), idx), DitronConfigError)
+    recv_x, handle = buf.dispatch(x, idx)
+    catch("y_rows", lambda: buf.combine(torch.zeros(recv_x.shape[0] + 1, H), handle), DitronConfigError)
+    catch("bad_handle", lambda: buf.combine(recv_x, object()), DitronConfigError)
+    catch("experts_not_multiple", lambda: EPBuffer(None, E + 1, H, 8, K, torch.float32), DitronConfigError)
+    catch("block_hidden", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=48), DitronConfigError)
+    catch("num_warps", lambda: EPBuffer(None, E, H, 8, K, torch.float32, num_warps=3), DitronConfigError)
+    # a bad argument on one rank only: every rank raises (none is left waiting in a collective)
+    catch("one_rank_bad", lambda: EPBuffer(None, E, H, 8, K, torch.float32, block_hidden=24 if rank == 1 else 16),
+          DitronConfigError)
+    catch("one_rank_bad_slices", lambda: EPBuffer(None, E, H, 8, K, torch.float32,
+                                                  hidden_slices=0 if rank == 0 else None), DitronConfigError)
+    buf.free()
+    return res
+
+
+def no_collectives_case() -> dict:
+    """After set-up, dispatch and combine must not call any torch.distributed collective."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 48, 2
+    buf = EPBuffer(None, E, H, 10, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [10] * W, H, E, K, torch.float32, "uniform", seed=5)
+    names = ["all_to_all_single", "all_to_all", "all_gather", "all_gather_object", "all_reduce", "broadcast",
+             "broadcast_object_list", "send", "recv", "isend", "irecv", "reduce_scatter", "gather",
+             "scatter", "barrier", "all_gather_into_tensor", "reduce_scatter_tensor"]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def forbidden(*a, **k):
+        raise AssertionError("a torch.distributed collective was called during dispatch/combine")
+
+    try:
+        for n in names:
+            setattr(dist, n, forbidden)
+        recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        out = buf.combine(recv_x, handle, ws[rank])
+        recv_g, handle_g = buf.dispatch(xs[rank], idxs[rank], sync=False)
+        out_g = buf.combine(recv_g, handle_g, ws[rank])
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    ok = torch.equal(out, out_g)
+    buf.free()
+    return {"ok": ok}
+
+
+def functional_regrow_case() -> dict:
+    """Functional wrappers: cached buffer sized at first use, regrown when a call exceeds it."""
+    from ditron_ep.ops import clear_cache, combine, dispatch, get_buffer
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res = {}
+    for call, T in enumerate([3, 5, 40]):  # the third exceeds the first size
+        tokens = [T if r == 0 else 2 for r in range(W)]
+        xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, "uniform", seed=call)
+        recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
+        out = combine(recv_x, handle, ws[rank], num_experts=E)
+        exp = (ws[rank].sum(dim=1, keepdim=True) * xs[rank])  # y = x for every expert
+        res[call] = (get_buffer(None, E, H, K, torch.float32, 0).max_tokens,
+                     bool(torch.allclose(out, exp, rtol=1e-6, atol=1e-6)))
+    clear_cache()
+    return res
+
+
+def mismatched_cache_key_case() -> dict:
+    """Functional dispatch whose shapes key a different cached buffer on one rank: the ranks meet
+    no collective. Rank 1 (new hidden size) raises in the bounded sizing naming rank 0; rank 0
+    (its cached buffer) raises DitronTimeoutError in its dispatch. Then ranks whose first use of a
+    key disagrees raise together, and afterwards matching calls line up and are right."""
+    from ditron_ep.ops import clear_cache, get_buffer
+    from ditron_ep.runtime import DitronTimeoutError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, K = 2 * W, 2
+    res = {}
+    res_catch = _recorder(res)
+
+    def run(H, T=4, seed=0):
+        xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", seed=seed)
+        return _functional_round_trip(xs[rank], idxs[rank], ws[rank], E)
+
+    with _sizing_timeout("3"):
+        res["first"] = run(32)
+        if rank == 0:
+            get_buffer(None, E, 32, K, torch.float32, 0).heap.wait_budget = 4000  # time out in seconds
+            res_catch("cached", lambda: run(32), DitronTimeoutError)
+        else:
+            res_catch("new", lambda: run(48))
+        clear_cache()
+        res_catch("first_use_differs", lambda: run(48 if rank == 0 else 64))
+        res["after"] = run(48, seed=1)  # the failed sizings left the ranks' sizing numbers in step
+    return res
+
+
+def unkeyed_refusal_case() -> dict:
+    """Arguments that cannot key a cached buffer or layer (wrong number of dimensions) or that ask
+    for gradients, on one rank, with the peer's call on the group's only cached buffer / layer:
+    the peer raises DitronConfigError naming the rank at once (no timeout), and the next call on
+    every rank is right. Functional dispatch, and moe overlap and staged."""
+    from ditron_ep.ops import clear_cache, clear_layers, dispatch, moe
+    from ditron_ep.runtime import DitronConfigError
+
+    rank = dist.get_rank()
+    E, H, I, K, x, idx, w, w1, w2, _ = _refusal_operands(6, inputs_seed=3, weights_seed=50)
+    res: dict = {}
+    timed = _timed_recorder(res)
+
+    recv_x, _ = dispatch(x, idx, num_experts=E)  # caches the buffer
+    timed("dispatch_1d", lambda: dispatch(x[0] if rank == 1 else x, idx, num_experts=E))
+    res["dispatch_after"] = torch.equal(dispatch(x, idx, num_experts=E)[0], recv_x)
+    for schedule in ("overlap", "staged"):
+        with torch.no_grad():
+            ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the layer / buffer
+            timed(f"{schedule}_1d", lambda: moe(x, idx, w[:, 0] if rank == 1 else w, w1, w2, schedule=schedule))
+        wg = w1.clone().requires_grad_(rank == 1)
+        timed(f"{schedule}_grad", lambda: moe(x, idx, w, wg, w2, schedule=schedule),
+              NotImplementedError if rank == 1 else DitronConfigError)
+        with torch.no_grad():
+            res[f"{schedule}_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
+    clear_layers()
+    clear_cache()
+    return res
+
+
+def refusal_never_guesses_past_an_exact_key_case() -> dict:
+    """A layer / buffer is cached (top-2); every rank then calls at a new shape (top-1), rank 1
+    with an argument the exact key still names (w1 asking for gradients; topk_weights of the
+    wrong length in staged): rank 1 must not refuse through the cached one (its peers are
+    sizing the new one, which times out: the key comes from rejected arguments, so rank 1 does
+    not refuse that sizing either), and the cached one stays in step for the next call."""
+    from ditron_ep.ops import moe
+    from ditron_ep.runtime import DitronConfigError
+
+    rank = dist.get_rank()
+    _, _, _, _, x, idx, w, w1, w2, _ = _refusal_operands(6, inputs_seed=7, weights_seed=60)
+    res: dict = {}
+    catch = _recorder(res)
+    with _sizing_timeout("3"):
+        for schedule in ("overlap", "staged"):
+            with torch.no_grad():
+                ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the top-2 layer / buffer
+            x1, idx1, w_1 = x, idx[:, :1].contiguous(), w[:, :1].contiguous()
+            if schedule == "overlap":
+                bad = (x1, idx1, w_1, w1.clone().requires_grad_(rank == 1), w2)
+                want = NotImplementedError if rank == 1 else DitronConfigError
+                catch(f"{schedule}_new_shape", lambda: moe(*bad, schedule=schedule), want)
+            else:
+                bad_w = w_1[:-1] if rank == 1 else w_1
+                with torch.no_grad():
+                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, bad_w, w1, w2, schedule=schedule))
+            with torch.no_grad():
+                res[f"{schedule}_cached_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
+    return res
+
+
+def _align_sizings() -> None:
+    """One matching sizing on every rank: it passes over the generations earlier tests left timed
+    out (the cluster's processes and store outlive a test), so the ranks' counters agree. A
+    refusal marks only its rank's current generation: on a rank whose counter still names a
+    timed-out one it marks nothing (it cannot tell a later call's sizing from its own)."""
+    from ditron_ep.runtime.sizing import agree_on_tokens
+    agree_on_tokens(None, "align", {"test": "align"}, 1)
+
+
+def first_use_refusal_case() -> dict:
+    """Nothing is cached yet: rank 1's first call has arguments that are rejected, rank 0's are
+    right and it sizes the new buffer / layer. Rank 1 refuses that sizing, so rank 0 raises at
+    once naming rank 1 and its error, whether rank 0 reached the sizing before rank 1's refusal
+    or after it (`late`). Cases: functional dispatch with a 3-D x; moe overlap with a 1-D
+    topk_weights; EPMoE's first forward with x of the wrong hidden size while a layer of another
+    shape is cached (the module's own key is trusted). Afterwards matching calls on every rank
+    line up (the sizing numbers stayed in step) and are right."""
+    from ditron_ep.ops import EPMoE, clear_cache, clear_layers, dispatch, moe
+
+    rank = dist.get_rank()
+    T = 5
+    E, H, I, K, x, idx, w, w1, w2, _ = _refusal_operands(T, inputs_seed=11, weights_seed=70)
+    res: dict = {}
+    timed = _timed_recorder(res)
+    with _sizing_timeout("30"):  # a refusal must not wait for it
+        _align_sizings()
+        for late in (False, True):
+            sfx = "_late" if late else ""
+            clear_cache()
+            clear_layers()
+            dist.barrier()
+            if rank == 0 and late:
+                time.sleep(1.0)  # rank 1's refusal is already in the store
+            timed("dispatch" + sfx, lambda: dispatch(x[None] if rank == 1 else x, idx, num_experts=E))
+            dist.barrier()
+            if rank == 0 and late:
+                time.sleep(1.0)
+            with torch.no_grad():
+                timed("moe" + sfx, lambda: moe(x, idx, w[:, 0] if rank == 1 else w, w1, w2))
+        res["dispatch_after"] = _functional_round_trip(x, idx, w, E)
+        with torch.no_grad():
+            res["moe_after"] = torch.equal(moe(x, idx, w, w1, w2), moe(x, idx, w, w1, w2))
+        layer = EPMoE(H, I, E, K)
+        clear_layers()  # the calls above cached this shape's layer: EPMoE's first forward sizes it anew
+        with torch.no_grad():
+            moe(x, idx[:, :1].contiguous(), w[:, :1].contiguous(), w1, w2)  # while one of another shape is cached
+            timed("epmoe", lambda: layer(x[:, :-1] if rank == 1 else x))
+            res["epmoe_after"] = tuple(layer(x)[0].shape) == (T, H)
+    return res
+
+
+def refusal_marks_no_later_sizing_case() -> dict:
+    """A refusal must not mark a sizing its peers are not in, or the peers' next valid sizing
+    fails. (a) A staged buffer is cached; rank 1 calls with x, w1 and w2 in float64 (rejected;
+    the key they agree on is not cached), rank 0's valid call runs on the cached buffer and times
+    out waiting for rank 1. (b) Nothing cached; rank 0 sizes alone past its deadline; rank 1 arrives late
+    with a 3-D x and refuses. After each, a first valid dispatch on every rank must succeed."""
+    from ditron_ep.ops import clear_cache, dispatch, get_buffer, moe
+    from ditron_ep.runtime import DitronConfigError, DitronTimeoutError
+    from ditron_ep.runtime.sizing import SIZING_TIMEOUT_ENV
+
+    rank = dist.get_rank()
+    E, H, I, K, x, idx, w, w1, w2, _ = _refusal_operands(6, inputs_seed=13, weights_seed=80)
+    res: dict = {}
+    catch = _recorder(res)
+
+    def valid_first_use(key):
+        clear_cache()
+        dist.barrier()
+        t0 = time.monotonic()
+        res[key] = _functional_round_trip(x, idx, w, E)
+        res[key + "_s"] = time.monotonic() - t0
+
+    with _sizing_timeout("20"):
+        _align_sizings()
+        with torch.no_grad():
+            moe(x, idx, w, w1, w2, schedule="staged")  # caches the buffer
+            if rank == 0:
+                get_buffer(None, E, H, K, torch.float32, 0).heap.wait_budget = 4000  # time out in seconds
+            args = (x, w1, w2) if rank == 0 else (x.double(), w1.double(), w2.double())  # agreeing, all rejected
+            catch("a", lambda: moe(args[0], idx, w, args[1], args[2], schedule="staged"),
+                  DitronConfigError if rank == 1 else DitronTimeoutError)
+        valid_first_use("a_after")
+        os.environ[SIZING_TIMEOUT_ENV] = "2"
+        clear_cache()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(4)  # past rank 0's deadline
+        catch("b", lambda: dispatch(x[None] if rank == 1 else x, idx, num_experts=E))
+        os.environ[SIZING_TIMEOUT_ENV] = "20"
+        valid_first_use("b_after")
+    return res
+
+
+def moe_local_mistake_case() -> dict:
+    """A layer is cached; then rank 1 alone makes a mistake it can see by itself, while rank 0's
+    call is right: x in fp16 with fp32 weights, or a w2 that does not match w1. Rank 1 raises at
+    once naming the argument (not a sizing timeout for a layer keyed from its mismatched
+    arguments); its key leaves the disputed field unknown, which still names the one cached
+    layer, so rank 0 raises at once too; the next call is right on both. Then every rank passes
+    the bad w2: the message names w2, not w1."""
+    from ditron_ep.ops import moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, x, idx, w, w1, w2, g = _refusal_operands(6, inputs_seed=17, weights_seed=90)
+    w2_bad = torch.randn(E // W, I + 1, H, generator=g)
+    res: dict = {}
+    catch = _recorder(res)
+    timed = _timed_recorder(res)
+    with _sizing_timeout("30"):
+        _align_sizings()
+        with torch.no_grad():
+            ref = moe(x, idx, w, w1, w2)  # caches the fp32 layer
+            timed("x_fp16", lambda: moe(x.half() if rank == 1 else x, idx, w, w1, w2))
+            res["x_fp16_after"] = torch.equal(moe(x, idx, w, w1, w2), ref)
+            timed("w2_bad", lambda: moe(x, idx, w, w1, w2_bad if rank == 1 else w2))
+            res["w2_bad_after"] = torch.equal(moe(x, idx, w, w1, w2), ref)
+            catch("w2_bad_everywhere", lambda: moe(x, idx, w, w1, w2_bad))
+    return res
+
+
+def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
+    """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+    from ditron_ep.ops.moe_layer.functional import SCHEDULES
+    from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.1)
+    e_local = E // W
+    w1s, w2s = [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
+        w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
+        w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
+    with torch.no_grad():
+        outs = {s: moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], schedule=s) for s in SCHEDULES}
+        out = outs["overlap"]
+        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], check_errors=True)
+    exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
+    err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
+                       for o in outs.values()])
+    grad_refused = False
+    try:
+        moe(xs[rank].requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    except NotImplementedError:
+        grad_refused = True
+    clear_cache()
+    clear_layers()
+    bound = 1e-5 + 1e-5 * (float(exp.abs().max()) if exp.numel() else 0.0)
+    return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
+            "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
+            "grad_refused": grad_refused}
+
+
+def tiling_mismatch_case() -> str:
+    """Ranks asking for different column tilings (block_hidden) with the same slice count: the
+    signal counts agree, so only the tiling check can stop a silent column mix-up."""
+    from ditron_ep.runtime import DitronConfigError
+    rank = dist.get_rank()
+    try:
+        EPBuffer(None, 4, 48, 8, 2, torch.float32, block_hidden=16 if rank == 0 else 32, hidden_slices=2)
+    except DitronConfigError as e:
+        return f"DitronConfigError: {e}"
+    return "no error"
+
+
+def layout_halves_case(W: int, E: int, K: int, calls: int, seed: int = 0) -> dict:
+    """Back-to-back counts exchanges, a different routing each. First `calls` in lock step (a
+    barrier after each): call n lands in half n % 2 of the landing buffer and leaves the other
+    half as it was. Then `calls` more with the ranks skewed by random sleeps and no barrier (a
+    rank may run an exchange ahead): every receive layout must still be its own call's."""
+    import random
+    import time
+
+    from ditron_ep.runtime import control as C
+
+    rank = dist.get_rank()
+    e_local = E // W
+    T = 12
+    buf = EPBuffer(None, E, 32, T, K, torch.float32)
+    landing = buf.heap.local_view("ep/layout")  # [2, W, E_local + LAYOUT_EXTRA] int32
+    landing.fill_(-7)
+    dist.barrier()
+    rng = random.Random(seed * 100 + rank)
+    rep = {"recv_ok": [], "halves_ok": [], "seq": []}
+    previous = torch.full_like(landing[0], -7)
+    for n in range(2 * calls):
+        lock_step = n < calls
+        idxs = [make_routing(T, E, K, "zipf" if (n + s) % 2 else "uniform",
+                             generator=torch.Generator().manual_seed(seed * 1000 + n * 10 + s), num_ranks=W)[0]
+                for s in range(W)]
+        if not lock_step:
+            time.sleep(rng.random() * 0.05)
+        send, recv = buf._launch_layout(idxs[rank])
+        counts = torch.stack([torch.bincount(i[i >= 0].reshape(-1), minlength=E)[rank * e_local:(rank + 1) * e_local]
+                              for i in idxs]).to(torch.int32)  # [source, local expert]
+        rep["recv_ok"].append(torch.equal(recv.num_recv.cpu(), counts.sum(0).to(torch.int32))
+                              and torch.equal(recv.src_off.cpu(), (counts.cumsum(0) - counts).to(torch.int32)))
+        if lock_step:
+            dist.barrier()  # every rank's exchange n has finished: no write of exchange n + 1 yet
+            rep["halves_ok"].append(torch.equal(landing[n % 2, :, :e_local], counts)
+                                    and torch.equal(landing[(n + 1) % 2], previous))
+            previous = landing[n % 2].clone()
+            dist.barrier()
+        rep["seq"].append(int(buf.heap._ctrl[C.LAYOUT_SEQ]))
+    buf.free()
+    return rep
+
+
+class _RerunGraph:
+    """Stands in for a CUDA graph on the CPU: `replay()` reruns the captured launches."""
+
+    def __init__(self, launches) -> None:
+        self.launches = launches
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.launches()
+
+
+class _DoneEvent:
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:  # CPU kernels have finished when they return
+        pass
+
+
+def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor):
+    """EPBuffer._capture_layout for the CPU: the buffer's own static tensors and launch sequence
+    (`_layout_statics`, `_layout_launches`), with a "graph" that reruns that sequence on every
+    replay. Nothing runs at capture, as with a CUDA graph (ranks may capture on different calls)."""
+    c = buf._layout_statics(topk_idx)
+    c.arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
+    c.graph = _RerunGraph(lambda: buf._layout_launches(c))
+    c.ready = _DoneEvent()
+    return c
+
+
+def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, seed: int = 0) -> dict:
+    """A buffer replaying its layout (graph_cache, with the CPU stand-in for the graph) against
+    one launching directly: `calls` dispatches per mode with fresh routings (the same T), every
+    handle kept and combined only after all of them (a replay must not rewrite an earlier call's
+    layout); graph mode (sync=False) never replays. Then a replayed call with a bad expert id on
+    rank 0 raises on every rank, and so does `check()` after a graph-mode call with one."""
+    from ditron_ep.ops.ep.buffer import RoutingError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32
+    direct = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=0)
+    cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
+    cached._can_capture = lambda: True
+    cached._capture_layout = lambda idx: _cpu_capture_layout(cached, idx)
+    report = {"same": [], "replays": 0}
+    for sync in (True, False):
+        runs = {"direct": [], "cached": []}
+        for i in range(calls):
+            xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", seed * 100 + i + 50 * sync)
+            for name, buf in (("direct", direct), ("cached", cached)):
+                recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank], sync=sync)
+                runs[name].append((recv_x.clone(), handle, ws[rank]))
+        for (rx_d, h_d, w), (rx_c, h_c, _) in zip(runs["direct"], runs["cached"]):
+            out_d = direct.combine(rx_d * 1.5, h_d, w)
+            out_c = cached.combine(rx_c * 1.5, h_c, w)
+            n = int(h_d.expert_offsets[-1])  # graph mode: rows past the valid extent are unwritten
+            report["same"].append(torch.equal(rx_d[:n], rx_c[:n]) and torch.equal(out_d, out_c)
+                                  and torch.equal(h_d.expert_offsets, h_c.expert_offsets)
+                                  and torch.equal(h_d.send.slot, h_c.send.slot))
+    report["captured"] = len(cached._layouts)
+    report["replays"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", seed + 999)
+    if rank == 0 and tokens[0]:
+        idxs[0][0, 0] = E + 3
+    try:
+        cached.dispatch(xs[rank], idxs[rank], ws[rank])
+        report["bad"] = "no error"
+    except RoutingError as err:
+        report["bad"] = f"RoutingError: {err}"
+    report["replays_after_bad"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    cached.dispatch(xs[rank], idxs[rank], ws[rank], sync=False)
+    try:
+        cached.check()
+        report["bad_graph_mode"] = "no error"
+    except RoutingError as err:
+        report["bad_graph_mode"] = f"RoutingError: {err}"
+    report["replays_after_graph_mode"] = sum(c.graph.replays for c in cached._layouts._entries.values())
+    direct.free()
+    cached.free()
+    return report
+
+
+def api_misuse_cases() -> dict:
+    """Misuse found by probing the public API: each must give a clear error on every rank (or
+    reach the user), never garbage or a swallowed problem."""
+    from ditron_ep.ops import CapacityError, clear_cache, clear_layers, combine, dispatch, moe
+    from ditron_ep.ops.ep import functional as F
+    from ditron_ep.ops.moe_layer.fused import FusedMoE
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res: dict = {}
+    catch = _recorder(res)
+
+    # constructor arguments that must match on every rank: named, on every rank
+    catch("hidden_differs", lambda: EPBuffer(None, E, H if rank == 0 else 2 * H, 8, K, torch.float32))
+    catch("fused_topk_differs", lambda: FusedMoE(None, E, H, 16, 8, K if rank == 0 else 1, torch.float32))
+    # bf16 GEMMs are wrong under the interpreter: refused instead of returning garbage
+    catch("fused_bf16", lambda: FusedMoE(None, E, H, 16, 8, K, torch.bfloat16))
+    # a bad argument on one rank only (default mode): that rank raises its reason, every peer a
+    # DitronConfigError naming it at once (not a timeout in the counts exchange); then a valid
+    # call on every rank works (the ranks stayed in step)
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [5] * W, H, E, K, torch.float32, "uniform", seed=2)
+    bad_x = torch.randn(5, H + 1) if rank == 1 else xs[rank]
+    t0 = time.monotonic()
+    catch("one_rank_bad_call", lambda: buf.dispatch(bad_x, idxs[rank], ws[rank]))
+    res["one_rank_bad_call_s"] = time.monotonic() - t0
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])  # y = x for every expert
+    res["in_step_after"] = _is_weighted_sum(out, xs[rank], ws[rank])
+    # the same for combine, whose launch enters through a barrier: the rank with a bad y takes part
+    # in it flagged, so its peer raises a DitronConfigError naming it at once, and both stay in step
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    bad_y = recv_x.double() if rank == 1 else recv_x
+    t0 = time.monotonic()
+    catch("one_rank_bad_combine", lambda: buf.combine(bad_y, handle, ws[rank]))
+    res["one_rank_bad_combine_s"] = time.monotonic() - t0
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])
+    res["in_step_after_combine"] = _is_weighted_sum(out, xs[rank], ws[rank])
+    # the stamp of the slot a combine read is rewritten with that combine's epoch (no old stamp
+    # can match a later epoch), and a heap restarted just below the int32 wrap-around takes calls
+    # across epoch 0 with no false refusal
+    from ditron_ep.runtime import control as C
+    e = buf.heap.epoch
+    slot = C.refusal_slot(e)
+    res["slot_retired"] = buf.heap._ctrl[slot:slot + W].tolist() == [e] * W
+    buf.heap.reset(epoch=-4)
+    across = []
+    for _ in range(3):  # 2 launches a dispatch, 1 a combine: epochs -3 .. 5
+        recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+        out = buf.combine(recv_x, handle, ws[rank])
+        across.append(_is_weighted_sum(out, xs[rank], ws[rank]))
+    res["across_wrap"] = all(across) and buf.heap.epoch == 5
+    # a refusal its peer does not read at once (check_errors=False): the peer's combine returns
+    # (its output unwritten), and the next dispatch raises on every rank, before moving anything;
+    # the call after that is right on both (the ranks stayed in step)
+    lax = EPBuffer(None, E, H, 8, K, torch.float32, check_errors=False)
+    recv_x, handle = lax.dispatch(xs[rank], idxs[rank], ws[rank])
+    catch("lax_bad_combine", lambda: lax.combine(recv_x.double() if rank == 1 else recv_x, handle, ws[rank]))
+    catch("lax_next_dispatch", lambda: lax.dispatch(xs[rank], idxs[rank], ws[rank]))
+    recv_x, handle = lax.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = lax.combine(recv_x, handle, ws[rank])
+    res["lax_in_step_after"] = _is_weighted_sum(out, xs[rank], ws[rank])
+    lax.free()
+    # graph mode: different problems of two ranks in one call are both kept (the flags are bit
+    # sets, OR-ed), and check() raises them one at a time
+    from ditron_ep.ops import RoutingError
+    g_buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    gx, gi, _ = make_inputs(W, [5] + [10] * (W - 1), H, E, K, torch.float32, "uniform", seed=6)
+    g_idx = gi[rank].clone()
+    if rank == 0:
+        g_idx[0, 0] = E + 3
+    g_buf.dispatch(gx[rank], g_idx, sync=False)
+    for key in ("pending_first", "pending_second", "pending_third"):
+        catch(key, g_buf.check, (CapacityError, RoutingError))
+    g_buf.free()
+    # a freed buffer
+    buf.free()
+    catch("after_free", lambda: buf.dispatch(torch.randn(4, H), torch.zeros(4, K, dtype=torch.long)))
+
+    # a graph-mode call over capacity: the functional API must not swallow the recorded problem
+    xs, idxs, ws = make_inputs(W, [4] * W, H, E, K, torch.float32, "uniform", seed=3)
+    dispatch(xs[rank], idxs[rank], num_experts=E)  # the cached buffer: 4 tokens
+    big_x, big_i, big_w = make_inputs(W, [12] * W, H, E, K, torch.float32, "uniform", seed=4)
+    dispatch(big_x[rank], big_i[rank], num_experts=E, sync=False)
+    catch("pending_capacity", lambda: dispatch(xs[rank], idxs[rank], num_experts=E), CapacityError)
+    res["max_tokens_after"] = F.get_buffer(None, E, H, K, torch.float32, 0).max_tokens
+    # the functional combine names what is wrong with y, not the cache lookup
+    recv_x, handle = dispatch(xs[rank], idxs[rank], num_experts=E)
+    catch("combine_bad_y", lambda: combine(torch.zeros(recv_x.shape[0], H // 2), handle, ws[rank], num_experts=E))
+    # a num_experts that does not match the handle's buffer on one rank: it refuses through that
+    # buffer, so its peer raises at once; then both combine along the handle
+    t0 = time.monotonic()
+    catch("functional_one_rank_bad_E", lambda: combine(recv_x, handle, ws[rank], num_experts=E + (W if rank else 0)))
+    res["functional_one_rank_bad_E_s"] = time.monotonic() - t0
+    out = combine(recv_x, handle, ws[rank], num_experts=E)
+    res["functional_in_step_after"] = _is_weighted_sum(out, xs[rank], ws[rank])
+    catch("dispatch_1d_idx", lambda: dispatch(xs[rank], idxs[rank][:, 0].contiguous(), num_experts=E))
+    clear_cache()
+
+    # moe: missing weights, and the staged schedule refusing bad weights before dispatching
+    e_local = E // W
+    w1 = torch.randn(e_local, H, 32) / H ** 0.5
+    w2 = torch.randn(e_local, 16, H) / 4.0
+    with torch.no_grad():
+        catch("moe_no_weights", lambda: moe(xs[rank], idxs[rank], None, w1, w2))
+        catch("staged_bad_w1", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half(), w2, schedule="staged"))
+        res["staged_dispatched"] = len(F._CACHE)
+        # bad weights on one rank only: its peer, about to dispatch, raises at once, naming it
+        first = moe(xs[rank], idxs[rank], ws[rank], w1, w2, schedule="staged")
+        t0 = time.monotonic()
+        catch("staged_one_rank_bad", lambda: moe(xs[rank], idxs[rank], ws[rank], w1.half() if rank == 1 else w1, w2,
+                                                 schedule="staged"))
+        res["staged_one_rank_bad_s"] = time.monotonic() - t0
+        res["staged_in_step_after"] = bool(torch.equal(moe(xs[rank], idxs[rank], ws[rank], w1, w2, schedule="staged"),
+                                                       first))
+    clear_layers()
+    clear_cache()
+    return res
+
+
+def two_refusers_combine_case() -> dict:
+    """Three ranks; ranks 1 and 2 reject their y in the same combine: rank 0 raises at once,
+    naming rank 1 and one other rank; the next call is right on every rank."""
+    from ditron_ep.runtime import DitronConfigError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 32, 2
+    res: dict = {}
+    catch = _recorder(res)
+    buf = EPBuffer(None, E, H, 8, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [5] * W, H, E, K, torch.float32, "uniform", seed=4)
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    catch("combine", lambda: buf.combine(recv_x.double() if rank > 0 else recv_x, handle, ws[rank]), DitronConfigError)
+    recv_x, handle = buf.dispatch(xs[rank], idxs[rank], ws[rank])
+    out = buf.combine(recv_x, handle, ws[rank])
+    res["after"] = _is_weighted_sum(out, xs[rank], ws[rank])
+    buf.free()
+    return res

@@ -1,0 +1,274 @@
+"""EP dispatch/combine on emulated ranks: exact permutation, combine vs float64, determinism,
+graph mode, gradients, bad input, and no torch.distributed collective on the data path."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import rank_fns_ep as fns
+import torch
+
+CASES = [  # (W, tokens per rank, H, E, K, dtype, routing, drop_prob)
+    (2, [20, 13], 64, 8, 2, torch.float32, "uniform", 0.0),
+    (2, [9, 17], 100, 4, 1, torch.bfloat16, "zipf", 0.0),            # H not a block multiple, K = 1
+    (3, [11, 0, 7], 48, 6, 3, torch.float16, "uniform", 0.2),        # empty rank, dropped slots
+    (3, [10, 10, 10], 32, 9, 2, torch.float32, "one_expert", 0.0),   # every token to expert 0
+    (4, [8, 5, 12, 3], 40, 8, 4, torch.bfloat16, "one_rank", 0.0),   # every token to rank 0
+    (4, [6, 6, 6, 6], 32, 256, 8, torch.float32, "zipf", 0.1),       # E = 256, K = 8
+    (4, [17, 1, 0, 33], 72, 12, 3, torch.float32, "uniform", 0.0),   # T > block, ragged
+]
+
+
+@pytest.mark.parametrize("W,tokens,H,E,K,dtype,kind,drop", CASES,
+                         ids=[f"W{c[0]}-T{max(c[1])}-H{c[2]}-E{c[3]}-K{c[4]}-{str(c[5])[6:]}-{c[6]}" for c in CASES])
+def test_dispatch_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, drop):
+    reports = emulated_cluster(W).run(fns.dispatch_combine_case, tokens, H, E, K, dtype, kind, 1, drop)
+    for rank, rep in enumerate(reports):
+        assert rep["dispatch_exact"], f"rank {rank}: received rows differ from the reference permutation {rep['rows']}"
+        assert rep["counts_ok"] and rep["offsets_ok"], f"rank {rank}: per-expert counts/offsets wrong"
+        assert rep["recv_weights_ok"], f"rank {rank}: carried weights wrong"
+        assert rep["combine_ok"], f"rank {rank}: combine off the float64 oracle by {rep['combine_max_abs']}"
+        assert rep["rerun_bitwise"], f"rank {rank}: two runs differ"
+        assert rep["graph_bitwise"], f"rank {rank}: graph mode differs from default mode"
+        assert rep["graph_rows_cap"] == W * max(max(tokens), 1) * K
+        assert rep["stamped"]["dispatch"] and rep["stamped"]["combine"], f"rank {rank}: signal words {rep['stamped']}"
+
+
+def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
+    base = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf", 3)
+    assert base[0]["n_slices"] == 1
+    # (programs, rows per chunk, columns per step, column slices asked for -> slices used)
+    for programs, block, block_h, slices, used in [(1, 16, None, None, 1), (5, 4, None, None, 1),
+                                                   (3, 4, 16, None, 3), (2, 8, 16, 2, 2)]:
+        other = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf",
+                                        3, 0.0, None, programs, block, block_h, slices)
+        for a, b in zip(base, other):
+            assert b["n_slices"] == used
+            assert b["dispatch_exact"] and b["combine_ok"] and b["graph_bitwise"]
+            assert b["stamped"]["dispatch"] and b["stamped"]["combine"], b["stamped"]
+            assert a["out_bytes"] == b["out_bytes"], "combine output bits depend on the grid or the slicing"
+
+
+def test_buffer_sized_past_the_call_gives_the_same_bits(emulated_cluster):
+    """A buffer sized for more tokens than the call (a prefill-sized buffer at decode) walks only
+    the chunks below the largest T of any rank, split into more column slices when the buffer's
+    own would leave programs idle, and returns the same bits."""
+    args = ([13, 0, 9], 40, 6, 2, torch.float32, "uniform", 5)
+    base = emulated_cluster(3).run(fns.dispatch_combine_case, *args)
+    # (max_tokens, programs, rows per chunk, columns per step) -> the buffer's own column slices
+    for max_tokens, block, block_h, slices in [(70, 16, None, 1),   # 5 chunks, the call uses 1
+                                               (70, 4, 16, 2)]:     # 18 chunks of 2 slices; the call: 4 of 3
+        big = emulated_cluster(3).run(fns.dispatch_combine_case, *args, 0.0, max_tokens, None, block, block_h)
+        for rank, (a, b) in enumerate(zip(base, big)):
+            assert b["n_slices"] == slices
+            # the call's slices: 1 for the buffer of 70 rows of 16; 3 (the columns' blocks) for 18 chunks of 4
+            assert b["stamped"] == {"n_sl": {16: 1, 4: 3}[block], "dispatch": True, "combine": True}, \
+                f"rank {rank}: signal words of the call's chunks and slices: {b['stamped']}"
+            assert b["dispatch_exact"] and b["combine_ok"] and b["rerun_bitwise"] and b["graph_bitwise"], \
+                f"rank {rank}, buffer of {max_tokens} tokens"
+            assert b["graph_rows_cap"] == 3 * max_tokens * 2
+            assert a["out_bytes"] == b["out_bytes"], f"rank {rank}: combine bits depend on the buffer size"
+
+
+@pytest.mark.parametrize("dtype,sync,block_h", [(torch.float32, True, None), (torch.bfloat16, False, None),
+                                                 (torch.float32, True, 16)], ids=["fp32", "bf16-graph", "fp32-sliced"])
+def test_gradients(emulated_cluster, dtype, sync, block_h):
+    reports = emulated_cluster(3).run(fns.gradient_case, [9, 4, 0], 32, 6, 2, dtype, "uniform", 2, sync, block_h)
+    for rank, rep in enumerate(reports):
+        assert rep["dx_ok"], f"rank {rank}: dispatch backward off by {rep['dx_max']}"
+        assert rep["dw_ok"], f"rank {rank}: combine weight gradient off by {rep['dw_max']}"
+        assert rep["dw_dropped_zero"]
+
+
+@pytest.mark.parametrize("W", [2, 3])
+def test_layout_exchange_alternates_landing_halves(emulated_cluster, W):
+    """The counts exchange has no entry barrier: it relies on alternate exchanges writing
+    alternate halves of the landing buffer (ep_layout_kernel)."""
+    calls = 4
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.layout_halves_case, W, 4 * W, 3, calls)):
+        assert all(rep["halves_ok"]), f"rank {rank}: exchange n did not land in half n % 2 alone: {rep['halves_ok']}"
+        assert all(rep["recv_ok"]), f"rank {rank}: receive layout of another call: {rep['recv_ok']}"
+        assert rep["seq"] == list(range(1, 2 * calls + 1)), f"rank {rank}: exchange count {rep['seq']}"
+
+
+def test_bad_input(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.error_cases)):
+        assert res["bad_expert"].startswith("RoutingError") and "ranks 1" in res["bad_expert"], res["bad_expert"]
+        assert res["too_many"].startswith("CapacityError") and "needed 12" in res["too_many"], res["too_many"]
+        # rank 1's bad slot is dropped: 12 pairs minus one routed to [0, 1] on rank 0 only
+        assert res["graph_then_check"].startswith("RoutingError")
+        assert res["after_check_clean"] == "no error"
+        for key in ("hidden", "dtype", "topk_shape", "idx_dtype", "non_contig", "y_rows", "bad_handle",
+                    "experts_not_multiple", "block_hidden", "num_warps"):
+            assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
+        assert "power of two" in res["block_hidden"] and "num_warps" in res["num_warps"]
+        assert res["one_rank_bad"].startswith("DitronConfigError") and "on rank(s) 1" in res["one_rank_bad"], res
+        assert "hidden_slices" in res["one_rank_bad_slices"] and "on rank(s) 0" in res["one_rank_bad_slices"], res
+    assert [r["graph_rows_dropped"] for r in emulated_cluster(2).run(fns.error_cases)] == [23, 0]
+
+
+def test_copy_tiling_must_match_across_ranks(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.tiling_mismatch_case)):
+        assert res.startswith("DitronConfigError") and "copy tiling" in res and "differs across ranks" in res, res
+
+
+def test_no_collectives_on_the_data_path(emulated_cluster):
+    assert all(r["ok"] for r in emulated_cluster(2).run(fns.no_collectives_case))
+
+
+def test_functional_wrappers_regrow(emulated_cluster):
+    for res in emulated_cluster(2).run(fns.functional_regrow_case):
+        assert res[0] == (3, True) and res[1][1] and res[2][1]
+        assert res[1][0] == 6  # regrown geometrically from 3
+        assert res[2][0] == 40
+
+
+def test_functional_mismatched_cache_key_raises_without_hanging(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.mismatched_cache_key_case)
+    assert r0["first"] and r1["first"]
+    assert r1["new"].startswith("DitronConfigError") and "rank(s) 0 did not join the sizing" in r1["new"], r1
+    assert "hidden=48" in r1["new"]
+    assert r0["cached"].startswith("DitronTimeoutError"), r0
+    for r in (r0, r1):
+        assert r["first_use_differs"].startswith("DitronConfigError"), r
+        assert "rank 0: num_experts=4, hidden=48" in r["first_use_differs"]
+        assert "rank 1: num_experts=4, hidden=64" in r["first_use_differs"]
+        assert r["after"]
+
+
+def test_unkeyed_bad_arguments_refuse_through_the_only_cached_buffer(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.unkeyed_refusal_case)
+    for key in ("dispatch_1d", "overlap_1d", "staged_1d", "overlap_grad", "staged_grad"):
+        assert r0[key].startswith("DitronConfigError") and re.search(r"\branks? 1\b", r0[key]), (key, r0[key])
+        assert r0[key + "_s"] < 10, f"{key}: rank 0 waited {r0[key + '_s']:.1f} s (a timeout, not a refusal)"
+        assert r1[key].startswith("NotImplementedError" if key.endswith("grad") else "DitronConfigError"), r1[key]
+    for r in (r0, r1):
+        assert r["dispatch_after"] and r["overlap_after"] and r["staged_after"], r
+
+
+def test_two_ranks_refusing_one_combine_are_both_counted(emulated_cluster):
+    r0, r1, r2 = emulated_cluster(3).run(fns.two_refusers_combine_case)
+    assert "rank 1 and 1 other rank(s) rejected their own arguments" in r0["combine"], r0
+    assert "those ranks' calls" in r0["combine"]
+    assert "y must be float32" in r1["combine"] and "y must be float32" in r2["combine"], (r1, r2)
+    assert r0["after"] and r1["after"] and r2["after"]
+
+
+def test_refusal_never_guesses_a_buffer_past_an_exact_key(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.refusal_never_guesses_past_an_exact_key_case)
+    assert r1["overlap_new_shape"].startswith("NotImplementedError"), r1
+    assert r1["staged_new_shape"].startswith("DitronConfigError"), r1
+    for key in ("overlap_new_shape", "staged_new_shape"):
+        assert r0[key].startswith("DitronConfigError") and "rank(s) 1 did not join the sizing" in r0[key], r0[key]
+    for r in (r0, r1):
+        assert r["overlap_cached_after"] and r["staged_cached_after"], r
+
+
+def test_a_first_use_refusal_reaches_the_peers_sizing(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.first_use_refusal_case)
+    for key in ("dispatch", "dispatch_late", "moe", "moe_late", "epmoe"):
+        assert r0[key].startswith("DitronConfigError") and "rank 1 rejected its arguments" in r0[key], (key, r0[key])
+        assert r0[key + "_s"] < 10, f"{key}: rank 0 waited {r0[key + '_s']:.1f} s (its sizing timed out)"
+        assert r1[key].startswith("DitronConfigError"), (key, r1[key])
+    assert "x must be [..., hidden=32]" in r0["epmoe"] and "topk_weights" in r0["moe"], r0
+    for r in (r0, r1):
+        assert r["dispatch_after"] and r["moe_after"] and r["epmoe_after"], r
+
+
+def test_a_local_moe_mistake_raises_at_once_and_names_the_argument(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.moe_local_mistake_case)
+    assert "w1 must be float16, got torch.float32" in r1["x_fp16"], r1["x_fp16"]
+    assert "w2 must have shape [E_local=2, ffn_hidden=16, hidden=32]" in r1["w2_bad"], r1["w2_bad"]
+    for key in ("x_fp16", "w2_bad"):
+        assert r1[key + "_s"] < 5 and r0[key + "_s"] < 10, (key, r0[key + "_s"], r1[key + "_s"])
+        assert r0[key].startswith("DitronConfigError") and "(ranks 1)" in r0[key], (key, r0[key])
+    for r in (r0, r1):
+        assert r["x_fp16_after"] and r["w2_bad_after"], r
+        assert "w2 must have shape" in r["w2_bad_everywhere"], r["w2_bad_everywhere"]
+
+
+def test_a_refusal_marks_no_sizing_its_peers_are_not_in(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.refusal_marks_no_later_sizing_case)
+    assert r0["a"].startswith("DitronTimeoutError") and r1["a"].startswith("DitronConfigError"), (r0["a"], r1["a"])
+    assert "did not join" in r0["b"] and r1["b"].startswith("DitronConfigError: x must be a 2-D"), (r0["b"], r1["b"])
+    for r in (r0, r1):
+        for key in ("a_after", "b_after"):
+            assert r[key] is True, (key, r)
+            assert r[key + "_s"] < 10, f"{key}: a valid first call waited {r[key + '_s']:.1f} s"
+
+
+@pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
+                         ids=["W2-uniform", "W3-zipf-empty-rank"])
+def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_layer_case, tokens, 32, 24, E, K, kind, 4)):
+        assert rep["ok"], f"rank {rank}: moe off the float64 oracle by {rep['max_abs']}"
+        assert rep["bitwise"], f"rank {rank}: two runs differ"
+        assert rep["grad_refused"], "requesting gradients through moe must raise"
+
+
+@pytest.mark.parametrize("W,tokens", [(2, [13, 20]), (3, [7, 0, 18])], ids=["W2", "W3-empty-rank"])
+def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, tokens):
+    """EPBuffer(graph_cache) replays a default-mode signature's layout from its second call on (a
+    CPU stand-in for the CUDA graph reruns the buffer's own launch sequence into the same arena):
+    every call's rows and combine are bitwise those of a buffer launching directly, also for
+    handles combined only after later calls replayed over the graph's buffers; graph mode never
+    replays; bad input on a replayed call still raises."""
+    calls = 4
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls)):
+        assert rep["captured"] == 1, f"rank {rank}: expected one captured signature, got {rep['captured']}"
+        assert rep["replays"] == calls - 1, f"rank {rank}: {rep['replays']} replays"
+        assert all(rep["same"]), f"rank {rank}: replayed calls differ from direct ones: {rep['same']}"
+        assert rep["bad"].startswith("RoutingError") and "ranks 0" in rep["bad"], rep["bad"]
+        assert rep["replays_after_bad"] == rep["replays"] + 1, "the bad call did not take the replay path"
+        assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
+        assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
+
+
+def test_api_misuse_gets_clear_errors(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.api_misuse_cases)):
+        assert "hidden" in res["hidden_differs"] and "rank 1 64" in res["hidden_differs"], res["hidden_differs"]
+        assert "topk" in res["fused_topk_differs"] and "same" in res["fused_topk_differs"], res["fused_topk_differs"]
+        assert "bfloat16 is not supported under the Triton interpreter" in res["fused_bf16"], res["fused_bf16"]
+        if rank == 1:
+            assert "x must have shape" in res["one_rank_bad_call"], res["one_rank_bad_call"]
+        else:
+            assert "rejected its own arguments" in res["one_rank_bad_call"] and "ranks 1" in res["one_rank_bad_call"], \
+                res["one_rank_bad_call"]
+        assert res["one_rank_bad_call_s"] < 15.0, "a peer waited for the rank that rejected its call"
+        assert res["in_step_after"], "the call after a rejected one gave wrong results"
+        for key, own in (("one_rank_bad_combine", "y must be float32"), ("staged_one_rank_bad", "w1")):
+            if rank == 1:
+                assert own in res[key] and res[key].startswith("DitronConfigError"), res[key]
+            else:
+                assert res[key].startswith("DitronConfigError") and re.search(r"\branks? 1\b", res[key]) and \
+                    "rejected its own arguments" in res[key], res[key]
+            assert res[key + "_s"] < 15.0, f"{key}: a peer waited for the rank that rejected its call"
+        assert res["in_step_after_combine"], "the combine after a rejected one gave wrong results"
+        assert res["slot_retired"], "a combine left its refusal slot unretired"
+        assert res["across_wrap"], "calls across the epoch wrap-around failed or were refused"
+        if rank == 1:
+            assert "y must be float32" in res["lax_bad_combine"], res["lax_bad_combine"]
+        else:
+            assert res["lax_bad_combine"] == "no error", res["lax_bad_combine"]
+        assert res["lax_next_dispatch"].startswith("DitronConfigError") and "earlier combine" in \
+            res["lax_next_dispatch"] and "(ranks 0)" in res["lax_next_dispatch"], res["lax_next_dispatch"]
+        assert res["lax_in_step_after"], "the call after a reported refusal gave wrong results"
+        assert res["pending_first"].startswith("CapacityError"), res["pending_first"]
+        assert res["pending_second"].startswith("RoutingError"), res["pending_second"]
+        assert res["pending_third"] == "no error", res["pending_third"]
+        assert res["staged_in_step_after"], "the staged moe after a rejected call differs from the first"
+        assert res["staged_dispatched"] == 0, "the staged schedule built a buffer for arguments it rejected"
+        assert "was freed" in res["after_free"], res["after_free"]
+        assert res["pending_capacity"].startswith("CapacityError") and "graph-mode" in res["pending_capacity"], \
+            res["pending_capacity"]
+        assert res["max_tokens_after"] == 4, "the functional API regrew on a graph-mode call's recorded problem"
+        assert "y must have shape" in res["combine_bad_y"], res["combine_bad_y"]
+        lone = res["functional_one_rank_bad_E"]
+        want = "does not come from ditron_ep.ops.dispatch" if rank == 1 else "rank 1 rejected its own arguments"
+        assert lone.startswith("DitronConfigError") and want in lone, lone
+        assert res["functional_one_rank_bad_E_s"] < 15.0, "the peer waited for the rank that rejected its combine"
+        assert res["functional_in_step_after"], "the combine after a rejected one gave wrong results"
+        assert "topk_idx must be a 2-D tensor" in res["dispatch_1d_idx"], res["dispatch_1d_idx"]
+        assert "topk_weights must be a 2-D tensor" in res["moe_no_weights"], res["moe_no_weights"]
+        assert "w1" in res["staged_bad_w1"] and res["staged_bad_w1"].startswith("DitronConfigError"), \
+            res["staged_bad_w1"]

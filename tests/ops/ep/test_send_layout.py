@@ -1,0 +1,133 @@
+"""The sender-side layout kernels (`build_send_layout`) against a plain Python walk of the routing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditron_ep.ops.ep.layout_kernels import FLAG_BAD_EXPERT, FLAG_TOO_MANY_TOKENS, build_send_layout
+
+
+def reference_layout(idx: torch.Tensor, E: int, W: int, max_tokens: int) -> dict:
+    """Pairs in (t, k) order, tokens in t order: every position counts the earlier ones."""
+    T, K = idx.shape
+    e_local = E // W
+    topk = idx.clone().long()
+    pos = torch.zeros(T, K, dtype=torch.long)
+    slot = torch.full((T, W), -1, dtype=torch.long)
+    counts, tokens_to, send = [0] * E, [0] * W, {}
+    for t in range(T):
+        ranks = set()
+        for k in range(K):
+            e = int(idx[t, k])
+            if 0 <= e < E and t < max_tokens:
+                pos[t, k] = counts[e]
+                counts[e] += 1
+                ranks.add(e // e_local)
+            else:
+                topk[t, k] = -1
+        for d in sorted(ranks):
+            slot[t, d] = tokens_to[d]
+            send[(d, tokens_to[d])] = t
+            tokens_to[d] += 1
+    flags = (FLAG_BAD_EXPERT if bool(((idx < -1) | (idx >= E)).any()) else 0) | \
+        (FLAG_TOO_MANY_TOKENS if T > max_tokens else 0)
+    return {"topk": topk, "pos": pos, "slot": slot, "counts": counts, "tokens_to": tokens_to, "send": send,
+            "flags": flags}
+
+
+CASES = [  # T, K, E, W, max_tokens, dtype
+    (37, 3, 12, 3, 40, torch.int64),    # T not a multiple of the block, K not a power of two
+    (50, 8, 256, 4, 64, torch.int32),   # E = 256, top-8
+    (0, 2, 8, 2, 4, torch.int32),       # no tokens
+    (20, 1, 4, 2, 8, torch.int64),      # top-1, more tokens than max_tokens: the tail is dropped
+    (33, 5, 10, 5, 40, torch.int32),    # world size 5
+]
+
+
+@pytest.mark.parametrize("one_program", [True, False], ids=["one_program", "three_launches"])
+@pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
+@pytest.mark.parametrize("routing", ["random", "one_expert"])
+def test_send_layout_matches_reference(T, K, E, W, max_tokens, dtype, routing, one_program) -> None:
+    g = torch.Generator().manual_seed(T * 131 + K * 7 + E)
+    if routing == "random":
+        idx = torch.randint(-1, E, (T, K), generator=g, dtype=dtype)
+    else:  # every pair to expert E - 1 (only top-1 is a valid distinct routing, but ids may repeat here)
+        idx = torch.full((T, K), E - 1, dtype=dtype)
+    if T > 4:
+        idx[2, 0] = E + 5            # out of range: dropped and flagged
+        idx[3, -1] = -7              # below -1: dropped and flagged
+        if dtype == torch.int64:
+            idx[4, 0] = 2**40 + 1    # would wrap into range if narrowed to int32 before the check
+    ref = reference_layout(idx, E, W, max_tokens)
+    got = build_send_layout(idx, E, W, max_tokens, one_program=one_program)
+    assert torch.equal(got.topk_idx.long(), ref["topk"])
+    routed = ref["topk"] >= 0
+    assert torch.equal(got.pos.long()[routed], ref["pos"][routed])
+    assert torch.equal(got.slot.long(), ref["slot"])
+    assert got.counts.tolist() == ref["counts"]
+    assert got.tokens_to.tolist() == ref["tokens_to"]
+    assert {(d, j): int(got.send_idx[d, j]) for (d, j) in ref["send"]} == ref["send"]
+    assert int(got.flags) == ref["flags"]
+
+
+@pytest.mark.parametrize("T", [0, 1, 16, 17, 100, 256, 300])
+def test_one_program_layout_writes_the_same_words(T) -> None:
+    """The one-program path (small T by default) and the three launches write the same words of
+    every output, the prefix rows included (both into arenas poisoned alike)."""
+    from ditron_ep.ops.ep.layout_replay import Int32Arena, layout_arena_words
+
+    K, E, W, max_tokens = 8, 64, 4, 280
+    g = torch.Generator().manual_seed(T + 5)
+    idx = torch.randint(-1, E, (T, K), generator=g, dtype=torch.int64)
+    if T > 20:
+        idx[3, 2], idx[7, 0] = E + 1, -3  # flagged
+        idx[10:20] = E - 1                # a burst to one expert
+    arenas = []
+    for one in (True, False):
+        arena = Int32Arena(layout_arena_words(T, K, E, W, max_tokens), torch.device("cpu"))
+        arena.flat.fill_(-777)
+        build_send_layout(idx, E, W, max_tokens, alloc=arena, one_program=one)
+        arenas.append(arena.flat)
+    assert torch.equal(arenas[0], arenas[1])
+
+
+def test_send_layout_rejects_a_bad_index_tensor() -> None:
+    with pytest.raises(ValueError, match="int32/int64"):
+        build_send_layout(torch.zeros(4, 2), 8, 2, 8)
+
+
+@pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
+def test_send_layout_in_an_arena_and_its_rebased_copy(T, K, E, W, max_tokens, dtype) -> None:
+    """With an Int32Arena as allocator (ops/layout_replay.py) the layout is the same; every tensor
+    is a view of the arena, 64-byte aligned; its rebased copy onto a clone of the arena keeps the
+    values after the arena is overwritten (what a handle needs past the next graph replay)."""
+    from ditron_ep.ops.ep.layout_replay import Int32Arena, layout_arena_words, rebuild_layout, view_recipe
+
+    g = torch.Generator().manual_seed(T + 11 * E)
+    idx = torch.randint(-1, E, (T, K), generator=g, dtype=dtype)
+    want = build_send_layout(idx, E, W, max_tokens)
+    arena = Int32Arena(layout_arena_words(T, K, E, W, max_tokens), torch.device("cpu"))
+    arena.flat.fill_(-777)
+    got = build_send_layout(idx, E, W, max_tokens, alloc=arena)
+    fields = ("topk_idx", "pos", "slot", "counts", "tokens_to", "flags")
+    for f in fields:
+        t = getattr(got, f)
+        assert t.untyped_storage().data_ptr() == arena.flat.untyped_storage().data_ptr(), f
+        assert t.data_ptr() % 64 == 0 or f in ("counts", "tokens_to"), f  # those two: views into prefix
+        assert torch.equal(t, getattr(want, f)), f
+    snap = arena.flat[:arena.used].clone()
+    moved = rebuild_layout(view_recipe(got, arena.flat), snap)
+    arena.flat.fill_(-1)
+    for f in fields:
+        assert torch.equal(getattr(moved, f), getattr(want, f)), f
+    assert moved.send_idx.untyped_storage().data_ptr() == snap.untyped_storage().data_ptr()
+
+
+def test_arena_refuses_more_than_it_was_sized_for() -> None:
+    from ditron_ep.ops.ep.layout_replay import Int32Arena
+
+    arena = Int32Arena(40, torch.device("cpu"))
+    assert arena((2, 3)).shape == (2, 3) and arena.used == 16  # every view starts 64-byte aligned
+    arena((24,))
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena((1,))

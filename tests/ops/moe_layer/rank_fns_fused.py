@@ -1,0 +1,191 @@
+"""Rank-side checks of the fused MoE megakernel (imported by name in emulated rank processes)."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from rank_fns_ep import make_inputs
+
+from ditron_ep.ops.moe_layer.fused import FusedMoE
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
+
+
+def make_weights(W: int, e_local: int, H: int, I: int, seed: int):
+    w1s, w2s = [], []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
+        w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
+        w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
+    return w1s, w2s
+
+
+def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0,
+               variants: tuple = ({},), drop_prob: float = 0.1, max_tokens: int | None = None) -> dict:
+    """Run the megakernel under every plan variant (dicts of MoESpec overrides, e.g.
+    schedule="sequential", num_programs=3, chunk_rows=4, gemm_tile_order="column_major");
+    report errors vs the float64 oracle and whether every variant is bitwise equal to the first."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob)
+    w1s, w2s = make_weights(W, E // W, H, I, seed)
+    exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
+    outs, reports = [], []
+    for v in variants:
+        layer = FusedMoE(None, E, H, I, max_tokens or max(max(tokens), 1), K, torch.float32, **v)
+        out = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], trace=True)
+        tile_order = check_tile_order(layer)
+        ticketed = check_ticketed(layer, max(tokens))
+        again = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        graph = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], sync=False)
+        reports.append({"rerun_bitwise": torch.equal(out, again), "nosync_bitwise": torch.equal(out, graph),
+                        "tile_order": tile_order, "ticketed": ticketed,
+                        "overlap": layer.overlap_report()})
+        layer.free()
+        outs.append(out)
+    err = (outs[0].to(torch.float64) - exp).abs()
+    return {
+        "max_abs": float(err.max()) if err.numel() else 0.0,
+        "oracle_ok": bool((err <= 1e-5 + 1e-5 * exp.abs()).all()),
+        "variants_bitwise": [torch.equal(o, outs[0]) for o in outs],
+        "reports": reports,
+    }
+
+
+def check_tile_order(layer: FusedMoE) -> str:
+    """The GEMM tile table after a call: every tile with rows once (natural indices 0..n-1 first),
+    ordered by the ring position of the last-received source among its rows, then by natural
+    index. Returns "ok" or what is wrong."""
+    rank, W = layer.heap.rank, layer.world_size
+    step = -1 if layer.plan.device.source_order == "reverse_ring" else 1
+    tiles = layer.heap.local_view("gemm/tiles").tolist()
+    rows = layer.heap.local_view("gemm/rows")
+    used = [t for t in tiles if t[2] > 0]
+    if sorted(t[3] for t in used) != list(range(len(used))) or any(t[2] > 0 for t in tiles[len(used):]):
+        return f"tiles with rows are not the natural tiles 0..{len(used) - 1} first: {tiles}"
+    keys = [(max(((int(s) - rank) * step) % W for s in rows[r0:r0 + n, 1].tolist()), nat)
+            for _, r0, n, nat in used]
+    return "ok" if keys == sorted(keys) else f"not in arrival order: (key, natural index) = {keys}"
+
+
+def check_ticketed(layer: FusedMoE, call_max_tokens: int) -> str:
+    """After a traced call (whose largest T over the ranks was call_max_tokens): every task ran
+    once, except the GEMM tasks of row tiles without rows (a rank without rows still runs its
+    first position's tasks, as no-ops) and the dispatch tasks of chunks past the call's largest
+    T (at least one chunk runs), which got no ticket. Returns "ok" or what is wrong."""
+    tr = layer.last_trace.tolist()
+    dev = layer.plan.device
+    n_call = layer.plan.dispatch_chunks(call_max_tokens)
+    n_used = sum(1 for t in layer.heap.local_view("gemm/tiles").tolist() if t[2] > 0)
+    n_pos = max(n_used, 1)
+    for s in dev.stages:
+        gemm = s.name in ("gemm_gate_up", "gemm_down")
+        starts = []  # start clocks of the stage's tasks that ran, in the plan's order
+        for q in range(s.num_tasks):
+            pos = s.coords(q)["row_tile"] if gemm else 0
+            ran = tr[s.first_task + q][0] >= 0
+            if ran:
+                starts.append(tr[s.first_task + q][0])
+            if s.name in ("dispatch_send", "dispatch_recv"):
+                if ran != (s.coords(q)["chunk"] < n_call):
+                    return f"{s.name} task {q} ({s.coords(q)}, {n_call} chunks this call) {'ran' if ran else 'did not run'}"
+            elif ran != (pos < n_pos):
+                return f"{s.name} task {q} (row-tile position {pos}, {n_used} used) {'ran' if ran else 'did not run'}"
+            if ran and not 0 <= tr[s.first_task + q][0] < tr[s.first_task + q][1]:
+                return f"{s.name} task {q}: trace {tr[s.first_task + q]}"
+        # The interpreter runs one program's whole queue before the next program starts, so the
+        # logical clock follows the tickets: the kernel hands out a GEMM stage's tickets in the
+        # plan's task order (a grouped grid's short last group included).
+        if gemm and starts != sorted(starts):
+            return f"{s.name}: tasks started out of the plan's order ({dev.gemm_tile_order}): {starts}"
+    return "ok"
+
+
+def fused_refusals() -> dict:
+    """An unverified plan, a plan for another shape and malformed inputs are refused clearly."""
+    import dataclasses
+
+    from ditron_ep.compiler.lowering import lower
+    from ditron_ep.compiler.plan import MoESpec
+    from ditron_ep.runtime import DitronConfigError
+
+    W = dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 24, 2, 6
+    spec = MoESpec(world_size=W, num_experts=E, topk=K, hidden=H, ffn_hidden=I, max_tokens=T, dtype="float32",
+                   device_type="cpu")
+    good = lower(spec)
+    res = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            res[key] = "no error"
+        except (ValueError, DitronConfigError) as err:
+            res[key] = f"{type(err).__name__}: {err}"
+
+    edited = dataclasses.replace(good, device=dataclasses.replace(good.device, num_programs=5))
+    catch("unverified", lambda: FusedMoE(None, E, H, I, T, K, torch.float32, plan=edited))
+    catch("other_shape", lambda: FusedMoE(None, E, H, I, T + 1, K, torch.float32, plan=good))
+    # a bad override on one rank only: every rank raises (none is left waiting in the heap set-up)
+    catch("one_rank_bad", lambda: FusedMoE(None, E, H, I, T, K, torch.float32,
+                                           chunk_rows=3 if dist.get_rank() == 1 else 4))
+    layer = FusedMoE(None, E, H, I, T, K, torch.float32, plan=good)
+    x, idx, w = torch.randn(T, H), torch.zeros(T, K, dtype=torch.long), torch.full((T, K), 0.5)
+    w1, w2 = torch.randn(E // W, H, 2 * I), torch.randn(E // W, I, H)
+    catch("x_shape", lambda: layer(torch.randn(T, H + 1), idx, w, w1, w2))
+    catch("w1_shape", lambda: layer(x, idx, w, w1[:, :, :I], w2))
+    catch("dtype", lambda: layer(x.double(), idx, w, w1, w2))
+    catch("idx_dtype", lambda: layer(x, idx.float(), w, w1, w2))
+    good_out = layer(x, idx, w, w1, w2)
+    # bad weights on one rank only: it runs the call flagged with no tokens, so its peer raises at
+    # once naming it (not a timeout in the counts exchange), and the next call finds them in step
+    t0 = time.monotonic()
+    catch("one_rank_bad_w1", lambda: layer(x, idx, w, w1[:, :, :I].contiguous() if dist.get_rank() == 1 else w1, w2))
+    res["one_rank_bad_w1_s"] = time.monotonic() - t0
+    staged = layer.heap.local_view("dispatch/x").clone()
+    land = layer.heap.local_view("combine/land").clone()
+    idx_bad = idx.clone()
+    idx_bad[0, 0] = 1 if dist.get_rank() else E + 5  # rank 0 routes to a nonexistent expert
+    x_new = torch.randn(T, H)
+    catch("bad_expert", lambda: layer(x_new, idx_bad, w, w1, w2))
+    # every rank's megakernel refused the whole launch: no token was staged, no output landed
+    res["no_data_moved"] = bool(torch.equal(layer.heap.local_view("dispatch/x"), staged)
+                                and torch.equal(layer.heap.local_view("combine/land"), land))
+    res["recovers"] = bool(torch.equal(layer(x, idx, w, w1, w2), good_out))
+    layer.free()
+    return res
+
+
+def fused_lone_rank_times_out() -> dict:
+    """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out, its
+    megakernel refuses all work and the call raises DitronTimeoutError (no hang). Rank 1 then
+    makes the call rank 0 gave up on (as after an error only rank 1 raised): it must refuse and
+    raise too, not run on the counts rank 0 left behind. After a collective heap.reset() every
+    rank's next call is bitwise the first call's result again."""
+    from ditron_ep.runtime import DitronTimeoutError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, I, K, T = 2 * W, 32, 24, 2, 6
+    xs, idxs, ws = make_inputs(W, [T] * W, H, E, K, torch.float32, "uniform", 4, 0.0)
+    w1s, w2s = make_weights(W, E // W, H, I, 4)
+    args = (xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    layer = FusedMoE(None, E, H, I, T, K, torch.float32)
+    first = layer(*args)
+    res = {"raised": None}
+    if rank == 0:
+        budget, layer.heap.wait_budget = layer.heap.wait_budget, 2000
+        try:
+            layer(*args)
+        except DitronTimeoutError as err:
+            res["raised"] = str(err)
+        finally:
+            layer.heap.wait_budget = budget
+    dist.barrier()  # rank 0 has given up
+    if rank == 1:
+        try:
+            layer(*args)
+        except DitronTimeoutError as err:
+            res["raised"] = str(err)
+    layer.heap.reset()
+    res["recovers"] = bool(torch.equal(layer(*args), first))
+    layer.free()
+    return res

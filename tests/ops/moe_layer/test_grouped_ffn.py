@@ -1,0 +1,265 @@
+"""Grouped SwiGLU expert FFN under the Triton interpreter: float64 oracle, ragged experts (empty,
+one expert holding every row), gathered rows, rows past the last expert, grid-size independence,
+bad input, tile configs, and NVIDIA's default tiles compiling for sm_90."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditron_ep.check import assert_close_to_oracle
+from ditron_ep.compiler.core_config import DEVICE_TYPES, GemmTileConfig, default_gemm_configs
+from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn, launch_grouped_down, launch_grouped_swiglu
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def make_inputs(sizes: list[int], H: int, I: int, *, rows: int | None = None, n_x: int | None = None,
+                dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Expert-major rows: expert e owns `sizes[e]` rows; `rows` >= sum(sizes) is the output capacity.
+    With `n_x`, rows are gathered from x [n_x, H] through a row_index with repeats."""
+    g = torch.Generator().manual_seed(seed)
+    E, total = len(sizes), sum(sizes)
+    rows = total if rows is None else rows
+    offsets = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32)
+    row_index = None
+    if n_x is not None:
+        row_index = torch.randint(0, n_x, (rows,), generator=g, dtype=torch.int32)
+        if rows:
+            row_index[1::3] = row_index[0]  # repeats, within and across experts
+    x = torch.randn(n_x if n_x is not None else rows, H, generator=g).to(dtype)
+    w1 = (torch.randn(E, H, 2 * I, generator=g) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, I, H, generator=g) / I**0.5).to(dtype)
+    return {"x": x, "expert_offsets": offsets, "w1": w1, "w2": w2, "row_index": row_index}
+
+
+def oracle(inp: dict) -> torch.Tensor:
+    """float64 y [rows, H] from the single-process MoE oracle: one rank, top-1, weight 1, row r routed
+    to its expert (rows past the last expert are dropped slots, hence zero)."""
+    x, off, row_index = inp["x"], inp["expert_offsets"].tolist(), inp["row_index"]
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    expert = torch.full((rows, 1), -1, dtype=torch.int64)
+    for e in range(len(off) - 1):
+        expert[off[e]:off[e + 1]] = e
+    x_rows = x if row_index is None else x[row_index.long()]
+    return ep_moe_oracle([x_rows], [expert], [torch.ones(rows, 1)], [inp["w1"]], [inp["w2"]])[0]
+
+
+CASES = {  # id: (sizes, H, I, rows, n_x, dtype, config)
+    "empty-expert": ([13, 0, 27], 48, 24, None, None, torch.float32, None),  # ragged in every dim
+    "one-expert-all-rows": ([0, 40, 0], 48, 24, None, None, torch.float32, None),
+    "capacity-past-last-expert": ([5, 11, 3], 48, 24, 30, None, torch.float32, None),
+    "gather-repeats": ([7, 9, 4, 0, 12], 48, 24, 37, 25, torch.float32, None),
+    "block-multiples": ([16, 16, 16], 64, 32, None, None, torch.float32, None),
+    "E1-gather": ([37], 40, 20, None, 11, torch.float32, None),
+    "E17-sparse": ([3, 0, 0, 9, 1, 0, 0, 0, 5, 0, 2, 0, 0, 4, 0, 0, 6], 40, 20, None, None, torch.float32, None),
+    "fp16-gather": ([13, 0, 27], 48, 24, None, 29, torch.float16, None),
+    "BM32-gather": ([21, 2, 17], 48, 24, 45, 31, torch.float32,  # rows not a multiple of BM = 32
+                    (GemmTileConfig(32, 16, 16, 4, 1), GemmTileConfig(32, 64, 32, 4, 1))),
+    "no-rows-routed": ([0, 0, 0], 48, 24, 8, None, torch.float32, None),
+    # I below the gate-up block: the [gate | up] weight tile of width 2*BN is mostly masked columns
+    "I-below-block": ([13, 0, 27], 48, 8, None, 29, torch.float32, None),
+}
+
+
+@pytest.mark.parametrize("sizes,H,I,rows,n_x,dtype,config", CASES.values(), ids=CASES.keys())
+def test_matches_float64_oracle(sizes, H, I, rows, n_x, dtype, config):
+    inp = make_inputs(sizes, H, I, rows=rows, n_x=n_x, dtype=dtype)
+    y = grouped_swiglu_ffn(**inp, config=config)
+    want = oracle(inp)
+    assert y.dtype == dtype
+    assert_close_to_oracle(y, want, dtype, f"grouped FFN {sizes}")
+    assert torch.equal(y[sum(sizes):], torch.zeros_like(y[sum(sizes):]))
+
+
+def test_unwritten_rows_poisoned_with_nan():
+    """The gate-up kernel leaves h rows past the last expert untouched; the down kernel zeroes them in y."""
+    inp = make_inputs([5, 0, 11, 3], 48, 24, rows=30, n_x=17)
+    gate_up, down = default_gemm_configs(torch.float32, "cpu")
+    h = torch.full((30, 24), float("nan"))
+    y = torch.full((30, 48), float("nan"))
+    off = inp["expert_offsets"]
+    launch_grouped_swiglu(inp["x"], inp["row_index"], inp["w1"], h, off, build_tile_map(off, gate_up.block_m),
+                          gate_up, 2, "ieee", 2)
+    assert torch.isfinite(h[:19]).all(), "a row of an expert was not written"
+    assert torch.isnan(h[19:]).all(), "rows past the last expert were written"
+    launch_grouped_down(h, inp["w2"], y, off, build_tile_map(off, down.block_m), down, 2, "ieee", 3)
+    assert torch.equal(y[19:], torch.zeros(11, 48))
+    assert_close_to_oracle(y, oracle(inp), torch.float32, "poisoned launch")
+
+
+def test_out_buffer_is_written_and_returned():
+    inp = make_inputs([6, 0, 9], 48, 24, rows=20)
+    out = torch.full((20, 48), float("nan"))
+    assert grouped_swiglu_ffn(**inp, out=out) is out
+    assert_close_to_oracle(out, oracle(inp), torch.float32, "out=")
+
+
+@pytest.mark.parametrize("offsets", [[0, 10, 50], [-5, 10, 12], [0, 30, 4]], ids=["past-capacity", "negative",
+                                                                                 "decreasing"])
+def test_bad_offsets_never_write_outside_the_rows(offsets):
+    """check=False uses the offsets as given; the kernels still clamp every tile to [0, rows)."""
+    inp = {**make_inputs([10, 10], 16, 8), "expert_offsets": torch.tensor(offsets, dtype=torch.int32)}
+    canvas = torch.full((26, 16), float("nan"))
+    grouped_swiglu_ffn(**inp, out=canvas[3:23], check=False)
+    assert torch.isnan(canvas[:3]).all() and torch.isnan(canvas[23:]).all()
+
+
+def test_grid_size_and_tile_order_do_not_change_bits():
+    """Grid sizes and tile orders (groups of 1 = M-tile major, 2 with a short last group, 3, all
+    M-tiles in one group) give the same bits, and each equals the oracle."""
+    inp = make_inputs([13, 0, 27, 1, 40], 48, 24, rows=90, n_x=23, seed=3)  # 7 M-tiles of 16 rows
+    runs = [grouped_swiglu_ffn(**inp, num_programs=p, group_rows=g) for p, g in
+            ((1, 1), (3, 1), (1000, 1), (3, 2), (2, 3), (3, 7), (1, 100))]
+    assert_close_to_oracle(runs[0], oracle(inp), torch.float32, "group_rows=1")
+    for y in runs[1:]:
+        assert torch.equal(y, runs[0])
+
+
+def test_no_rows():
+    inp = make_inputs([0, 0], 16, 8, n_x=4)
+    assert grouped_swiglu_ffn(**inp).shape == (0, 16)
+
+
+def test_build_tile_map():
+    off = torch.tensor([0, 13, 13, 40, 41], dtype=torch.int32)
+    assert build_tile_map(off, 16).tolist() == [0, 1, 1, 3, 4]
+    assert build_tile_map(off, 64).dtype == torch.int32
+
+
+def test_gradients_refused():
+    inp = make_inputs([3, 4], 16, 8)
+    w1 = inp["w1"].requires_grad_()
+    with pytest.raises(NotImplementedError, match="backward through the experts is not implemented yet"):
+        grouped_swiglu_ffn(**inp)
+    with torch.no_grad():
+        y = grouped_swiglu_ffn(**inp)
+    assert_close_to_oracle(y, oracle({**inp, "w1": w1.detach()}), torch.float32, "no_grad")
+
+
+def _bad_inputs() -> list[tuple[str, dict, str]]:
+    base = make_inputs([3, 4], 16, 8, n_x=5)
+    cfg = default_gemm_configs(torch.float32, "cpu")
+    return [
+        ("x-3d", {"x": base["x"][None]}, "x must be 2-D"),
+        ("x-int", {"x": base["x"].long()}, "x must be bfloat16, float16 or float32"),
+        ("w1-dtype", {"w1": base["w1"].double()}, "w1 has dtype torch.float64"),
+        ("w1-hidden", {"w1": torch.zeros(2, 15, 16)}, "w1 must have shape [E_local, H=16, 2I]"),
+        ("w1-odd", {"w1": torch.zeros(2, 16, 15)}, "2I even"),
+        ("w2-shape", {"w2": torch.zeros(2, 16, 8)}, "w2 must have shape [E_local=2, I=8, H=16]"),
+        ("w1-device", {"w1": base["w1"].to("meta")}, "w1 is on meta but x is on cpu"),
+        ("offsets-int64", {"expert_offsets": base["expert_offsets"].long()}, "expert_offsets must be a 1-D int32"),
+        ("offsets-E", {"expert_offsets": torch.tensor([0, 3, 5, 7], dtype=torch.int32)},
+         "expert_offsets has 4 entries but w1 holds E_local=2"),
+        ("row_index-int64", {"row_index": base["row_index"].long()}, "row_index must be a 1-D int32"),
+        ("w1-strided", {"w1": base["w1"].transpose(1, 2).contiguous().transpose(1, 2)}, "w1 must be contiguous"),
+        ("bf16", {k: base[k].bfloat16() for k in ("x", "w1", "w2")}, "not supported under the Triton interpreter"),
+        ("config", {"config": (cfg[0], None)}, "config must be a pair of GemmTileConfig"),
+        ("config-single", {"config": cfg[0]}, "config must be a pair of GemmTileConfig"),
+        ("programs", {"num_programs": 0}, "num_programs must be a positive int"),
+        ("group_rows", {"group_rows": 0}, "group_rows must be a positive int"),
+        ("precision", {"input_precision": "tf32x3"}, "input_precision must be one of"),
+        ("out", {"out": torch.empty(7, 15)}, "out must be a contiguous torch.float32 tensor of shape [rows=7, H=16]"),
+        ("offsets-start", {"expert_offsets": torch.tensor([2, 5, 7], dtype=torch.int32)},
+         "expert_offsets must start at 0, never decrease and end at most at rows=7, got [2, 5, 7]"),
+        ("offsets-negative", {"expert_offsets": torch.tensor([-3, 5, 7], dtype=torch.int32)}, "must start at 0"),
+        ("offsets-decrease", {"expert_offsets": torch.tensor([0, 6, 3], dtype=torch.int32)}, "never decrease"),
+        ("offsets-past-rows", {"expert_offsets": torch.tensor([0, 3, 8], dtype=torch.int32)}, "at most at rows=7"),
+        ("row_index-high", {"row_index": torch.tensor([0, 1, 2, 3, 4, 0, 100_000], dtype=torch.int32)},
+         "row_index values must be in [0, N=5) (rows of x), got values from 0 to 100000"),
+        ("row_index-negative", {"row_index": torch.tensor([0, 1, -2, 3, 4, 0, 1], dtype=torch.int32)},
+         "got values from -2 to 4"),
+        ("row_index-no-x", {"x": torch.zeros(0, 16)}, "row_index has 7 rows to gather but x has none"),
+        ("check", {"check": "yes"}, "check must be True, False or None"),
+    ]
+
+
+@pytest.mark.parametrize("name,change,message", _bad_inputs(), ids=[c[0] for c in _bad_inputs()])
+def test_bad_input(name, change, message):
+    inp = {**make_inputs([3, 4], 16, 8, n_x=5), **change}
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
+                       .replace(")", r"\)")):
+        grouped_swiglu_ffn(**inp)
+
+
+def test_tile_config_validation():
+    cfg = GemmTileConfig(128, 256, 64, 8, 4)
+    assert str(cfg) == "BM128-BN256-BK64-w8-s4"
+    assert GemmTileConfig.parse(str(cfg)) == cfg
+    for text, message in [("BM128-BN256-BK64-w8", "expected BM<m>-BN<n>-BK<k>-w<warps>-s<stages>"),
+                          ("BM96-BN256-BK64-w8-s4", "block_m must be a power of two")]:
+        with pytest.raises(ValueError, match=message):
+            GemmTileConfig.parse(text)
+    assert cfg.launch_options() == {"num_warps": 8, "num_stages": 4}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_m = 64
+    for args, message in [((96, 64, 64, 4, 2), "block_m must be a power of two"),
+                          ((64, 8, 64, 4, 2), "block_n must be a power of two in \\[16, 512\\]"),
+                          ((64, 64, 64, 3, 2), "num_warps must be 1, 2, 4, 8 or 16"),
+                          ((64, 64, 64, 4, 0), "num_stages must be in \\[1, 8\\]"),
+                          ((64, 64, 64.0, 4, 2), "block_k must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            GemmTileConfig(*args)
+    for dtype, device in itertools.product((torch.bfloat16, torch.float16, torch.float32), DEVICE_TYPES):
+        assert all(isinstance(c, GemmTileConfig) for c in default_gemm_configs(dtype, device))
+    with pytest.raises(ValueError, match="no GEMM config for torch.int8"):
+        default_gemm_configs(torch.int8, "cuda")
+    with pytest.raises(ValueError, match="device_type must be one of"):
+        default_gemm_configs(torch.bfloat16, "rocm")
+
+
+_SM90_COMPILE = """
+import json, sys, torch
+from triton.backends.compiler import GPUTarget
+from ditron_ep.compiler.core_config import default_gemm_configs
+from tools.portability import compile_registered
+from ditron_ep.ops.moe_layer import grouped_gemm_kernels as grouped_gemm
+for dtype in (torch.bfloat16, torch.float32):
+    grouped_gemm.register_ffn_configs(dtype, *default_gemm_configs(dtype, "cuda"), label=f"cuda-default-{dtype}",
+                                      shape=(7168, 2048))
+results = compile_registered([GPUTarget("cuda", 90, 32)], modules={grouped_gemm.__name__})
+json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-default" in r.label], sys.stdout)
+"""
+
+
+def test_nvidia_default_configs_compile_for_sm90(tmp_path):
+    """The portability check compiles every signature for gfx942 too, whose 64 KiB of LDS the
+    NVIDIA defaults (192 KiB) exceed: compile those for sm_90 alone here, shared memory checked."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 4, results
+    for label, ok, shared, error in results:
+        assert ok, f"{label}: {error}"
+    assert max(shared for _, _, shared, _ in results) == 196608  # 4 stages x 48 KiB: the K-loop is pipelined
+
+
+def test_values_made_valid_without_host_sync():
+    """GPU default (check=None): bad offsets / row_index are repaired on the device so every row
+    is written once; valid ones pass unchanged (the same bits)."""
+    from ditron_ep.ops.moe_layer.grouped_ffn import _made_valid
+    good_off = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    good_idx = torch.tensor([4, 0, 1, 2, 3, 0, 1], dtype=torch.int32)
+    off, idx = _made_valid(good_off, good_idx, 7, 5)
+    assert torch.equal(off, good_off) and off.dtype == torch.int32 and torch.equal(idx, good_idx)
+    cases = [([2, 5, 7, 7], [0, 5, 7, 7]), ([-3, 5, 4, 9], [0, 5, 5, 7]), ([0, 6, 3, 2], [0, 6, 6, 6])]
+    for bad, fixed in cases:
+        assert _made_valid(torch.tensor(bad, dtype=torch.int32), None, 7, 5)[0].tolist() == fixed
+    assert _made_valid(good_off, torch.tensor([-1, 5, 100, 2], dtype=torch.int32), 7, 5)[1].tolist() == [0, 4, 4, 2]
+    # the repaired offsets drive the kernels like valid ones: checked against the oracle
+    inp = make_inputs([3, 4], 16, 8, n_x=5)
+    off, _ = _made_valid(torch.tensor([0, 6, 3], dtype=torch.int32), None, 7, 5)
+    y = grouped_swiglu_ffn(**{**inp, "expert_offsets": off}, check=False)
+    assert_close_to_oracle(y, oracle({**inp, "expert_offsets": off}), torch.float32, "repaired offsets")
