@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--against", default=None, metavar="MODULE:FN",
                        help="check your own MoE forward instead of the built-in cases: "
                             "FN(x, topk_idx, topk_weights, w1, w2, *, group=None, "
-                            "schedule='overlap') with the contract of ditron_ep.ops.moe_layer.functional; its "
+                            "schedule='overlap') with the contract of ditron_ep.ops.moe; its "
                             "overlap output must equal its sequential output and every rerun bit "
                             "for bit, and match the float64 oracle. MODULE must be importable "
                             "from sys.path on every rank")

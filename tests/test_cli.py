@@ -19,6 +19,7 @@ from rich.console import Console
 from ditron_ep import cli
 from ditron_ep.check import selfcheck
 from ditron_ep.check.report import CaseResult, CheckReport, exit_status
+from ditron_ep.ops.ep.naive import recv_order
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 from ditron_ep.runtime import RankError
 
@@ -298,7 +299,7 @@ def _dispatch_runner(corrupt: str | None = None):
         terms = [torch.zeros(*i.shape, x.shape[1]) for i, x in zip(inputs.topk_idxs, inputs.xs)]
         received = []
         for r in range(W):
-            order = selfcheck.expected_permutation(inputs, r)
+            order = recv_order(inputs.topk_idxs, r, E)
             rows = torch.stack([inputs.xs[s][t] for s, t, _ in order])
             experts = [int(inputs.topk_idxs[s][t, k]) for s, t, k in order]
             y = selfcheck._scaled_rows(rows, experts, rows.dtype)

@@ -1,38 +1,156 @@
-"""Registry entries "dispatch" and "combine": `EPBuffer` against `all_to_all_single`.
+"""Registry entries "dispatch", "combine" and "dispatch_combine": `EPBuffer` against `all_to_all_single`.
 
-Per token count T (tokens per rank): tokens and a uniform routing from `ep_inputs.make_inputs`,
-one `EPBuffer` sized for T, and the all_to_all_single baseline of the same routing
-(`alltoall.AllToAll`: NCCL on GPUs, gloo on emulated ranks). Implementations:
+Per token count T (tokens per rank): tokens and a routing from `ep_inputs.make_inputs`, one
+`EPBuffer` sized for T (or for `--opt buffer_tokens=N`, built with the other EPBuffer options),
+and the all_to_all_single baseline of the same routing (`alltoall.AllToAll`: NCCL on GPUs, gloo on
+emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
+  layout              `_launch_layout`: the sender-side layout ops and the counts exchange;
   dispatch kernel     the data kernel of EPBuffer.dispatch alone, the layout computed beforehand;
-  EPBuffer.dispatch   the public op (sync=True): layout, host read, allocations, data kernel and
-                      the error-slot read;
+  EPBuffer.dispatch   the public op (sync=True): layout (replayed from a CUDA graph from a
+                      signature's second call, `graph_cache`), host read, allocations, data kernel
+                      and the error-slot read (`check_errors`);
   combine kernel      combine's kernel alone, on the rows of one untimed dispatch;
   EPBuffer.combine    the public op;
-  all_to_all_single   the baseline's exchange of pre-packed rows (packing not timed).
-Check, once per T before timing, on every rank: dispatch's rows equal the rows the baseline moved,
-placed in expert-major order, bit for bit; combine's output (identity experts: y = recv_x) against
-the baseline's within the dtype's rtol (max |diff| / max |ref| over every rank).
+  graph: ...          (GPUs only, dispatch_combine's mode "graph") one CUDA graph each, timed as
+                      replays: the layout; dispatch(sync=False) (layout + data kernel); combine;
+                      dispatch+combine; and dispatch / combine with 0 tokens on every rank (the
+                      fixed cost of a cross-rank launch under the timing rule: host skew after the
+                      barrier, graph launch, entry barrier, counts exchange).
+"dispatch" times the two dispatch rows against all_to_all_single, "combine" the two combine rows;
+"dispatch_combine" times every row of its modes against the exchange of the same direction
+(a2a dispatch, a2a combine, and both in one call for the round trip).
+Checks, once per T before timing, on every rank: the layout's received row count equals the
+baseline's; dispatch's rows equal the rows the baseline moved, placed in expert-major order, bit
+for bit; combine's output (identity experts: y = recv_x) against the baseline's within the dtype's
+rtol (max |diff| / max |ref| over every rank); graph replays equal the eager calls bit for bit.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ditron_ep.bench.alltoall import AllToAll, gather_routing
 from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors
-from ditron_ep.bench.spec import BenchContext, Benchmark, Measurement, Shape, tolerance_check
+from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
+                                  boolean, failed, non_negative_int, positive_int, some_of,
+                                  tolerance_check)
+from ditron_ep.bench.timing import capture_graph
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import EPBuffer
 
 BASELINE = "all_to_all_single"
+A2A_DISPATCH, A2A_COMBINE, A2A_ROUND_TRIP = "a2a dispatch", "a2a combine", "a2a dispatch+combine"
 WORK_RULE = ("bytes = tokens each rank receives from other ranks (one copy per (token, destination rank)) "
-             "x hidden x element size, mean over ranks; combine: the same rows in reverse. GB/s = bytes / "
-             "median time (1 GB = 1e9 B); local tokens are not counted. all_to_all_single moves exactly "
-             "these bytes.")
+             "x hidden x element size, mean over ranks; combine: the same rows in reverse; dispatch+combine: "
+             "both. GB/s = bytes / median time (1 GB = 1e9 B); local tokens are not counted. all_to_all_single "
+             "moves exactly these bytes. JSON details: bytes_max (busiest rank), wire_bytes (combine returns "
+             "one row per (token, k)).")
+
+EP_OPTIONS = (
+    Option("num_programs", "programs (SMs) of every EP kernel (default: all SMs)", positive_int),
+    Option("block_rows", "EPBuffer block_rows: tokens per chunk", positive_int, 16),
+    Option("block_hidden", "EPBuffer block_hidden: columns per copy step (default: the buffer's)", positive_int),
+    Option("hidden_slices", "EPBuffer hidden_slices: column slices per chunk (default: the buffer's)",
+           positive_int),
+    Option("graph_cache", "EPBuffer graph_cache: dispatch signatures whose layout replays from a CUDA graph "
+           "(0: off)", non_negative_int, 4),
+    Option("check_errors", "EPBuffer check_errors: the public calls read the error slot (a host sync)",
+           boolean, True),
+    Option("buffer_tokens", "max_tokens_per_rank of the EPBuffer (default: each config's T; one size serves "
+           "every T when given)", positive_int),
+)
+MODES = ("eager", "graph")
+GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
+          "graph: dispatch, 0 tokens", "graph: combine, 0 tokens")
+
+
+# ============================================================================ one T: inputs, baseline, buffer
+@dataclass
+class EPCase:
+    inp: Inputs
+    a2a: AllToAll
+    buf: EPBuffer
+    w32: torch.Tensor                                   # fp32 [T, K] routing weights
+    wants: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def work(self, ctx: BenchContext, kind: str) -> tuple[float | None, dict[str, Any]]:
+        """(bytes of one `kind` call by WORK_RULE, the JSON details of its traffic)."""
+        by = traffic_bytes(ctx, self.inp, kind, ctx.shape.hidden)
+        return by.rule, {"bytes_max": by.rule_max, "wire_bytes": by.wire}
+
+    def want(self, ctx: BenchContext, what: str) -> torch.Tensor:
+        """What ours must return, from the baseline's exchanges (run once, untimed): "dispatch"
+        the expert-major rows, "combine" the fp32 output."""
+        if what not in self.wants:
+            def dispatch() -> torch.Tensor:
+                self.a2a.dispatch()
+                return self.a2a.expected_dispatch()
+
+            def combine() -> torch.Tensor:
+                self.a2a.dispatch()
+                self.a2a.pack_combine()
+                self.a2a.combine()
+                return self.a2a.expected_combine()
+
+            self.wants[what] = guarded(ctx, f"{BASELINE} {what} (check)", dispatch if what == "dispatch" else combine)
+        return self.wants[what]
+
+
+def make_buffer(ctx: BenchContext, tokens: int) -> EPBuffer:
+    """The EPBuffer of one config, from the request's shape and the EP options."""
+    s, o = ctx.shape, ctx.options
+    return EPBuffer(ctx.group, s.experts, s.hidden, o.get("buffer_tokens") or tokens, s.topk, ctx.dtype,
+                    num_programs=o.get("num_programs"), block_rows=o.get("block_rows", 16),
+                    block_hidden=o.get("block_hidden"), hidden_slices=o.get("hidden_slices"),
+                    check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4))
+
+
+@contextmanager
+def ep_case(ctx: BenchContext, tokens: int) -> Iterator[EPCase]:
+    """Inputs, the baseline's exchange plan and an EPBuffer for `tokens`, on every rank; the
+    buffer is freed afterwards (unless the group broke)."""
+    s, routing = ctx.shape, ctx.request.routing
+
+    def setup() -> tuple[Inputs, AllToAll]:
+        inp = make_inputs(ctx, tokens, s.experts, s.topk, s.hidden, routing)
+        idx_all, w_all = gather_routing(ctx, inp.idx, inp.w)
+        return inp, AllToAll(ctx, inp.x, idx_all, w_all, s.experts)
+
+    inp, a2a = guarded(ctx, "inputs", setup)
+    buf = guarded(ctx, "EPBuffer", lambda: make_buffer(ctx, tokens))
+    group_ok = True
+    try:
+        with torch.no_grad():
+            yield EPCase(inp, a2a, buf, inp.w.to(torch.float32).contiguous())
+    except Fatal:
+        group_ok = False
+        raise
+    finally:
+        if group_ok:
+            buf.free()
+
+
+# ============================================================================ eager rows
+def layout_rows_check(ctx: BenchContext, case: EPCase, recv: Any) -> tuple[str, bool]:
+    """The received row count a layout reports against the baseline's (agreed by all ranks)."""
+    rows = case.buf._rows_from_status(recv, None)
+    same = all_ranks(ctx, rows == case.inp.rows_received(ctx.rank))
+    return ("ok: received rows == the baseline's" if same else "FAIL: received rows differ from the baseline's"), same
+
+
+def measure_layout(ctx: BenchContext, case: EPCase) -> Measurement:
+    def fn() -> object:
+        return case.buf._launch_layout(case.inp.idx)
+
+    try:
+        check = guarded(ctx, "layout (check)", lambda: layout_rows_check(ctx, case, fn()[1]), case.buf)
+    except StageFailed as exc:
+        return Measurement("layout", error=str(exc), ok=False)
+    return ctx.measure("layout", fn, None, *check, buf=case.buf)
 
 
 def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor,
@@ -51,125 +169,244 @@ def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor,
                                          recv_tok, after_layout=False)), recv_x
 
 
-@dataclass
-class EPCase:
-    inp: Inputs
-    a2a: AllToAll
-    buf: EPBuffer
-    bytes: float | None   # of one dispatch (or combine) by WORK_RULE
+def measure_dispatch(ctx: BenchContext, case: EPCase, baseline: str) -> list[Measurement]:
+    """"dispatch kernel" and "EPBuffer.dispatch", checked bit for bit against `baseline`'s rows."""
+    inp, buf = case.inp, case.buf
+    work, details = case.work(ctx, "dispatch")
+    want = case.want(ctx, "dispatch")
+    kernel, kernel_rows = guarded(ctx, "dispatch kernel setup",
+                                  lambda: dispatch_kernel_call(buf, inp.x, inp.idx, case.w32), buf)
+
+    def kernel_once() -> torch.Tensor:
+        kernel()
+        return kernel_rows
+
+    def public() -> tuple[torch.Tensor, object]:
+        return buf.dispatch(inp.x, inp.idx, inp.w)
+
+    # impl -> (the timed call, one call that returns the rows it received)
+    ours: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
+        "dispatch kernel": (kernel, kernel_once),
+        "EPBuffer.dispatch": (public, lambda: public()[0]),
+    }
+    out = []
+    for impl, (fn, once) in ours.items():
+        try:
+            got = guarded(ctx, f"{impl} (check)", once, buf)
+            same = all_ranks(ctx, got.shape == want.shape and torch.equal(got, want))
+            check = "ok: bit-exact" if same else f"FAIL: rows differ from those {baseline} moved"
+            out.append(ctx.measure(impl, fn, work, check, same, buf, details))
+        except StageFailed as exc:
+            out.append(Measurement(impl, None, work, "", False, error=str(exc)))
+    return out
 
 
-@contextmanager
-def ep_case(ctx: BenchContext, tokens: int) -> Iterator[EPCase]:
-    """Inputs, the baseline's exchange plan and an EPBuffer for `tokens`, on every rank; the
-    buffer is freed afterwards (unless the group broke)."""
-    s, routing = ctx.shape, ctx.request.routing
+def measure_combine(ctx: BenchContext, case: EPCase) -> tuple[list[Measurement], torch.Tensor | None]:
+    """"combine kernel" and "EPBuffer.combine" against the baseline's output within the dtype's
+    rtol; also returns EPBuffer.combine's output (None if it failed)."""
+    inp, buf = case.inp, case.buf
+    work, details = case.work(ctx, "combine")
+    want = case.want(ctx, "combine")
+    y, handle = guarded(ctx, "dispatch (untimed)", lambda: buf.dispatch(inp.x, inp.idx, inp.w), buf)
+    ours: dict[str, Callable[[], torch.Tensor]] = {
+        "combine kernel": lambda: buf._launch_combine(y, case.w32, handle),
+        "EPBuffer.combine": lambda: buf.combine(y, handle, inp.w),
+    }
+    rtol = TOLERANCES[ctx.dtype][0]
+    outs: dict[str, torch.Tensor] = {}
+    errors: dict[str, str] = {}
+    for impl, fn in ours.items():
+        try:
+            outs[impl] = guarded(ctx, f"{impl} (check)", fn, buf)
+        except StageFailed as exc:
+            errors[impl] = str(exc)
+    rel = relative_errors(ctx, want, outs)
+    out = []
+    for impl, fn in ours.items():
+        if impl in errors:
+            out.append(Measurement(impl, None, work, "", False, error=errors[impl]))
+            continue
+        out.append(ctx.measure(impl, fn, work, *tolerance_check(rel[impl], rtol), buf=buf, details=details))
+    return out, outs.get("EPBuffer.combine")
 
-    def setup() -> tuple[Inputs, AllToAll]:
-        inp = make_inputs(ctx, tokens, s.experts, s.topk, s.hidden, routing)
-        idx_all, w_all = gather_routing(ctx, inp.idx, inp.w)
-        return inp, AllToAll(ctx, inp.x, idx_all, w_all, s.experts)
 
-    inp, a2a = guarded(ctx, "inputs", setup)
-    buf = guarded(ctx, "EPBuffer", lambda: EPBuffer(ctx.group, s.experts, s.hidden, tokens, s.topk, ctx.dtype))
-    group_ok = True
+def measure_a2a(ctx: BenchContext, case: EPCase, impl: str, kind: str) -> Measurement:
+    """The baseline's exchange of `kind`: "dispatch", "combine" or "roundtrip" (both in one call)."""
+    a2a = case.a2a
+    case.want(ctx, "combine")   # the rows combine sends back are packed (untimed)
+    fns: dict[str, Callable[[], object]] = {
+        "dispatch": a2a.dispatch, "combine": a2a.combine, "roundtrip": lambda: (a2a.dispatch(), a2a.combine())}
+    work, details = case.work(ctx, kind)
+    return ctx.measure(impl, fns[kind], work, "reference", True, details=details)
+
+
+# ============================================================================ graph rows
+def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
+    """The GRAPHS rows: each call captured once in a CUDA graph, replayed once to check it, then
+    timed as replays (after the same warm-up as every row)."""
+    buf, inp = case.buf, case.inp
+    x, idx, w = inp.x, inp.idx, inp.w
+    x0, idx0, w0 = x[:0], idx[:0], w[:0]
+    graphs: dict[str, tuple[torch.cuda.CUDAGraph, Any]] = {}
+    eager: dict[str, torch.Tensor] = {}
+
+    def build() -> None:
+        recv, handle = buf.dispatch(x, idx, w)
+        eager["roundtrip"] = buf.combine(recv, handle, w)   # what every graph must reproduce bit for bit
+        for xs, ids, ws in ((x, idx, w), (x0, idx0, w0)):   # eager warm-up compiles the graph-mode variants
+            r, h = buf.dispatch(xs, ids, ws, sync=False)
+            buf.combine(r, h, ws)
+        torch.cuda.synchronize(ctx.device)
+        graphs["graph: layout"] = capture_graph(lambda: buf._launch_layout(idx))
+        graphs["graph: dispatch"] = capture_graph(lambda: buf.dispatch(x, idx, w, sync=False))
+        recv_g, h_g = graphs["graph: dispatch"][1]
+        graphs["graph: combine"] = capture_graph(lambda: buf.combine(recv_g, h_g, w))
+
+        def both() -> torch.Tensor:
+            r2, h2 = buf.dispatch(x, idx, w, sync=False)
+            return buf.combine(r2, h2, w)
+
+        graphs["graph: dispatch+combine"] = capture_graph(both)
+        graphs["graph: dispatch, 0 tokens"] = capture_graph(lambda: buf.dispatch(x0, idx0, w0, sync=False))
+        recv_0, h_0 = graphs["graph: dispatch, 0 tokens"][1]
+        graphs["graph: combine, 0 tokens"] = capture_graph(lambda: buf.combine(recv_0, h_0, w0))
+
+    def dispatched(out: Any, want: torch.Tensor) -> bool:
+        recv, handle = out
+        rows = int(handle.expert_offsets[-1])
+        return rows == want.shape[0] and torch.equal(recv[:rows], want)
+
+    want = case.want(ctx, "dispatch")
+    rows = ("ok: received rows == the baseline's", "FAIL: received rows differ from the baseline's")
+    bitwise = ("ok: bitwise == eager", "FAIL: differs from the eager call")
+    # name -> (kind of traffic or None, (check text if ok, if not), whether one replay's output passes)
+    checks: dict[str, tuple[str | None, tuple[str, str], Callable[[Any], bool]]] = {
+        "graph: layout": (None, rows, lambda out: buf._rows_from_status(out[1], None) == inp.rows_received(ctx.rank)),
+        "graph: dispatch": ("dispatch", ("ok: bit-exact", "FAIL: rows differ from those the baseline moved"),
+                            lambda out: dispatched(out, want)),
+        "graph: combine": ("combine", bitwise, lambda out: torch.equal(out, eager["roundtrip"])),
+        "graph: dispatch+combine": ("roundtrip", bitwise, lambda out: torch.equal(out, eager["roundtrip"])),
+        "graph: dispatch, 0 tokens": (None, ("ok: 0 rows", "FAIL: rows received"),
+                                      lambda out: int(out[1].expert_offsets[-1]) == 0),
+        "graph: combine, 0 tokens": (None, ("ok: 0 tokens out", "FAIL: tokens out"),
+                                     lambda out: out.shape == (0, x.shape[1])),
+    }
     try:
-        yield EPCase(inp, a2a, buf, traffic_bytes(ctx, inp, "dispatch", s.hidden).rule)
-    except Fatal:
-        group_ok = False
-        raise
-    finally:
-        if group_ok:
-            buf.free()
-
-
-def run_dispatch(ctx: BenchContext, tokens: int) -> list[Measurement]:
-    with ep_case(ctx, tokens) as case, torch.no_grad():
-        inp, a2a, buf = case.inp, case.a2a, case.buf
-        w32 = inp.w.to(torch.float32).contiguous()
-        guarded(ctx, f"{BASELINE} (check)", a2a.dispatch)
-        want = a2a.expected_dispatch()
-        kernel, kernel_rows = guarded(ctx, "dispatch kernel setup",
-                                      lambda: dispatch_kernel_call(buf, inp.x, inp.idx, w32), buf)
-
-        def kernel_once() -> torch.Tensor:
-            kernel()
-            return kernel_rows
-
-        def public() -> tuple[torch.Tensor, object]:
-            return buf.dispatch(inp.x, inp.idx, inp.w)
-
-        # impl -> (the timed call, one call that returns the rows it received)
-        ours: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
-            "dispatch kernel": (kernel, kernel_once),
-            "EPBuffer.dispatch": (public, lambda: public()[0]),
-        }
-        out = []
-        for impl, (fn, once) in ours.items():
+        guarded(ctx, "graph capture", build, buf)
+    except StageFailed as exc:
+        return failed(GRAPHS, str(exc))
+    done: dict[str, Measurement] = {}
+    try:
+        for name in GRAPHS:
+            kind, texts, passes = checks[name]
+            work, details = case.work(ctx, kind) if kind else (None, {})
+            if name == "graph: combine" and not done["graph: dispatch"].ok:
+                # The combine graph reads the dispatch graph's outputs: only valid after a good replay.
+                done[name] = Measurement(name, work=work, ok=False,
+                                         error="not run: the dispatch graph it reads from failed")
+                continue
+            graph, result = graphs[name]
             try:
-                got = guarded(ctx, f"{impl} (check)", once, buf)
-                same = all_ranks(ctx, got.shape == want.shape and torch.equal(got, want))
-                check = "ok: bit-exact" if same else f"FAIL: rows differ from those {BASELINE} moved"
-                out.append(ctx.measure(impl, fn, case.bytes, check, same, buf))
+                mine = guarded(ctx, f"{name} (check)", lambda: (graph.replay(), passes(result))[1], buf)
             except StageFailed as exc:
-                out.append(Measurement(impl, None, case.bytes, "", False, error=str(exc)))
-        out.append(ctx.measure(BASELINE, a2a.dispatch, case.bytes, "reference", True))
-        return out
+                done[name] = Measurement(name, work=work, ok=False, error=str(exc))
+                continue
+            ok = all_ranks(ctx, bool(mine))
+            done[name] = ctx.measure(name, graph.replay, work, texts[0] if ok else texts[1], ok, buf, details)
+    finally:
+        graphs.clear()
+    return list(done.values())
+
+
+# ============================================================================ the entries
+def run_dispatch(ctx: BenchContext, tokens: int) -> list[Measurement]:
+    with ep_case(ctx, tokens) as case:
+        out = measure_dispatch(ctx, case, BASELINE)
+        return [*out, measure_a2a(ctx, case, BASELINE, "dispatch")]
 
 
 def run_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
-    with ep_case(ctx, tokens) as case, torch.no_grad():
-        inp, a2a, buf = case.inp, case.a2a, case.buf
-        w32 = inp.w.to(torch.float32).contiguous()
+    with ep_case(ctx, tokens) as case:
+        out, _ = measure_combine(ctx, case)
+        return [*out, measure_a2a(ctx, case, BASELINE, "combine")]
 
-        def baseline_once() -> torch.Tensor:
-            a2a.dispatch()
-            a2a.pack_combine()
-            a2a.combine()
-            return a2a.expected_combine()
 
-        want = guarded(ctx, f"{BASELINE} (check)", baseline_once)
-        y, handle = guarded(ctx, "dispatch (untimed)", lambda: buf.dispatch(inp.x, inp.idx, inp.w), buf)
-        ours: dict[str, Callable[[], torch.Tensor]] = {
-            "combine kernel": lambda: buf._launch_combine(y, w32, handle),
-            "EPBuffer.combine": lambda: buf.combine(y, handle, inp.w),
-        }
-        rtol = TOLERANCES[ctx.dtype][0]
-        outs: dict[str, torch.Tensor] = {}
-        failed: dict[str, str] = {}
-        for impl, fn in ours.items():
-            try:
-                outs[impl] = guarded(ctx, f"{impl} (check)", fn, buf)
-            except StageFailed as exc:
-                failed[impl] = str(exc)
-        rel = relative_errors(ctx, want, outs)
+def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
+    modes = ctx.options["mode"]
+    with ep_case(ctx, tokens) as case:
         out = []
-        for impl, fn in ours.items():
-            if impl in failed:
-                out.append(Measurement(impl, None, case.bytes, "", False, error=failed[impl]))
-                continue
-            out.append(ctx.measure(impl, fn, case.bytes, *tolerance_check(rel[impl], rtol), buf=buf))
-        out.append(ctx.measure(BASELINE, a2a.combine, case.bytes, "reference", True))
-        return out
+        if "eager" in modes:
+            out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
+            out += measure_combine(ctx, case)[0]
+        if "graph" in modes and ctx.on_cuda:
+            out += measure_graphs(ctx, case)
+        return [*out, *(measure_a2a(ctx, case, name, kind) for name, kind in
+                        ((A2A_DISPATCH, "dispatch"), (A2A_COMBINE, "combine"), (A2A_ROUND_TRIP, "roundtrip")))]
+
+
+def _plan(*ours: Impl, baselines: tuple[str, ...]) -> tuple[Impl, ...]:
+    return (*ours, *(Impl(b, "baseline") for b in baselines))
+
+
+def plan_dispatch(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
+    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("dispatch kernel", "EPBuffer.dispatch")),
+                 baselines=(BASELINE,))
+
+
+def plan_combine(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
+    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("combine kernel", "EPBuffer.combine")),
+                 baselines=(BASELINE,))
+
+
+def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, Any],
+                          on_gpu: bool) -> tuple[Impl, ...]:
+    d, c, rt = (A2A_DISPATCH,), (A2A_COMBINE,), (A2A_ROUND_TRIP,)
+    ours: list[Impl] = []
+    if "eager" in options["mode"]:
+        ours += [Impl("layout"), Impl("dispatch kernel", against=d), Impl("EPBuffer.dispatch", against=d),
+                 Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=c)]
+    if "graph" in options["mode"] and on_gpu:
+        ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
+                 Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
+                 Impl("graph: combine, 0 tokens")]
+    return _plan(*ours, baselines=(*d, *c, *rt))
+
+
+def validate_ep(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> str | None:
+    cap = options.get("buffer_tokens")
+    if cap is not None and cap < max(req.tokens):
+        return f"--opt buffer_tokens={cap} is below the largest --tokens {max(req.tokens)}"
+    return None
 
 
 _SHAPES = {"emulated": Shape(hidden=64, experts=8, topk=2), "torch": Shape(hidden=7168, experts=256, topk=8)}
 _TOKENS = {"emulated": (8, 32), "torch": (128, 4096)}
 _DTYPES = {"emulated": ("fp32", "bf16", "fp16"), "torch": ("bf16", "fp16", "fp32")}
+_COMMON = dict(metric="GB/s", work_rule=WORK_RULE, shapes=_SHAPES, tokens=_TOKENS, dtypes=_DTYPES,
+               options=EP_OPTIONS, validate=validate_ep)
 
 DISPATCH = Benchmark(
     name="dispatch",
     description="EP dispatch: every token to the ranks of its top-k experts, expert-major rows "
                 "ordered by (source rank, token)",
-    ours=("dispatch kernel", "EPBuffer.dispatch"), baselines=(BASELINE,), metric="GB/s", work_rule=WORK_RULE,
     check_rule=f"received rows == the rows {BASELINE} moved, placed in expert-major order, bit for bit",
-    shapes=_SHAPES, tokens=_TOKENS, run=run_dispatch, dtypes=_DTYPES)
+    plan=plan_dispatch, run=run_dispatch, **_COMMON)
 
 COMBINE = Benchmark(
     name="combine",
     description="EP combine: expert outputs back to their tokens, out[t] = sum_k w[t,k] * y(t,k) "
                 "in fixed k order (fp32)",
-    ours=("combine kernel", "EPBuffer.combine"), baselines=(BASELINE,), metric="GB/s", work_rule=WORK_RULE,
     check_rule=f"output (identity experts) vs {BASELINE}'s (rows pre-reduced per rank): max |diff| / "
                f"max |ref| over every rank within the dtype's rtol",
-    shapes=_SHAPES, tokens=_TOKENS, run=run_combine, dtypes=_DTYPES)
+    plan=plan_combine, run=run_combine, **_COMMON)
+
+DISPATCH_COMBINE = Benchmark(
+    name="dispatch_combine",
+    description="EP dispatch and combine stage by stage, eager and as CUDA-graph replays (GPUs), with the "
+                "0-token fixed cost, against all_to_all_single of the same direction",
+    check_rule="layout: received row count == the baseline's; dispatch: rows == the rows the baseline moved, "
+               "bit for bit; combine: vs the baseline's output within the dtype's rtol; graph replays == the "
+               "eager calls bit for bit",
+    plan=plan_dispatch_combine, run=run_dispatch_combine, default=False,
+    **{**_COMMON, "options": (Option("mode", "eager, graph or eager,graph (graph rows on GPUs only)",
+                                     some_of(*MODES), MODES), *EP_OPTIONS)})

@@ -1,12 +1,14 @@
-"""Inputs of the EP benchmarks (tokens, routing) and the traffic they cause between ranks.
+"""Inputs of the EP benchmarks (tokens, routing, experts' weights) and the traffic they cause
+between ranks.
 
-Seeds: rank r's routing comes from `torch.Generator().manual_seed(seed * 1000 + r)` and its tokens
-from a generator on its device seeded `seed * 1000 + 500 + r`, so a (seed, T, E, K, H) config
-is the same in every benchmark and every run.
+Seeds: rank r's routing comes from `torch.Generator().manual_seed(seed * 1000 + r)`, its tokens
+from a generator on its device seeded `seed * 1000 + 500 + r` and its experts' weights from one
+seeded `seed * 1000 + 700 + r`, so a (seed, T, E, K, H, I) config is the same in every benchmark
+and every run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,34 @@ def make_inputs(ctx: RankContext, tokens: int, experts: int, topk: int, hidden: 
     rows = [[int(v) for v in p.tolist()] for p in parts]
     return Inputs(x=x, idx=idx.to(ctx.device), w=w.to(ctx.device),
                   tokens_sent=[r[:W] for r in rows], pairs_sent=[r[W:] for r in rows])
+
+
+@dataclass
+class Weights:
+    w1: torch.Tensor           # [E_local, H, 2I] row-major (gate ‖ up)
+    w2: torch.Tensor           # [E_local, I, H] row-major
+    col_major: dict[str, torch.Tensor] = field(default_factory=dict)  # same values, column-major views
+
+    def layout(self, name: str, col: bool) -> torch.Tensor:
+        """`name` ("w1" or "w2") row-major, or column-major (a transposed view of [E, N, K] storage)."""
+        w = getattr(self, name)
+        if not col:
+            return w
+        if name not in self.col_major:
+            self.col_major[name] = w.transpose(1, 2).contiguous().transpose(1, 2)
+        return self.col_major[name]
+
+
+def make_weights(ctx: RankContext, e_local: int, hidden: int, inter: int) -> Weights:
+    """`e_local` experts' weights on this rank's device, scaled by H^-1/2 and I^-1/2 (so that h
+    and y are O(1))."""
+    gen = torch.Generator(device=ctx.device).manual_seed(ctx.seed * 1000 + 700 + ctx.rank)
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=ctx.device) * scale).to(ctx.dtype)
+
+    return Weights(w1=randn(e_local, hidden, 2 * inter, scale=hidden**-0.5),
+                   w2=randn(e_local, inter, hidden, scale=inter**-0.5))
 
 
 @dataclass

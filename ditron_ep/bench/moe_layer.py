@@ -17,7 +17,7 @@ everything under torch.no_grad. Implementations:
                       dispatch beforehand): the expert work inside the layer, no communication.
 Check, once per T before timing: every schedule's output against torch-native's, and the grouped
 GEMM against `torch_experts` on the same rows; max |diff| / max |ref| over every rank within the
-dtype's rtol (determinism/tolerances).
+dtype's rtol (check/tolerances).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Checks of an MoE forward function: ditron_ep's own `moe`, or the user's (`check --against`).
 
-The function under test has the signature of `ditron_ep.ops.moe_layer.functional`:
+The function under test has the signature of `ditron_ep.ops.moe`:
 
     fn(x, topk_idx, topk_weights, w1, w2, *, group=None, schedule="overlap") -> out
 

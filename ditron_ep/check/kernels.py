@@ -129,3 +129,11 @@ def peer_get_kernel(
 
 register_kernel(peer_get_kernel, {"table_ptr": "*i64", "out_ptr": "*u8", "offset": "i64",
                                   "n_bytes": "i32"}, {"BLOCK": 1024})
+
+
+def read_peer_bytes(heap: SymmetricHeap, offset: int, n_bytes: int) -> torch.Tensor:
+    """uint8 [W, n_bytes]: row p holds bytes [offset, offset + n_bytes) of rank p's arena."""
+    out = torch.empty(heap.world_size, n_bytes, dtype=torch.uint8, device=heap.device)
+    block = 1024
+    peer_get_kernel[(heap.world_size, triton.cdiv(n_bytes, block))](heap.ptr_table, out, offset, n_bytes, BLOCK=block)
+    return out

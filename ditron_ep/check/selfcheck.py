@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.check.against import DITRON_MOE, ROWS, check_moe_rows
-from ditron_ep.check.kernels import exchange_tiles, peer_get_kernel
+from ditron_ep.check.kernels import exchange_tiles, read_peer_bytes
 from ditron_ep.check.report import CaseResult, CheckReport, bitwise, max_abs_err, relative
 from ditron_ep.check.routing import make_routing
 from ditron_ep.check.tolerances import TOLERANCES, assert_close_to_oracle
+from ditron_ep.ops.ep.naive import naive_combine, naive_dispatch
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle, ep_moe_reference
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.errors import DitronTimeoutError
@@ -308,22 +309,6 @@ def _check_moe(case: CheckCase, runner: RankRunner, backend: str, world_size: in
     return check_moe_rows(case.row_names, case.kind, runner, backend, spec, inputs, DTYPES[dtype], repeats)
 
 
-def expected_permutation(inputs: MoEInputs, rank: int) -> list[tuple[int, int, int]]:
-    """(source rank, token, k) of every row `rank` receives: expert-major, then (source, token)
-    order — plain loops, sharing no code with the kernels."""
-    world = len(inputs.xs)
-    e_local = inputs.num_experts // world
-    order = []
-    for e in range(rank * e_local, (rank + 1) * e_local):
-        for src in range(world):
-            idx = inputs.topk_idxs[src]
-            for t in range(idx.shape[0]):
-                for k in range(idx.shape[1]):
-                    if int(idx[t, k]) == e:
-                        order.append((src, t, k))
-    return order
-
-
 def expert_scale(expert: int) -> float:
     """The dispatch case's stand-in expert: y = x * (1 + e/8), different for every expert."""
     return 1.0 + expert / 8.0
@@ -340,17 +325,11 @@ def _check_dispatch(case: CheckCase, runner: RankRunner, backend: str, world_siz
     inputs = _case_inputs(world_size, routing, dtype, seed, shape)
     torch_dtype = DTYPES[dtype]
     per_rank = runner(rank_dispatch, backend, inputs, repeats)
-    H = inputs.xs[0].shape[1]
-    e_local = inputs.num_experts // world_size
     # rows vs the reference permutation
     perm_problems, ys = [], []
     for rank, runs in enumerate(per_rank):
-        order = expected_permutation(inputs, rank)
-        want = (torch.stack([inputs.xs[s][t] for s, t, _ in order]) if order
-                else torch.empty(0, H, dtype=torch_dtype))
+        want, offsets, order = naive_dispatch(inputs.xs, inputs.topk_idxs, rank, inputs.num_experts)
         experts = [int(inputs.topk_idxs[s][t, k]) for s, t, k in order]
-        counts = [experts.count(e) for e in range(rank * e_local, (rank + 1) * e_local)]
-        offsets = [sum(counts[:i]) for i in range(e_local + 1)]
         recv_x, got_offsets, _ = runs[0]
         if got_offsets != offsets:
             perm_problems.append(f"rank {rank}: expert offsets {got_offsets}, expected {offsets}")
@@ -363,10 +342,8 @@ def _check_dispatch(case: CheckCase, runner: RankRunner, backend: str, world_siz
                        "; ".join(perm_problems[:3]) if perm_problems else
                        f"{rows_total} rows on {world_size} ranks element-exact, in reference order")]
     # combine vs the float64 oracle of the expert rows
-    expected = [torch.zeros(x.shape, dtype=torch.float64) for x in inputs.xs]
-    for order, y in ys:
-        for row, (s, t, k) in enumerate(order):
-            expected[s][t] += float(inputs.topk_weights[s][t, k]) * y[row].to(torch.float64)
+    expected = naive_combine([y for _, y in ys], [o for o, _ in ys], inputs.topk_weights,
+                             [x.shape[0] for x in inputs.xs])
     max_abs, max_ref, problems = 0.0, 0.0, []
     for rank, (runs, want) in enumerate(zip(per_rank, expected)):
         out = runs[0][2]
@@ -486,10 +463,7 @@ def rank_heap_selftest(backend: str, seed: int) -> dict[str, Any]:
         heap.barrier()
         for i, (shape, dtype) in enumerate(_HEAP_BUFFERS):
             n_bytes = heap.buffer(f"selfcheck/heap{i}").nbytes
-            got = torch.empty(world, n_bytes, dtype=torch.uint8, device=device)
-            peer_get_kernel[(world, triton.cdiv(n_bytes, 1024))](
-                heap.ptr_table, got, offsets[i], n_bytes, BLOCK=1024)
-            got = got.cpu()
+            got = read_peer_bytes(heap, offsets[i], n_bytes).cpu()
             for peer in range(world):
                 if not torch.equal(got[peer], _heap_fill(seed, peer, i).reshape(-1).view(torch.uint8)):
                     problems.append(f"buffer {i} ({dtype}) of rank {peer} reads wrong")

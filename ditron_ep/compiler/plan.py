@@ -57,7 +57,7 @@ SOURCE_ORDERS = ("ring", "reverse_ring")
 # group (a GROUP_M swizzle), so the programs that share a weight column block take consecutive
 # tickets (lowering.DEFAULT_GEMM_TILE_ORDER says what that bought). "row_major" is groups of one
 # row tile, "column_major" one group of every row tile. The kernels decode tickets with
-# megakernel/grouped_gemm.py::grouped_tile; StagePlan.coords gives the plan's numbering.
+# ops/moe_layer/grouped_gemm_kernels.py::grouped_tile; StagePlan.coords gives the plan's numbering.
 GEMM_TILE_ORDERS = ("row_major", "column_major", "grouped")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int64": 8}
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
@@ -361,7 +361,7 @@ class DevicePlan:
     # combine_reduce); a comm program joins the compute queue once its queue is empty. 0: one
     # queue for all.
     comm_programs: int
-    # The two dispatch stages share the start of the queue, interleaved (megakernel/task_queue.py):
+    # The two dispatch stages share the start of the queue, interleaved (language/task_queue.py):
     # dispatch_recv task g comes right after dispatch_send task g + recv_lag, so the rows already
     # here are placed, and their GEMM tiles start, while remote chunks are still being sent.
     # recv_lag >= the number of send tasks: every send first (what "sequential" needs).

@@ -223,7 +223,7 @@ def next_task_split(my_ctrl, on_comm, split_at):
 @triton.jit
 def refusal_slot(ctrl, epoch):
     """First word of the REFUSED slot of call `epoch` in the control block at `ctrl`
-    (runtime/control.refusal_slot; megakernel/refusal.py)."""
+    (runtime/control.refusal_slot; ops/ep/refusal_kernels.py)."""
     return ctrl + REFUSED + (epoch & 1) * MAX_WORLD
 
 

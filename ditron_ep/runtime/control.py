@@ -1,6 +1,6 @@
 """Byte layout of the control block at the start of every rank's arena (int32 words).
 
-Kernels (megakernel/primitives.py) and the host (runtime/heap.py) both read these numbers; they
+Kernels (language/primitives.py) and the host (runtime/heap.py) both read these numbers; they
 live here once. All words are int32 and compared with wrap-around arithmetic.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ REFUSAL_SEEN = 23            # 1 + lowest rank whose refusal made this rank skip
 REFUSERS_SEEN = 24           # how many ranks refused that call (with REFUSAL_SEEN; the host clears it)
 BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
 MAX_WORLD = 512
-REFUSED = 1024               # REFUSED + (e & 1) * MAX_WORLD + p: e when rank p refused call e (megakernel/refusal.py)
+REFUSED = 1024               # REFUSED + (e & 1) * MAX_WORLD + p: e when rank p refused call e (ops/ep/refusal_kernels.py)
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned
@@ -33,7 +33,7 @@ ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base 
 
 def refusal_slot(epoch: int) -> int:
     """First word of the REFUSED slot of the call with this epoch (two slots, by its parity);
-    megakernel/primitives.refusal_slot is the kernels' copy of this rule."""
+    language/primitives.refusal_slot is the kernels' copy of this rule."""
     return REFUSED + (epoch & 1) * MAX_WORLD
 
 

@@ -209,7 +209,7 @@ class SymmetricHeap:
         """The error a kernel recorded in this rank's slot, or None (one host read).
 
         Besides timeouts, a kernel records that it skipped a call because a peer refused it
-        (megakernel/refusal.py). That record does not block later launches; reading it here
+        (ops/ep/refusal_kernels.py). That record does not block later launches; reading it here
         consumes it and returns a DitronConfigError: nothing moved in that call and every
         rank's epoch advanced, so the heap needs no reset."""
         slot = self._ctrl[:C.REFUSERS_SEEN + 1].tolist()  # a copy also on the CPU (emulated ranks)

@@ -52,6 +52,16 @@ def test_every_jit_function_is_registered(package_report: dict) -> None:
         pytest.fail(problems, pytrace=False)
 
 
+def test_kernels_live_in_kernel_modules() -> None:
+    """One rule for where kernels live: beside their op in a `*kernels.py` module, or, when several
+    ops share a device function, in `ditron_ep.language`."""
+    names = [name for name, _ in find_jit_functions("ditron_ep")]
+    assert len(names) > 10, f"the scan found only {names}"
+    misplaced = [name for name in names
+                 if not (name.startswith("ditron_ep.language.") or name.rsplit(".", 2)[-2].endswith("kernels"))]
+    assert not misplaced, f"Triton kernels outside the kernel modules: {misplaced}"
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_compiles(package_report: dict, target: str) -> None:
     assert not package_report.get("fatal"), package_report["fatal"]
@@ -321,7 +331,7 @@ def test_fixture_unregistered_kernel_is_reported(fixture_report: dict) -> None:
 
 def test_worker_refuses_to_run_interpreted(fixture_package: tuple[Path, str], tmp_path: Path) -> None:
     root, name = fixture_package
-    repo = Path(portability.__file__).resolve().parents[2]
+    repo = Path(portability.__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", TRITON_CACHE_DIR=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(repo), str(root)]))
     proc = subprocess.run([sys.executable, "-m", "tools.compile_worker", "--package", name],

@@ -13,6 +13,17 @@ the same tests in the same order. Three mechanisms keep the ranks together:
   peers waiting in a collective.
 * ``pytest_sessionfinish`` writes this rank's counts to ``$DITRON_GPU_RESULTS_DIR/rank<R>.json``
   (when set), which the runner checks: every rank > 0 passed, 0 skipped, 0 failed.
+
+A cold run's time is Triton compilation: every distinct specialisation of a kernel (constexprs,
+dtypes, num_warps, and for int arguments whether they are 1 or multiples of 16, for pointers
+whether they are 16-byte aligned) compiles once per process. The suite therefore shares shapes
+and plan variants: one bf16 EP shape (E=64, H=1000, K=8, 320 tokens) plus one production shape,
+and four megakernel binaries (overlap, sequential, one queue, classic tile orders) plus the
+traced one, all at H=1024, I=512, K=4, 256 tokens; ragged token counts are picked from a few
+specialisation classes (0 / multiples of 64: 16-divisible and aligned; others neither; 1).
+`_CompileLog` records every compile (kernel, seconds, test, the arguments whose
+specialisation differs between a kernel's compiles) and prints the totals at the end, so the
+next cold run shows where its time goes (the runner adds pytest's --durations).
 """
 from __future__ import annotations
 
@@ -168,6 +179,110 @@ def pytest_runtest_call(item):
 
 
 # ---------------------------------------------------------------------------------------------
+# Triton compile log: what a cold run spends its time on.
+
+
+class _CompileLog:
+    """Records every Triton compile of this process through Triton's JIT hooks (knobs.runtime
+    jit_cache_hook before a compile, jit_post_compile_hook after it): kernel, seconds, the test
+    running, and the kernel's specialisation (argument types, constexpr values, divisibility and
+    alignment attributes), so the summary can name the arguments whose specialisation differs
+    between a kernel's compiles. Never raises into Triton; hooks set by others are chained."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+        self.test = "(session start)"
+        self._started: list[float] = []
+        self._prev_pre = self._prev_post = None
+        self._installed = False
+
+    def install(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:  # older Triton: no hooks, no log
+            return
+        self._prev_pre, self._prev_post = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._pre, self._post
+        self._installed = True
+
+    def uninstall(self) -> None:
+        if self._installed:
+            from triton import knobs
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._prev_pre, self._prev_post
+            self._installed = False
+
+    def _pre(self, **kwargs):
+        self._started.append(time.perf_counter())
+        return self._prev_pre(**kwargs) if self._prev_pre is not None else None  # truthy would skip the compile
+
+    def _post(self, **kwargs):
+        t1 = time.perf_counter()
+        t0 = self._started.pop() if self._started else t1
+        try:
+            fn, info = kwargs["fn"], kwargs["compile"]
+            names = list(getattr(fn.jit_function, "arg_names", []))
+
+            def name_of(path) -> str:
+                i = path[0] if isinstance(path, tuple) and path else path
+                return names[i] if isinstance(i, int) and i < len(names) else str(path)
+
+            spec = {n: t for n, t in info["signature"].items() if t != "constexpr"}
+            spec.update({name_of(p): f"={v!r}" for p, v in (info.get("constants") or {}).items()})
+            for p, attr in ((info.get("configs") or [{}])[0] or {}).items():
+                spec[name_of(p)] = f"{spec.get(name_of(p), '')} {attr}"
+            spec["num_warps/num_stages"] = f"{info.get('num_warps')}/{info.get('num_stages')}"
+            self.records.append({"kernel": fn.name, "s": t1 - t0, "test": self.test, "spec": spec})
+        except Exception as err:  # the log must never break a launch
+            self.records.append({"kernel": f"? ({type(err).__name__})", "s": t1 - t0, "test": self.test, "spec": {}})
+        if self._prev_post is not None:
+            self._prev_post(**kwargs)
+
+    def totals(self) -> tuple[int, float]:
+        return len(self.records), sum(r["s"] for r in self.records)
+
+    def summary(self, rank, top: int = 15) -> list[str]:
+        n, secs = self.totals()
+        lines = [f"rank {rank}: {n} Triton compiles, {secs:.1f} s in all"]
+        by_test: dict[str, list] = {}
+        by_kernel: dict[str, list] = {}
+        for r in self.records:
+            by_test.setdefault(r["test"], []).append(r)
+            by_kernel.setdefault(r["kernel"], []).append(r)
+        lines.append(f"  tests that compiled most (compile s, compiles), top {top}:")
+        for test, rs in sorted(by_test.items(), key=lambda kv: -sum(r["s"] for r in kv[1]))[:top]:
+            lines.append(f"    {sum(r['s'] for r in rs):6.1f} s {len(rs):3d}  {test}")
+        lines.append("  kernels (compile s, compiles; arguments whose specialisation differs between compiles):")
+        for kernel, rs in sorted(by_kernel.items(), key=lambda kv: -sum(r["s"] for r in kv[1])):
+            keys = sorted({k for r in rs for k in r["spec"]})
+            varying = [k for k in keys if len({r["spec"].get(k) for r in rs}) > 1]
+            lines.append(f"    {sum(r['s'] for r in rs):6.1f} s {len(rs):3d}  {kernel}"
+                         + (f"  varying: {', '.join(varying)}" if varying else ""))
+        return lines
+
+
+_COMPILE_LOG = _CompileLog()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compile_log():
+    """Installs the compile log for the session (see `_CompileLog`)."""
+    _COMPILE_LOG.install()
+    yield _COMPILE_LOG
+    _COMPILE_LOG.uninstall()
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _COMPILE_LOG.test = nodeid  # module fixtures set up by a test count towards it
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _COMPILE_LOG.records:
+        terminalreporter.section("Triton compiles (a cold run's time)")
+        for line in _COMPILE_LOG.summary(os.environ.get("RANK", "?")):
+            terminalreporter.write_line(line)
+
+
+# ---------------------------------------------------------------------------------------------
 # Per-rank result file for the runner script.
 
 
@@ -203,7 +318,9 @@ def pytest_sessionfinish(session, exitstatus):
     if not out_dir:
         return
     rank = os.environ.get("RANK", "x")
+    n_compiles, compile_s = _COMPILE_LOG.totals()
     record = {"rank": rank, "exitstatus": int(exitstatus), "collected": session.testscollected,
+              "compiles": n_compiles, "compile_s": round(compile_s, 1),
               **_COUNTS, **{f"{k}_ids": v[:20] for k, v in _DETAILS.items()}}
     path = Path(out_dir) / f"rank{rank}.json"
     tmp = path.with_suffix(".json.tmp")

@@ -739,7 +739,7 @@ def _error_check(dev, buffers: list) -> list[str]:
         catch("y_rows", lambda: buf.combine(recv_x[:-1].contiguous() if recv_x.shape[0] else
                                             torch.zeros(1, H, device=dev), handle))
         catch("bad_handle", lambda: buf.combine(recv_x, object()))
-        # one rank's y only: it takes part in the combine's barrier flagged (megakernel/refusal.py)
+        # one rank's y only: it takes part in the combine's barrier flagged (ops/ep/refusal_kernels.py)
         catch("one_rank_bad_y", lambda: buf.combine(recv_x.double() if rank == bad_rank else recv_x, handle))
         out = buf.combine(recv_x, handle)
         res["recovered_rows"] = str(recv_x.shape[0])

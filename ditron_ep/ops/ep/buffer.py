@@ -1,7 +1,7 @@
 """`EPBuffer`: owns the symmetric-heap resources of EP dispatch/combine; one method per primitive.
 
-Layering: Triton kernels (megakernel/ep_*.py) -> launchers here (`_launch_*`) -> autograd
-Functions -> `EPBuffer.dispatch` / `EPBuffer.combine` -> functional wrappers (ops/functional.py).
+Layering: Triton kernels (ops/ep/*_kernels.py) -> launchers here (`_launch_*`) -> autograd
+Functions -> `EPBuffer.dispatch` / `EPBuffer.combine` -> functional wrappers (ops/ep/functional.py).
 """
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ class EPBuffer:
             launch and raise DitronTimeoutError there (one extra device-to-host read).
         graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
             dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
-            a signature's second call and replayed after (ops/layout_replay.py, ops/call_graphs.py):
+            a signature's second call and replayed after (ops/ep/layout_replay.py, runtime/call_graphs.py):
             the same kernels and arguments, so the same bits, for a replay, a copy and a clone
             instead of four launches and a dozen allocations (~190 µs of host time on a lent H200
             host). 0 launches every call directly.
@@ -305,7 +305,7 @@ class EPBuffer:
 
     def _refuse_combine(self) -> None:
         """This rank rejected its arguments to a combine its peers are entering: take part in the
-        call's barrier, flagged (megakernel/refusal.py). Not while a CUDA graph is captured (the
+        call's barrier, flagged (ops/ep/refusal_kernels.py). Not while a CUDA graph is captured (the
         raise ends the capture, and nothing ran)."""
         if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)

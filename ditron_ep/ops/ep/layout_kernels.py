@@ -36,7 +36,7 @@ _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
 _FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
 _FLAG_UNREPORTED_REFUSAL = tl.constexpr(FLAG_UNREPORTED_REFUSAL)
-REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)  # this rank's refusal record (megakernel/refusal.py)
+REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)  # this rank's refusal record (ops/ep/refusal_kernels.py)
 
 
 def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
@@ -77,7 +77,7 @@ ONE_PROGRAM_MAX_BLOCKS = 1
 
 
 # Makes an int32 tensor of a given shape on the layout's device (the launches' outputs): plain
-# torch.empty by default, or views of one flat arena (ops/layout_replay.py).
+# torch.empty by default, or views of one flat arena (ops/ep/layout_replay.py).
 Int32Alloc = Callable[[tuple[int, ...]], torch.Tensor]
 
 

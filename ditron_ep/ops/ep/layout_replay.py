@@ -4,7 +4,7 @@ Why: an eager dispatch at small T is bound by host time. Its layout stage is fou
 and about a dozen allocations: ~190 µs per call on a lent H200 host at T=128 (`layout`), against
 ~22 µs when the same launches replay from a CUDA graph (`graph layout`;
 bench/results/dispatch_combine_H200x2_20261122_s10_*). FusedMoE replays its layout the same way,
-and ops/call_graphs.py says when a call signature is captured.
+and runtime/call_graphs.py says when a call signature is captured.
 
 Unlike the layer's, a dispatch's layout outlives the call: its handle keeps it for `combine` and
 the backward passes, while the next replay rewrites the graph's buffers. So every layout tensor

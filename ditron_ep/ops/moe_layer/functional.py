@@ -1,6 +1,6 @@
 """`moe`: the EP MoE layer forward — dispatch, grouped SwiGLU experts, combine.
 
-schedule="overlap" (default): the fused megakernel (ops/fused_moe.py), communication and GEMM
+schedule="overlap" (default): the fused megakernel (ops/moe_layer/fused.py), communication and GEMM
 tiles overlapped in one persistent launch. "sequential": the same binary and tiles run stage by
 stage (stage barriers from the plan): bitwise equal to "overlap". "staged": dispatch, grouped
 GEMM and combine as separate launches (the unfused building blocks).

@@ -144,7 +144,7 @@ class FusedMoE:
     host read, and waiting for the layer kept the GPU idle while the host issued the next call.
     graph_cache (CUDA, default mode): how many call signatures (token count, index / weight
     dtypes, weight addresses) keep their launches as CUDA graphs, captured on a signature's
-    second call and replayed after (ops/call_graphs.py): the same kernels and arguments, so the
+    second call and replayed after (runtime/call_graphs.py): the same kernels and arguments, so the
     same bits, for about 100 µs of host time (input copies, the replays, the output clone, the
     status read) instead of 350-650 µs. Each costs graph memory of about
     2*T*H activations plus the layout buffers; 0 launches every call directly.
@@ -238,7 +238,7 @@ class FusedMoE:
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
-        """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe_layer.functional`.
+        """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
 
         sync=True: one device-to-host read, of the layout's status (the host waits for the layout
         launches, not for the megakernel, which runs on asynchronously): bad input on any rank
@@ -257,8 +257,13 @@ class FusedMoE:
         if self.heap.freed:
             raise DitronConfigError("this FusedMoE was freed (free() was called); build a new one")
         try:
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)
+                                               if isinstance(t, torch.Tensor)):
+                # Without this the output would silently carry no gradient.
+                raise NotImplementedError("FusedMoE has no backward yet: call it under torch.no_grad() / "
+                                          "inference_mode, or detach its inputs")
             self._validate(x, topk_idx, topk_weights, w1, w2)
-        except DitronConfigError:
+        except (DitronConfigError, NotImplementedError):
             if sync:
                 self._refuse_call()
             raise
@@ -345,7 +350,7 @@ class FusedMoE:
 
     # ------------------------------------------------------------------ CUDA-graph replay
     def _capture_call(self, x, topk_idx, topk_weights, w1, w2) -> _CapturedCall:
-        """Capture this call signature's launches as two graphs (ops/call_graphs.py says when):
+        """Capture this call signature's launches as two graphs (runtime/call_graphs.py says when):
         `layout` (layout launches + the status copy to pinned memory) and `kernel` (the
         megakernel), replayed with an event between them so the host can wait for the layout
         alone, exactly as the direct path does. Inputs are copied into static buffers before a

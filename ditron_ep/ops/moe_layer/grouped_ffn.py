@@ -3,7 +3,7 @@
     y[r] = (silu(x_r @ W1[e][:, :I]) * (x_r @ W1[e][:, I:])) @ W2[e]    for expert_offsets[e] <= r < expert_offsets[e+1]
 
 where x_r = x[row_index[r]] (rows gathered in place, e.g. from a receive buffer) or x[r]. Two
-persistent launches (`megakernel/grouped_gemm.py`): gate-up GEMM with SwiGLU in its epilogue into
+persistent launches (`ops/moe_layer/grouped_gemm_kernels.py`): gate-up GEMM with SwiGLU in its epilogue into
 h [rows, I] (x's dtype), then the down GEMM. Neither launch reads anything back to the host, so
 the op can be captured in a CUDA graph.
 

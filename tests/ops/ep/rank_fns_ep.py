@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ditron_ep.check import TOLERANCES, make_routing
 from ditron_ep.ops import EPBuffer
+from ditron_ep.ops.ep.naive import recv_order
 
 
 def make_inputs(W: int, tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str,
@@ -26,19 +27,6 @@ def make_inputs(W: int, tokens: list[int], H: int, E: int, K: int, dtype: torch.
         idxs.append(idx)
         ws.append(w)
     return xs, idxs, ws
-
-
-def expected_rows(xs, idxs, rank: int, W: int, E: int):
-    """(source, token, k) of every row of `rank`, in expert-major, (source, token) order."""
-    e_local = E // W
-    order = []
-    for e in range(rank * e_local, (rank + 1) * e_local):
-        for s in range(W):
-            for t in range(idxs[s].shape[0]):
-                for k in range(idxs[s].shape[1]):
-                    if int(idxs[s][t, k]) == e:
-                        order.append((s, t, k))
-    return order
 
 
 def row_scale(e: int) -> float:
@@ -97,7 +85,7 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
                    block_rows=block_rows, block_hidden=block_hidden, hidden_slices=hidden_slices)
     report: dict = {"n_slices": buf.n_slices}
 
-    order = expected_rows(xs, idxs, rank, W, E)
+    order = recv_order(idxs, rank, E)
     ref = torch.stack([xs[s][t] for s, t, _ in order]) if order else torch.empty(0, H, dtype=dtype)
     e_local = E // W
     counts = [sum(1 for s, t, k in order if int(idxs[s][t, k]) == e)
@@ -155,7 +143,7 @@ def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype,
     idx = idxs[rank]
     g = torch.Generator().manual_seed(seed + 77 + rank)
     upstream = torch.randn(tokens[rank], H, generator=g).to(dtype)
-    order = expected_rows(xs, idxs, rank, W, E)
+    order = recv_order(idxs, rank, E)
     recv_x, handle = buf.dispatch(x, idx, sync=sync)
     scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - len(order)))
     y = recv_x * scale[:, None].to(dtype)
@@ -552,40 +540,6 @@ def moe_local_mistake_case() -> dict:
             res["w2_bad_after"] = torch.equal(moe(x, idx, w, w1, w2), ref)
             catch("w2_bad_everywhere", lambda: moe(x, idx, w, w1, w2_bad))
     return res
-
-
-def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
-    """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
-    from ditron_ep.ops import clear_cache, clear_layers, moe
-    from ditron_ep.ops.moe_layer.functional import SCHEDULES
-    from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
-
-    rank, W = dist.get_rank(), dist.get_world_size()
-    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.1)
-    e_local = E // W
-    w1s, w2s = [], []
-    for r in range(W):
-        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
-        w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
-        w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
-    with torch.no_grad():
-        outs = {s: moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], schedule=s) for s in SCHEDULES}
-        out = outs["overlap"]
-        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], check_errors=True)
-    exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
-    err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
-                       for o in outs.values()])
-    grad_refused = False
-    try:
-        moe(xs[rank].requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
-    except NotImplementedError:
-        grad_refused = True
-    clear_cache()
-    clear_layers()
-    bound = 1e-5 + 1e-5 * (float(exp.abs().max()) if exp.numel() else 0.0)
-    return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
-            "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
-            "grad_refused": grad_refused}
 
 
 def tiling_mismatch_case() -> str:

@@ -197,15 +197,6 @@ def test_a_refusal_marks_no_sizing_its_peers_are_not_in(emulated_cluster):
             assert r[key + "_s"] < 10, f"{key}: a valid first call waited {r[key + '_s']:.1f} s"
 
 
-@pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
-                         ids=["W2-uniform", "W3-zipf-empty-rank"])
-def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
-    for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_layer_case, tokens, 32, 24, E, K, kind, 4)):
-        assert rep["ok"], f"rank {rank}: moe off the float64 oracle by {rep['max_abs']}"
-        assert rep["bitwise"], f"rank {rank}: two runs differ"
-        assert rep["grad_refused"], "requesting gradients through moe must raise"
-
-
 @pytest.mark.parametrize("W,tokens", [(2, [13, 20]), (3, [7, 0, 18])], ids=["W2", "W3-empty-rank"])
 def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, tokens):
     """EPBuffer(graph_cache) replays a default-mode signature's layout from its second call on (a

@@ -98,7 +98,7 @@ def test_send_layout_rejects_a_bad_index_tensor() -> None:
 
 @pytest.mark.parametrize("T,K,E,W,max_tokens,dtype", CASES)
 def test_send_layout_in_an_arena_and_its_rebased_copy(T, K, E, W, max_tokens, dtype) -> None:
-    """With an Int32Arena as allocator (ops/layout_replay.py) the layout is the same; every tensor
+    """With an Int32Arena as allocator (ops/ep/layout_replay.py) the layout is the same; every tensor
     is a view of the arena, 64-byte aligned; its rebased copy onto a clone of the arena keeps the
     values after the arena is overwritten (what a handle needs past the next graph replay)."""
     from ditron_ep.ops.ep.layout_replay import Int32Arena, layout_arena_words, rebuild_layout, view_recipe

@@ -5,10 +5,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from rank_fns_ep import make_inputs
 
 from ditron_ep.ops.moe_layer.fused import FusedMoE
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
+from tests.ops.ep.rank_fns_ep import make_inputs
 
 
 def make_weights(W: int, e_local: int, H: int, I: int, seed: int):
@@ -49,6 +49,34 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
         "variants_bitwise": [torch.equal(o, outs[0]) for o in outs],
         "reports": reports,
     }
+
+
+def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
+    """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+    from ditron_ep.ops.moe_layer.functional import SCHEDULES
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.1)
+    w1s, w2s = make_weights(W, E // W, H, I, seed)
+    with torch.no_grad():
+        outs = {s: moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], schedule=s) for s in SCHEDULES}
+        out = outs["overlap"]
+        out2 = moe(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank], check_errors=True)
+    exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
+    err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
+                       for o in outs.values()])
+    grad_refused = False
+    try:
+        moe(xs[rank].requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    except NotImplementedError:
+        grad_refused = True
+    clear_cache()
+    clear_layers()
+    bound = 1e-5 + 1e-5 * (float(exp.abs().max()) if exp.numel() else 0.0)
+    return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
+            "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
+            "grad_refused": grad_refused}
 
 
 def check_tile_order(layer: FusedMoE) -> str:
@@ -119,7 +147,7 @@ def fused_refusals() -> dict:
         try:
             fn()
             res[key] = "no error"
-        except (ValueError, DitronConfigError) as err:
+        except (ValueError, DitronConfigError, NotImplementedError) as err:
             res[key] = f"{type(err).__name__}: {err}"
 
     edited = dataclasses.replace(good, device=dataclasses.replace(good.device, num_programs=5))
@@ -141,6 +169,9 @@ def fused_refusals() -> dict:
     t0 = time.monotonic()
     catch("one_rank_bad_w1", lambda: layer(x, idx, w, w1[:, :, :I].contiguous() if dist.get_rank() == 1 else w1, w2))
     res["one_rank_bad_w1_s"] = time.monotonic() - t0
+    # gradients asked for on rank 1 only: no output without a gradient; its peer raises at once
+    w1_grad = w1.clone().requires_grad_(dist.get_rank() == 1)
+    catch("grad_on_one_rank", lambda: layer(x, idx, w, w1_grad, w2))
     staged = layer.heap.local_view("dispatch/x").clone()
     land = layer.heap.local_view("combine/land").clone()
     idx_bad = idx.clone()

@@ -50,6 +50,11 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
         else:
             assert lone.startswith("DitronConfigError") and "rejected its own arguments" in lone and "ranks 1" in lone, lone
         assert res["one_rank_bad_w1_s"] < 15.0, "the peer waited for the rank that rejected its call"
+        grad = res["grad_on_one_rank"]
+        if rank == 1:
+            assert grad.startswith("NotImplementedError") and "no backward" in grad, grad
+        else:
+            assert grad.startswith("DitronConfigError") and "rejected its own arguments" in grad, grad
         assert res["no_data_moved"] and res["recovers"], res
 
 
@@ -80,3 +85,12 @@ def test_fused_prefill_sized_layer_on_a_smaller_call(emulated_cluster):
         for v, r in zip(SMALL_CALL_VARIANTS, rep["reports"]):
             assert r["rerun_bitwise"] and r["nosync_bitwise"], f"rank {rank} {v}: runs differ"
             assert r["ticketed"] == "ok", f"rank {rank} {v}: {r['ticketed']}"
+
+
+@pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 17], 6, 3, "zipf")],
+                         ids=["W2-uniform", "W3-zipf-empty-rank"])
+def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_layer_case, tokens, 32, 24, E, K, kind, 4)):
+        assert rep["ok"], f"rank {rank}: moe off the float64 oracle by {rep['max_abs']}"
+        assert rep["bitwise"], f"rank {rank}: two runs differ"
+        assert rep["grad_refused"], "requesting gradients through moe must raise"

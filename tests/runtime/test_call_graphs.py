@@ -1,4 +1,4 @@
-"""CallGraphCache policy (ops/call_graphs.py): capture on a signature's second call, LRU bound
+"""CallGraphCache policy (runtime/call_graphs.py): capture on a signature's second call, LRU bound
 without thrash, capacity 0 disables, a failed capture is forgotten, a library error is not
 swallowed, the garbage collector's state survives a capture. The graphs themselves need CUDA
 (tests/gpu/test_moe_gpu.py); here `capture` is a stand-in that records its calls."""

@@ -1,0 +1,191 @@
+"""A/B speed check of two versions of ditron_ep in one process, interleaved, on the launched ranks.
+
+    git archive OLD_COMMIT ditron_ep | tar -x -C /tmp/ab_old      # then:
+    torchrun --nproc-per-node 2 tools/ab_compare.py --old-root /tmp/ab_old --old-label OLD_COMMIT \
+        [--pairs 5] [--iters 20] [--tokens 128 4096] [--json PATH]
+
+The old tree is imported under another package name (`ditron_ep_ab_old`, a patched copy made by
+rank 0), the new one is the `ditron_ep` on sys.path, so both run in the same process on the same
+GPU state. Every case is timed as CUDA-graph replays (graph mode: `EPBuffer.dispatch(sync=False)`,
+`EPBuffer.combine`, `FusedMoE(sync=False)`), with the benchmarks' rule: barrier and device sync
+before every replay, CUDA events around it, the slowest rank's time per replay, the median of
+`--iters`. `--pairs` rounds alternate the order (old, new), (new, old), ... Outputs of the two
+versions are compared bit for bit on every case (same kernels: any difference is a bug).
+Cases: dispatch and combine at H=7168, E=256, top-8; the MoE layer (overlap) at H=7168,
+I=2048, E=64, top-8; bf16, uniform routing, each at every `--tokens`.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+OLD_NAME = "ditron_ep_ab_old"
+
+
+def _patched_copy(old_root: Path, dest: Path) -> None:
+    """Copy old_root/ditron_ep to dest/OLD_NAME, rewriting its absolute self-imports."""
+    target = dest / OLD_NAME
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(old_root / "ditron_ep", target)
+    for path in target.rglob("*.py"):
+        text = path.read_text()
+        new = re.sub(r"\bditron_ep\b(?=[.\s])", OLD_NAME, text)
+        if new != text:
+            path.write_text(new)
+
+
+def _routing(T: int, E: int, K: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scores = torch.rand(T, E, generator=g)
+    w, idx = scores.topk(K, dim=1)
+    return idx.to(device), (w / w.sum(1, keepdim=True)).float().to(device)
+
+
+def _time_graph(graph: torch.cuda.CUDAGraph, iters: int, group) -> float:
+    """Median over `iters` replays of the slowest rank's replay time, in µs."""
+    times = torch.empty(iters, dtype=torch.float64, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for i in range(iters):
+        dist.barrier(group)
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times[i] = start.elapsed_time(end) * 1e3
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(times.tolist())
+
+
+def _capture(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
+class Cases:
+    """One version's objects and captured graphs for every case."""
+
+    def __init__(self, ops, tokens: list[int], data: dict, rank: int, world: int) -> None:
+        self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.rows: dict[str, torch.Tensor] = {}
+        H, E_ep, E_moe, I, K = 7168, 256, 64, 2048, 8
+        for T in tokens:
+            x, idx_ep, w_ep, idx_moe, w_moe = data[T]
+            buf = ops.EPBuffer(None, num_experts=E_ep, hidden=H, max_tokens_per_rank=T, topk=K,
+                               dtype=torch.bfloat16)
+            recv = {}
+
+            def dispatch(buf=buf, x=x, idx=idx_ep, w=w_ep, recv=recv):
+                recv["x"], recv["h"] = buf.dispatch(x, idx, w, sync=False)
+                return recv["x"]
+
+            self.graphs[f"dispatch T={T}"] = _capture(dispatch)
+            y = recv["x"].clone()
+            handle = recv["h"]
+            self.rows[f"dispatch T={T}"] = handle.expert_offsets[-1]  # rows past it are unwritten capacity
+            self.graphs[f"combine T={T}"] = _capture(lambda buf=buf, y=y, h=handle, w=w_ep: buf.combine(y, h, w))
+            layer = ops.FusedMoE(None, E_moe, H, I, T, K, torch.bfloat16)
+            w1, w2 = data["w1"], data["w2"]
+            self.graphs[f"moe T={T}"] = _capture(
+                lambda layer=layer, x=x, idx=idx_moe, w=w_moe: layer(x, idx, w, w1, w2, sync=False))
+            self._keep = getattr(self, "_keep", []) + [buf, layer]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old-root", type=Path, required=True, help="folder holding the old ditron_ep/")
+    parser.add_argument("--old-label", default="old")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    copy_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "ab_compare"
+    if rank == 0:
+        copy_dir.mkdir(parents=True, exist_ok=True)
+        _patched_copy(args.old_root, copy_dir)
+    dist.barrier()
+    sys.path.insert(0, str(copy_dir))
+    new_ops = importlib.import_module("ditron_ep.ops")
+    old_ops = importlib.import_module(f"{OLD_NAME}.ops")
+
+    H, I, K = 7168, 2048, 8
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    data: dict = {"w1": (torch.randn(64 // world, H, 2 * I, generator=g) / H ** 0.5).to(torch.bfloat16).cuda(),
+                  "w2": (torch.randn(64 // world, I, H, generator=g) / I ** 0.5).to(torch.bfloat16).cuda()}
+    for T in args.tokens:
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        data[T] = (x, *_routing(T, 256, K, 10 * T + rank, x.device), *_routing(T, 64, K, 20 * T + rank, x.device))
+
+    t0 = time.time()
+    versions = {args.old_label: Cases(old_ops, args.tokens, data, rank, world),
+                "new": Cases(new_ops, args.tokens, data, rank, world)}
+    names = list(versions["new"].graphs)
+    mismatches = []
+    for name in names:  # replay once each and compare bits
+        outs = []
+        for v in versions.values():
+            graph, out = v.graphs[name]
+            graph.replay()
+            torch.cuda.synchronize()
+            rows = v.rows.get(name)
+            outs.append((out if rows is None else out[:int(rows)]).clone())
+        if outs[0].shape != outs[1].shape or not torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)):
+            mismatches.append(name)
+    medians: dict[str, dict[str, list[float]]] = {n: {v: [] for v in versions} for n in names}
+    order = list(versions)
+    for p in range(args.pairs):
+        for v in (order if p % 2 == 0 else order[::-1]):
+            for name in names:
+                medians[name][v].append(_time_graph(versions[v].graphs[name][0], args.iters, None))
+    wall = time.time() - t0
+    if rank == 0:
+        head = f"{'case':<16} {args.old_label + ' µs (min..max of pair medians)':>34} {'new µs':>28} {'new/old':>8}"
+        print(f"A/B graph-mode medians, {world} ranks, {torch.cuda.get_device_name()}, {args.pairs} interleaved pairs "
+              f"of {args.iters} replays; {wall:.0f} s")
+        print(head)
+        rows = []
+        for name in names:
+            a, b = medians[name][args.old_label], medians[name]["new"]
+            ratio = statistics.median(b) / statistics.median(a)
+            print(f"{name:<16} {statistics.median(a):>12.1f} ({min(a):.1f}..{max(a):.1f}){'':>4}"
+                  f" {statistics.median(b):>10.1f} ({min(b):.1f}..{max(b):.1f}) {ratio:>8.3f}")
+            rows.append({"case": name, "old_us": a, "new_us": b, "new_over_old": ratio})
+        print("outputs bitwise equal old vs new:", "all" if not mismatches else f"NO: {mismatches}")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({
+                "device": torch.cuda.get_device_name(), "world_size": world, "old": args.old_label,
+                "pairs": args.pairs, "iters": args.iters, "date": time.strftime("%Y-%m-%d"),
+                "torch": torch.__version__, "rows": rows, "bitwise_mismatches": mismatches}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
