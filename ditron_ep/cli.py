@@ -9,12 +9,16 @@
   run vs run bitwise, vs the float64 oracle) for several routings. `--against MODULE:FN` checks
   the user's own MoE forward instead (see ditron_ep/check/against.py for the contract).
   Prints a table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
-* `bench` — the benchmarks of `ditron_ep.bench` (dispatch, combine, moe), each with its baselines
-  timed in the same run and its output checked against theirs, on emulated CPU ranks (tiny shapes,
-  not performance figures) or, under torchrun, on the launched GPU ranks
-  (`torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch`). Prints a table per
-  benchmark, optionally writes JSON (`--json PATH`, schema in ditron_ep/bench/report.py) and a
-  plot (`--plot PATH`, needs matplotlib: `pip install 'ditron_ep[plot]'`).
+* `bench` — the benchmarks of `ditron_ep.bench`: dispatch, combine and moe by default, and
+  dispatch_combine (every stage, eager and CUDA-graph replays, 0-token cost), moe_timeline (the
+  fused kernel's overlap report and per-stage timeline per plan variant) and grouped_gemm (the
+  grouped SwiGLU FFN vs torch._grouped_mm, optionally a tile sweep) when named (`--bench all`: every
+  one). Each times its baselines in the same run and checks its output against theirs, on emulated
+  CPU ranks (tiny shapes, not performance figures) or, under torchrun, on the launched GPU ranks
+  (`torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch`). An entry's own settings are
+  `--opt KEY=VALUE` (listed by `bench --help`). Prints a table per benchmark, optionally writes JSON
+  (`--json PATH`, rewritten after every config; schema in ditron_ep/bench/report.py) and a plot
+  (`--plot PATH`, needs matplotlib: `pip install 'ditron_ep[plot]'`).
 
 Exit status: 0 success, 1 a check or benchmark failed, 2 bad arguments or a backend that cannot
 run here.
@@ -48,6 +52,7 @@ from ditron_ep.runtime import DitronConfigError, RankError, kernels_interpreted,
 from ditron_ep.runtime.mode import BACKENDS
 
 if TYPE_CHECKING:
+    from ditron_ep.bench.runner import RowsFn
     from ditron_ep.bench.spec import BenchRequest, Row
     from ditron_ep.check.report import CheckReport
 
@@ -132,35 +137,48 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     from ditron_ep.bench.registry import BENCHMARKS
+    from ditron_ep.check import ROUTING_KINDS
 
     names = list(BENCHMARKS)
+    defaults = [n for n, b in BENCHMARKS.items() if b.default]
+    options = "\n".join(f"  {o.key} ({', '.join(n for n, b in BENCHMARKS.items() if o in b.options)}): {o.help}"
+                        for o in dict.fromkeys(o for b in BENCHMARKS.values() for o in b.options))
     bench = sub.add_parser(
         "bench", help="benchmarks against baselines measured in the same run",
-        description="Time ditron_ep's dispatch, combine and MoE layer against their baselines, measured "
-                    "in the same run (median, p20, p80 of the slowest rank per iteration; GB/s or "
-                    "TFLOP/s; speedup), after checking every output against the baseline's. On "
-                    "emulated CPU ranks (default; tiny shapes, not performance figures) or, under "
-                    "torchrun, on the launched GPU ranks (default shapes: dispatch/combine H=7168 "
-                    "E=256 top-8, moe H=7168 I=2048 E=64 top-8, T in 128 4096). Exits 1 if a "
-                    "benchmark or a check failed.",
-        epilog="GPU: torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch --json out.json --plot out.png")
-    bench.add_argument("--bench", nargs="+", choices=names, default=names, metavar="NAME",
-                       help=f"benchmarks to run, from {' '.join(names)} (default: all)")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Time ditron_ep's EP dispatch / combine, MoE layer, fused kernel timeline and grouped GEMM "
+                    "against their baselines, measured\nin the same run (median, p20, p80 of the slowest rank per "
+                    "iteration; GB/s or TFLOP/s; speedup), after checking every output against\nthe baseline's. On "
+                    "emulated CPU ranks (default; tiny shapes, not performance figures) or, under torchrun, on the "
+                    "launched GPU\nranks (default shapes: dispatch/combine H=7168 E=256 top-8, the layer H=7168 I=2048 "
+                    "E=64 top-8, T in 128 4096). Exits 1 if a\nbenchmark or a check failed.",
+        epilog=f"options (--opt KEY=VALUE; the benchmarks that take it):\n{options}\n\n"
+               "GPU: torchrun --nproc-per-node 4 -m ditron_ep bench --backend torch --bench all --json out.json")
+    bench.add_argument("--bench", nargs="+", choices=[*names, "all"], default=None, metavar="NAME",
+                       help=f"benchmarks to run, from {' '.join(names)}, or all (default: {' '.join(defaults)})")
     bench.add_argument("--tokens", nargs="+", type=_positive_int, default=None, metavar="T",
                        help="tokens per rank, one config each (default: each benchmark's, per backend)")
     for flag, metavar, what in (("--hidden", "H", "hidden size"),
                                 ("--experts", "E", "experts in all, a multiple of the ranks"),
                                 ("--topk", "K", "experts per token"),
-                                ("--inter", "I", "expert FFN width (moe)")):
+                                ("--inter", "I", "expert FFN width (moe, moe_timeline, grouped_gemm)")):
         bench.add_argument(flag, type=_positive_int, default=None, metavar=metavar,
                            help=f"{what} (default: each benchmark's, per backend)")
     bench.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                       help="token and weight dtype (default fp32 on emulated ranks, bf16 on GPUs; moe "
-                            "runs on emulated ranks in fp32 only, the Triton interpreter's bf16 math is wrong)")
+                       help="token and weight dtype (default fp32 on emulated ranks, bf16 on GPUs; the layer "
+                            "benchmarks run on emulated ranks in fp32 only, the Triton interpreter's bf16 math is "
+                            "wrong)")
+    bench.add_argument("--routing", choices=ROUTING_KINDS, default="uniform",
+                       help="how tokens choose their experts (default uniform; the layer benchmarks take uniform "
+                            "or zipf)")
     bench.add_argument("--iters", type=_positive_int, default=None, metavar="N",
                        help="timed iterations (default 3 on emulated ranks, 20 on GPUs)")
     bench.add_argument("--warmup", type=_non_negative_int, default=None, metavar="N",
                        help="untimed calls before timing (default 1 on emulated ranks, 5 on GPUs)")
+    bench.add_argument("--opt", type=_option, action="append", default=None, metavar="KEY=VALUE",
+                       help="a setting of the benchmarks that declare KEY (repeatable; listed below)")
+    bench.add_argument("--time-budget", type=_positive_float, default=None, metavar="SECONDS",
+                       help="configs not started within this many seconds are recorded as not run")
     bench.add_argument("--seed", type=int, default=0, help="seed of every input (default 0)")
     bench.add_argument("--world-size", type=_positive_int, default=None, metavar="N",
                        help=f"ranks (default {DEFAULT_BENCH_WORLD_SIZE} emulated ranks; under torchrun the "
@@ -168,10 +186,28 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--backend", choices=BACKENDS, default="emulated",
                        help="emulated (CPU ranks, default), torch (GPU ranks under torchrun), or auto")
     bench.add_argument("--json", type=Path, default=None, metavar="PATH",
-                       help="also write the results as JSON (schema: ditron_ep/bench/report.py)")
+                       help="also write the results as JSON, rewritten after every config (schema: "
+                            "ditron_ep/bench/report.py)")
     bench.add_argument("--plot", type=Path, default=None, metavar="PATH",
                        help="also plot time against tokens per rank to PATH (PNG; needs matplotlib: "
                             "pip install 'ditron_ep[plot]')")
+
+
+def _option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return value
 
 
 def _routing_names() -> list[str]:
@@ -311,6 +347,7 @@ def _version_of(module: str, *distributions: str) -> str:
 def _versions() -> dict[str, str]:
     import numpy
     import torch
+    kernels_interpreted()  # fix the kernel mode before triton is imported (ditron_ep.runtime.mode)
     import triton
 
     if torch.version.cuda:
@@ -574,8 +611,9 @@ def _case_progress(total: int, first: str) -> Iterator[dict[str, Callable[..., N
 
 
 def _table_width() -> int | None:
-    # Piped output (CI logs, tests) would otherwise wrap at 80 columns.
-    return None if sys.stdout.isatty() else 150
+    # Piped output (CI logs, tests) would otherwise wrap at 80 columns; the tables are laid out for
+    # 160 (COLUMNS, when set, decides).
+    return None if (sys.stdout.isatty() or os.environ.get("COLUMNS")) else 160
 
 
 # ============================================================================ report (pure)
@@ -631,7 +669,7 @@ def emit_report(report: "CheckReport", console: Console, json_path: Path | None)
 # ============================================================================ bench
 def cmd_bench(args: argparse.Namespace) -> int:
     from ditron_ep.bench.environment import device_info
-    from ditron_ep.bench.report import make_meta, require_matplotlib
+    from ditron_ep.bench.report import PartialJson, make_meta, require_matplotlib
 
     if args.plot is not None:
         require_matplotlib()  # a missing optional extra is a usage error, before anything runs
@@ -640,17 +678,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return _bench_launched_ranks(args)
     world_size = _emulated_world_size(args, DEFAULT_BENCH_WORLD_SIZE)
     requests = bench_requests(args, world_size, "emulated")
+    device = device_info("cpu")
+    partial = None if args.json is None else PartialJson(args.json, requests, "emulated", "gloo", world_size, device)
     start = time.perf_counter()
-    rows = run_emulated_bench(world_size, requests)
+    rows = run_emulated_bench(world_size, requests, partial, args.time_budget)
     if rows is None:
         return EXIT_FAILED
-    meta = make_meta("emulated", "gloo", world_size, device_info("cpu"), time.perf_counter() - start)
+    meta = make_meta("emulated", "gloo", world_size, device, time.perf_counter() - start)
     return emit_bench(meta, requests, rows, args, _console(width=_table_width()))
 
 
 def bench_requests(args: argparse.Namespace, world_size: int, backend: str) -> list["BenchRequest"]:
-    """One request per selected benchmark from the command line and the backend's defaults;
-    DitronConfigError for one that cannot run."""
+    """One request per selected benchmark from the command line and the backend's defaults; each
+    gets the --opt settings it declares. DitronConfigError for one that cannot run, or for a
+    setting no selected benchmark declares."""
     from ditron_ep.bench.registry import BENCHMARKS
     from ditron_ep.bench.spec import BenchRequest, Shape
 
@@ -658,33 +699,48 @@ def bench_requests(args: argparse.Namespace, world_size: int, backend: str) -> l
     dtype = args.dtype or dtype
     iters = args.iters or iters
     warmup = warmup if args.warmup is None else args.warmup
+    if args.bench is None:
+        names = [n for n, b in BENCHMARKS.items() if b.default]
+    else:
+        names = list(BENCHMARKS) if "all" in args.bench else list(dict.fromkeys(args.bench))
+    given = args.opt or []
+    declared = {n: {o.key for o in BENCHMARKS[n].options} for n in names}
+    unknown = [k for k in dict.fromkeys(k for k, _ in given) if not any(k in d for d in declared.values())]
+    if unknown:
+        have = "; ".join(f"{n}: {', '.join(sorted(d)) or 'none'}" for n, d in declared.items())
+        raise DitronConfigError(f"--opt {', '.join(unknown)}: no benchmark of this run has "
+                                f"{'it' if len(unknown) == 1 else 'them'} (options: {have})")
     requests = []
-    for name in dict.fromkeys(args.bench):
+    for name in names:
         bench = BENCHMARKS[name]
         d = bench.shapes[backend]
         shape = Shape(hidden=args.hidden or d.hidden, experts=args.experts or d.experts, topk=args.topk or d.topk,
                       inter=None if d.inter is None else (args.inter or d.inter))
-        bench.check_request(shape, world_size, backend, dtype)
         tokens = tuple(sorted(set(args.tokens))) if args.tokens else bench.tokens[backend]
-        requests.append(BenchRequest(name, shape, tokens, dtype, iters, warmup, args.seed))
+        options = tuple((k, v) for k, v in given if k in declared[name])
+        req = BenchRequest(name, shape, tokens, dtype, iters, warmup, args.seed, args.routing, options)
+        bench.check_request(req, world_size, backend)
+        requests.append(req)
     return requests
 
 
-def run_emulated_bench(world_size: int, requests: Sequence["BenchRequest"]) -> "list[Row] | None":
-    """Run `requests` on one pool of emulated ranks, with a progress bar on stderr fed by rank 0.
-    Returns rank 0's rows, or None (after printing why) if the ranks failed."""
+def run_emulated_bench(world_size: int, requests: Sequence["BenchRequest"], on_config: "RowsFn | None" = None,
+                       time_budget_s: float | None = None) -> "list[Row] | None":
+    """Run `requests` on one pool of emulated ranks, with a progress bar on stderr fed by rank 0
+    (which also calls `on_config` after every config). Returns rank 0's rows, or None (after
+    printing why) if the ranks failed."""
     from ditron_ep.bench.progress import FileSink, follow
     from ditron_ep.bench.runner import iterations, run_requests
     from ditron_ep.runtime import EmulatedCluster
 
     cluster = EmulatedCluster(world_size, timeout_s=BENCH_TIMEOUT_S)
     with tempfile.TemporaryDirectory(prefix="ditron_bench_") as tmp, \
-            _progress_bar(iterations(requests), f"starting {world_size} emulated ranks", 52) as update:
+            _progress_bar(iterations(requests, False), f"starting {world_size} emulated ranks", 52) as update:
         events = Path(tmp) / "progress.jsonl"
         try:
             cluster.start()
             with follow(events, update):
-                return cluster.run(run_requests, requests, "emulated", FileSink(events))[0]
+                return cluster.run(run_requests, requests, "emulated", FileSink(events), on_config, time_budget_s)[0]
         except RankError as exc:
             _console(stderr=True).print(f"[bold red]error:[/] the benchmark ranks failed: {escape(str(exc))}",
                                        highlight=False)
@@ -699,7 +755,7 @@ def _bench_launched_ranks(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ditron_ep.bench.environment import device_info
-    from ditron_ep.bench.report import exit_status, make_meta
+    from ditron_ep.bench.report import PartialJson, exit_status, make_meta
     from ditron_ep.bench.runner import iterations, run_requests
 
     world_size, rank, backend = _launched_ranks(args)
@@ -707,11 +763,14 @@ def _bench_launched_ranks(args: argparse.Namespace) -> int:
     with _process_group(backend):
         start = time.perf_counter()
         if rank != 0:  # the rows agree on every rank, so every rank exits alike
-            return exit_status(run_requests(requests, backend))
-        with _progress_bar(iterations(requests), "", 52) as update:
-            rows = run_requests(requests, backend, update)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else torch.device("cpu")
-        meta = make_meta(backend, dist.get_backend(), world_size, device_info(device), time.perf_counter() - start)
+            return exit_status(run_requests(requests, backend, time_budget_s=args.time_budget))
+        device = device_info(torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else "cpu")
+        collectives = dist.get_backend()
+        partial = None if args.json is None else PartialJson(args.json, requests, backend, collectives, world_size,
+                                                             device)
+        with _progress_bar(iterations(requests, backend == "torch"), "", 52) as update:
+            rows = run_requests(requests, backend, update, partial, args.time_budget)
+        meta = make_meta(backend, collectives, world_size, device, time.perf_counter() - start)
         return emit_bench(meta, requests, rows, args, _console(width=_table_width()))
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ditron_ep.runtime import EmulatedCluster
+from ditron_ep.runtime import EmulatedCluster, kernels_interpreted
+
+kernels_interpreted()  # fixes the kernel mode before any test module imports triton
 
 _POOLS: dict[int, EmulatedCluster] = {}
 

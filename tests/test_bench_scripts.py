@@ -1,55 +1,103 @@
-"""The standalone benchmark scripts (bench/*.py) run end to end on the CPU: each one's --smoke
-mode under the interpreter, two emulated ranks for the distributed ones (torchrun), exit code 0,
-a JSON result that parses; moe_timeline.py with two plan variants reports equal bits."""
+"""The registry entries that replaced the standalone benchmark scripts (bench/*.py, now gone): what
+each plans to measure on CPUs and GPUs under its settings (`--opt`), and how the settings parse.
+No ranks: tests/test_cli_bench.py runs every entry once on emulated ranks."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from ditron_ep.bench.dispatch_combine import GRAPHS
+from ditron_ep.bench.grouped_gemm import DOWN_CONFIGS, GATE_UP_CONFIGS, INTERPRETER_CONFIGS
+from ditron_ep.bench.moe_timeline import parse_variant
+from ditron_ep.bench.registry import BENCHMARKS
+from ditron_ep.bench.spec import BenchRequest, Shape
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.runtime import DitronConfigError
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(args: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(REPO),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("DITRON_BACKEND", None)
-    return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+def plan(name: str, *options: tuple[str, str], on_gpu: bool = False, tokens: tuple[int, ...] = (128, 4096),
+         at: int | None = None) -> dict[str, object]:
+    """impl -> Impl of `name`'s config at `at` (default the first of `tokens`)."""
+    bench = BENCHMARKS[name]
+    req = BenchRequest(name, bench.shapes["torch"], tokens, "bf16", 20, 5, options=options)
+    impls = bench.plan(req, tokens[0] if at is None else at, bench.parse_options(req.options), on_gpu)
+    return {i.name: i for i in impls}
 
 
-def _torchrun(script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(REPO / "bench" / script), *args]
+def test_bench_keeps_no_scripts() -> None:
+    """Every benchmark is a registry entry; bench/ holds the GPU runs' results only."""
+    assert sorted(p.name for p in (REPO / "bench").iterdir() if p.name != "__pycache__") == ["results"]
 
 
-@pytest.mark.parametrize("command", [
-    ["dispatch_combine.py"], ["moe_layer.py"], ["grouped_gemm.py"]], ids=lambda c: c[0])
-def test_script_smoke_run_writes_json(command, tmp_path):
-    out = tmp_path / "result.json"
-    script = command[0]
-    args = (_torchrun(script, "--smoke", "--json", str(out)) if script != "grouped_gemm.py"
-            else [sys.executable, str(REPO / "bench" / script), "--smoke", "--json", str(out)])
-    proc = _run(args, tmp_path)
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    data = json.loads(out.read_text())
-    assert data, f"{script} wrote an empty JSON"
+def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
+    cpu, gpu = plan("dispatch_combine"), plan("dispatch_combine", on_gpu=True)
+    eager = ["layout", "dispatch kernel", "EPBuffer.dispatch", "combine kernel", "EPBuffer.combine"]
+    baselines = ["a2a dispatch", "a2a combine", "a2a dispatch+combine"]
+    assert list(cpu) == eager + baselines and list(gpu) == eager + list(GRAPHS) + baselines
+    assert [gpu[g].against for g in GRAPHS] == [(), ("a2a dispatch",), ("a2a combine",), ("a2a dispatch+combine",),
+                                                (), ()]
+    assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines]
+    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager + baselines
+    for name in ("dispatch", "combine"):   # unchanged entries, one baseline
+        assert [i.kind for i in plan(name, on_gpu=True).values()] == ["ours", "ours", "baseline"]
 
 
-def test_moe_timeline_variants_keep_bits(tmp_path):
-    proc = _run(_torchrun("moe_timeline.py", "--smoke", "--schedules", "overlap", "--variant", "",
-                          "--variant", "comm_programs=0,recv_lag=0", "--iters", "1"), tmp_path)
-    assert proc.returncode == 0, f"exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    lines = [line for line in proc.stdout.splitlines() if "bitwise == first variant" in line]
-    assert len(lines) == 4 and all(line.endswith("True") for line in lines), proc.stdout  # 2 ranks x 2 variants
-    assert "comm_programs=0 recv_lag=0" in proc.stdout
-    assert proc.stdout.count("median") == 4
+def test_moe_plans_layers_references_and_floor() -> None:
+    small, big = plan("moe", on_gpu=True), plan("moe", on_gpu=True, at=4096)
+    assert "FusedMoE sized for T=4096" in small and "FusedMoE sized for T=4096" not in big
+    assert {"moe overlap, CUDA graph", "FusedMoE, graph cache off"} <= set(big)
+    assert [n for n, i in big.items() if i.kind == "baseline"] == ["torch-native", "grouped GEMM alone"]
+    refs = [n for n, i in big.items() if i.kind == "reference"]
+    assert len(refs) == 8 and refs[-1].startswith("floor") and not big[refs[-1]].timed
+    assert not [i for i in plan("moe", ("refs", "0")).values() if i.kind == "reference"]
+    assert "FusedMoE sized for T=8192" in plan("moe", ("layer_tokens", "8192"), at=4096)
 
 
-def test_moe_timeline_rejects_a_malformed_variant(tmp_path):
-    proc = _run([sys.executable, str(REPO / "bench" / "moe_timeline.py"), "--smoke", "--variant", "comm_programs"],
-                tmp_path, timeout=120)
-    assert proc.returncode == 2 and "expected FIELD=VALUE" in proc.stderr, proc.stderr
+def test_grouped_gemm_sweep_is_an_option() -> None:
+    plain = plan("grouped_gemm", on_gpu=True)
+    assert [n for n, i in plain.items() if i.kind == "ours"] == ["gate-up+SwiGLU", "down", "FFN"]
+    assert plain["down"].against == ("torch down, W row-major", "torch down, W col-major")
+    for on_gpu, (gate_up, down) in ((True, (GATE_UP_CONFIGS, DOWN_CONFIGS)), (False, INTERPRETER_CONFIGS)):
+        swept = plan("grouped_gemm", ("sweep", "yes"), on_gpu=on_gpu)
+        ours = [n for n, i in swept.items() if i.kind == "ours"]
+        assert len(ours) == 3 + 2 * (len(gate_up) + len(down)) + 1 and ours[-1] == "FFN, best swept pair"
+        assert f"gate-up+SwiGLU {gate_up[0]} one-tile" in swept and f"down {down[-1]} persistent" in swept
+
+
+def test_moe_timeline_variants() -> None:
+    rows = plan("moe_timeline", ("variant", "comm_programs=0,recv_lag=1024"),
+                ("variant", "gate_up_config=BM128-BN128-BK64-w8-s3"))
+    assert list(rows) == ["overlap", "overlap comm_programs=0,recv_lag=1024",
+                          "overlap gate_up_config=BM128-BN128-BK64-w8-s3", "sequential"]
+    assert all(rows[n].against == ("sequential",) for n in list(rows)[:3])
+    assert parse_variant(" comm_programs=0, source_order=reverse_ring,down_config=BM64-BN64-BK64-w4-s2") == (
+        ("comm_programs", 0), ("source_order", "reverse_ring"), ("down_config", GemmTileConfig(64, 64, 64, 4, 2)))
+    for bad in ("", "comm_programs", "=3"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+
+
+def test_options_parse_with_defaults() -> None:
+    dc = BENCHMARKS["dispatch_combine"]
+    assert dc.parse_options(()) == {"mode": ("eager", "graph"), "num_programs": None, "block_rows": 16,
+                                    "block_hidden": None, "hidden_slices": None, "graph_cache": 4,
+                                    "check_errors": True, "buffer_tokens": None}
+    got = dc.parse_options((("mode", "graph,eager"), ("check_errors", "off"), ("graph_cache", "0")))
+    assert (got["mode"], got["check_errors"], got["graph_cache"]) == (("eager", "graph"), False, 0)
+    assert BENCHMARKS["moe_timeline"].parse_options(())["variant"] == ()
+    with pytest.raises(DitronConfigError, match="has no option 'sweep'"):
+        dc.parse_options((("sweep", "1"),))
+    with pytest.raises(DitronConfigError, match="block_rows=0: must be a positive integer"):
+        dc.parse_options((("block_rows", "0"),))
+
+
+@pytest.mark.parametrize("name", list(BENCHMARKS))
+def test_gpu_defaults(name: str) -> None:
+    """The shapes a GPU run gets without flags (README, DESIGN.md's figures)."""
+    b = BENCHMARKS[name]
+    ep = name in ("dispatch", "combine", "dispatch_combine")
+    assert b.shapes["torch"] == (Shape(7168, 256, 8) if ep else Shape(7168, 64, 8, 2048))
+    assert b.tokens["torch"] == (128, 4096) and b.dtypes["torch"][0] == "bf16"

@@ -134,11 +134,11 @@ def main() -> int:
     old_ops = importlib.import_module(f"{OLD_NAME}.ops")
 
     H, I, K = 7168, 2048, 8
-    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
-    data: dict = {"w1": (torch.randn(64 // world, H, 2 * I, generator=g) / H ** 0.5).to(torch.bfloat16).cuda(),
-                  "w2": (torch.randn(64 // world, I, H, generator=g) / I ** 0.5).to(torch.bfloat16).cuda()}
+    g = torch.Generator(device="cuda").manual_seed(1234 + rank)
+    data: dict = {"w1": (torch.randn(64 // world, H, 2 * I, generator=g, device="cuda") / H ** 0.5).to(torch.bfloat16),
+                  "w2": (torch.randn(64 // world, I, H, generator=g, device="cuda") / I ** 0.5).to(torch.bfloat16)}
     for T in args.tokens:
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
         data[T] = (x, *_routing(T, 256, K, 10 * T + rank, x.device), *_routing(T, 64, K, 20 * T + rank, x.device))
 
     t0 = time.time()
@@ -156,6 +156,9 @@ def main() -> int:
             outs.append((out if rows is None else out[:int(rows)]).clone())
         if outs[0].shape != outs[1].shape or not torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)):
             mismatches.append(name)
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, mismatches)
+    mismatches = sorted({f"{name} (rank {r})" for r, names in enumerate(every_rank) for name in names})
     medians: dict[str, dict[str, list[float]]] = {n: {v: [] for v in versions} for n in names}
     order = list(versions)
     for p in range(args.pairs):

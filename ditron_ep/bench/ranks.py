@@ -113,3 +113,10 @@ def relative_errors(ctx: RankContext, ref: torch.Tensor, outs: Mapping[str, torc
     dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=ctx.group)
     scale = max(vec[0].item(), 1e-30)
     return {n: v / scale for n, v in zip(names, vec[1:].tolist())}
+
+
+def gather(ctx: RankContext, obj: Any) -> list[Any]:
+    """Collective: every rank's picklable `obj`, in rank order."""
+    out: list[Any] = [None] * ctx.world
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out

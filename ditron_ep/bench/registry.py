@@ -2,8 +2,11 @@
 (spec.py) in a module of its own, listed here."""
 from __future__ import annotations
 
-from ditron_ep.bench.dispatch_combine import COMBINE, DISPATCH
+from ditron_ep.bench.dispatch_combine import COMBINE, DISPATCH, DISPATCH_COMBINE
+from ditron_ep.bench.grouped_gemm import GROUPED_GEMM
 from ditron_ep.bench.moe_layer import MOE
+from ditron_ep.bench.moe_timeline import MOE_TIMELINE
 from ditron_ep.bench.spec import Benchmark
 
-BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (DISPATCH, COMBINE, MOE)}
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b for b in (DISPATCH, COMBINE, MOE, DISPATCH_COMBINE, MOE_TIMELINE, GROUPED_GEMM)}

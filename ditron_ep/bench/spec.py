@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("ours", "baseline", "reference")
-METRICS = ("GB/s", "TFLOP/s")
 
 
 @dataclass(frozen=True)

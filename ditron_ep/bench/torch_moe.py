@@ -1,14 +1,23 @@
-"""The torch-native EP MoE forward: the baseline the MoE layer benchmarks time ours against."""
+"""The torch-native EP MoE forward, the baseline the MoE layer benchmarks time ours against, and
+its expert GEMMs (torch._grouped_mm), the grouped GEMM benchmark's baseline."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-BASELINE_NOTE = ("torch-native: sort (token, k) by expert, per-expert counts all_to_all_single + one host read "
-                 "(INSIDE the timed region), NCCL all_to_all_single, expert-major permute, torch._grouped_mm "
-                 "gate-up, silu*up, torch._grouped_mm down, permute back, reverse all_to_all_single, "
-                 "index_select + bmm combine.")
+
+def torch_gate_up(x_rows: torch.Tensor, w1: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """h = silu(x_r @ gate) * (x_r @ up) of every local expert's rows, torch._grouped_mm: [rows, H] -> [rows, I].
+    offs: int32 [E_local] cumulative row ends; w1 [E_local, H, 2I] (any strides)."""
+    inter = w1.shape[2] // 2
+    g = torch._grouped_mm(x_rows, w1, offs=offs)                      # [rows, 2I]
+    return F.silu(g[:, :inter]) * g[:, inter:]
+
+
+def torch_down(h: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """y = h_r @ W2[e] of every local expert's rows, torch._grouped_mm: [rows, I] -> [rows, H]."""
+    return torch._grouped_mm(h, w2, offs=offs)
 
 
 def torch_experts(x_rows: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -21,8 +30,7 @@ def torch_experts(x_rows: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
     """
     inter = w2.shape[1]
     if loop_offsets is None:
-        g = torch._grouped_mm(x_rows, w1, offs=offs)                  # [rows, 2I]
-        return torch._grouped_mm(F.silu(g[:, :inter]) * g[:, inter:], w2, offs=offs)   # [rows, H]
+        return torch_down(torch_gate_up(x_rows, w1, offs), w2, offs)
     y = x_rows.new_empty(x_rows.shape[0], w2.shape[2])
     for e in range(w1.shape[0]):
         lo, hi = loop_offsets[e], loop_offsets[e + 1]

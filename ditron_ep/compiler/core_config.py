@@ -1,7 +1,7 @@
 """Core level of the plan: the tile program of one GEMM (block shape, warps, pipeline stages).
 
 A `GemmTileConfig` is plain frozen data: printable, hashable (a cache key), easy to sweep
-(bench/grouped_gemm.py times several). `default_gemm_configs` gives the starting points of the grouped SwiGLU FFN:
+(`python -m ditron_ep bench --bench grouped_gemm --opt sweep=1` times several). `default_gemm_configs` gives the starting points of the grouped SwiGLU FFN:
 
 * NVIDIA (sm_90), bf16/fp16: gate-up BM=128 BN=128 BK=64 (gate and up column blocks of BN
   each, one dot of width 2*BN: a tile covers 256 columns of W1), 8 warps, 4 stages; down

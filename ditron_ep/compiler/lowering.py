@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import triton
 
 from ditron_ep.compiler.core_config import default_gemm_configs
 from ditron_ep.compiler.plan import (
@@ -137,7 +136,7 @@ def fill_defaults(spec: MoESpec) -> MoESpec:
                          f"but gemm_tile_order={spec.gemm_tile_order!r}; drop one of the two")
     gate_up, down = default_gemm_configs(getattr(torch, spec.dtype), spec.device_type)
     # A copy / reduce block moves 1 KiB of each row: 512 columns of 2-byte values, 256 of fp32.
-    block_h = min(1024 // DTYPE_BYTES[spec.dtype], triton.next_power_of_2(spec.hidden))
+    block_h = min(1024 // DTYPE_BYTES[spec.dtype], 1 << (spec.hidden - 1).bit_length())
     decided = {
         "chunk_rows": DEFAULT_CHUNK_ROWS, "ranks_per_node": spec.world_size,
         "num_programs": DEFAULT_NUM_PROGRAMS[spec.device_type], "source_order": "ring",

@@ -165,7 +165,7 @@ def call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER: tl.constexpr = Tru
     call's data.
 
     ENTRY_BARRIER=False skips that round trip (~5.5 µs of a one-program launch on 2xH200,
-    bench/diag/small_t_latency.py). Only for a launch that follows, on the same stream and in the
+    bench/results/HISTORY.md: small_t_latency). Only for a launch that follows, on the same stream and in the
     same call, a layout counts exchange (`ep_layout_kernel`) with every peer: a peer's counts
     arrived only once that peer had started this call's exchange, so its launches of the previous
     call had finished (stream order), and nothing of ours can land in a buffer it still reads.

@@ -2,7 +2,7 @@
 
 Why: at small T an eager fused-MoE call is bound by host time, not by the GPU: issuing its five
 Triton launches (the megakernel takes ~75 arguments) and ~14 allocations cost 350-650 µs of host
-time against 588 µs of GPU work (bench/diag/host_overhead.py, 4xH200, T=128), and the GPU idles
+time against 588 µs of GPU work (bench/results/HISTORY.md: host_overhead, 4xH200, T=128), and the GPU idles
 while the host issues. A replayed call costs about 100 µs of host time (input copies, the
 replays, the output clone, the status read; bench/results/replay_steps_H200x2_20261122_s6.log).
 

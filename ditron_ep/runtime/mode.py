@@ -1,17 +1,20 @@
 """Kernel execution mode: compiled for a GPU, or run by the Triton interpreter on the CPU.
 
 Triton fixes the mode when `@triton.jit` runs, i.e. when a kernel module is imported. The choice
-is made once, the first time a ditron_ep kernel module is imported (`ditron_ep.language` asks) or
-the mode is queried — never by `import ditron_ep`, and never by writing `os.environ`:
+is made once, the first time a ditron_ep kernel package is imported or the mode is queried —
+never by `import ditron_ep` itself:
 
 1. `use_interpreter(True/False)`, called before that moment, wins;
 2. else `TRITON_INTERPRET` in the environment (Triton's own convention) is honoured as given;
 3. else `DITRON_BACKEND=emulated` turns the interpreter on;
 4. else the interpreter is on exactly when no CUDA/ROCm device is visible.
 
-Cases 1, 3 and 4 set Triton's own switch (`triton.knobs.runtime.interpret`) for this process
-only. `mode_source()` says which rule decided (`python -m ditron_ep info` prints it). Everything
-else asks `kernels_interpreted()` and refuses a backend that does not match.
+Every package of ditron_ep whose modules import triton fixes the mode in its `__init__`, before
+triton is imported: Triton builds its own `@jit` helpers at import, in the mode of its environment
+(see `_set_triton_mode`). The choice sets Triton's switch (`triton.knobs.runtime.interpret`) for
+this process; os.environ is left as it was. `mode_source()` says which rule decided
+(`python -m ditron_ep info` prints it). Everything else asks `kernels_interpreted()` and refuses a
+backend that does not match.
 """
 from __future__ import annotations
 
@@ -57,27 +60,60 @@ def decide_mode() -> bool:
         return _decided
     explicit = os.environ.get("TRITON_INTERPRET")
     if _requested is not None:
-        _decided, _source = _requested, f"use_interpreter({_requested})"
+        decided, source = _requested, f"use_interpreter({_requested})"
     elif explicit is not None:
-        _decided, _source = _env_flag(explicit), f"TRITON_INTERPRET={explicit} in the environment"
+        decided, source = _env_flag(explicit), f"TRITON_INTERPRET={explicit} in the environment"
     elif os.environ.get("DITRON_BACKEND", "").strip().lower() == "emulated":
-        _decided, _source = True, "DITRON_BACKEND=emulated in the environment"
+        decided, source = True, "DITRON_BACKEND=emulated in the environment"
     elif _gpu_visible():
-        _decided, _source = False, "a GPU is visible"
+        decided, source = False, "a GPU is visible"
     else:
-        _decided, _source = True, "no GPU is visible"
-    if _requested is not None or explicit is None:
+        decided, source = True, "no GPU is visible"
+    _set_triton_mode(decided, source)
+    _decided, _source = decided, source
+    return _decided
+
+
+def _set_triton_mode(interpret: bool, source: str) -> None:
+    """Put Triton in the mode, leaving os.environ as it was.
+
+    `import triton` builds triton.language's own `@jit` helpers (`tl.zeros`, ...) in the mode its
+    environment says, so Triton is imported here under the chosen TRITON_INTERPRET, which is then
+    taken back; `triton.knobs.runtime.interpret` keeps the mode for the kernels decorated later.
+    """
+    import sys
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    try:
+        if "triton" not in sys.modules:
+            os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
         import triton
 
-        # Triton's switch for this process; kernels decorated from now on follow it. Its setter
-        # also exports TRITON_INTERPRET: take that back, so the environment (and what child
-        # processes inherit) stays as the user left it.
-        triton.knobs.runtime.interpret = _decided
-        if explicit is None:
+        built_interpreted = _triton_language_interpreted()
+        if built_interpreted is not None and built_interpreted != interpret:
+            raise _config_error(
+                f"triton was imported before ditron_ep fixed the kernel mode, and built "
+                f"{'for the interpreter' if built_interpreted else 'for compiling'}, but ditron_ep needs "
+                f"{'the interpreter' if interpret else 'compiled kernels'} ({source}). Set TRITON_INTERPRET="
+                f"{int(interpret)} in the environment before Python starts, or import ditron_ep.ops before triton.")
+        triton.knobs.runtime.interpret = interpret  # its setter exports TRITON_INTERPRET: restored below
+    finally:
+        if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
-            os.environ["TRITON_INTERPRET"] = explicit
-    return _decided
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _triton_language_interpreted() -> bool | None:
+    """Whether triton.language's own jit helpers were built for the interpreter (None: none found)."""
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for value in vars(standard).values():
+        if isinstance(value, (InterpretedFunction, JITFunction)):
+            return isinstance(value, InterpretedFunction)
+    return None
 
 
 def mode_source() -> str:

@@ -14,16 +14,16 @@ the same tests in the same order. Three mechanisms keep the ranks together:
 * ``pytest_sessionfinish`` writes this rank's counts to ``$DITRON_GPU_RESULTS_DIR/rank<R>.json``
   (when set), which the runner checks: every rank > 0 passed, 0 skipped, 0 failed.
 
-A cold run's time is Triton compilation: every distinct specialisation of a kernel (constexprs,
-dtypes, num_warps, and for int arguments whether they are 1 or multiples of 16, for pointers
-whether they are 16-byte aligned) compiles once per process. The suite therefore shares shapes
-and plan variants: one bf16 EP shape (E=64, H=1000, K=8, 320 tokens) plus one production shape,
-and four megakernel binaries (overlap, sequential, one queue, classic tile orders) plus the
-traced one, all at H=1024, I=512, K=4, 256 tokens; ragged token counts are picked from a few
-specialisation classes (0 / multiples of 64: 16-divisible and aligned; others neither; 1).
-`_CompileLog` records every compile (kernel, seconds, test, the arguments whose
-specialisation differs between a kernel's compiles) and prints the totals at the end, so the
-next cold run shows where its time goes (the runner adds pytest's --durations).
+A cold run's time is Triton compilation (~5.5 s per EP dispatch/combine specialisation, ~8 s
+per megakernel binary on 2xH100): every distinct specialisation of a kernel (constexprs, dtypes,
+num_warps; ints equal to 1 or divisible by 16; pointers 16-byte aligned) compiles once per
+process. So the tests share few shapes: EP in bf16 at E=64, H=1000, K=8, 320 tokens (and the
+production E=256, H=7168), the megakernel at H=1024, I=512, K=4, 256 tokens, its plan variants
+grouped into four binaries (overlap, sequential, one queue, classic tile orders) plus the traced
+one; token counts are 0 or have cdiv(T, 16) % 4 == 0 (an aligned `tokens_to` slice), except the
+decode-sized and unaligned calls the default plan's binary meets on purpose; fp16/fp32 and other
+tilings run on emulated ranks (tests/ops, tests/runtime). Layers and buffers are module fixtures.
+`_CompileLog` prints every compile's kernel, seconds, test and varying arguments at the end.
 """
 from __future__ import annotations
 

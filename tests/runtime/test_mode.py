@@ -74,3 +74,14 @@ def test_use_interpreter_after_the_mode_is_fixed_names_the_rule():
     use_interpreter(interpreted)  # agreeing with the fixed mode is fine
     with pytest.raises(DitronConfigError, match="already fixed"):
         use_interpreter(not interpreted)
+
+
+def test_triton_imported_first_in_the_other_mode_is_named_not_left_to_break_kernels():
+    # On this CPU machine, with no TRITON_INTERPRET, a triton imported before ditron_ep builds its
+    # own jit helpers for compiling; interpreted kernels calling them would fail obscurely.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", "import triton\nimport ditron_ep.ops"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "DitronConfigError" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]

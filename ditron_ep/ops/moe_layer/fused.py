@@ -208,7 +208,7 @@ class FusedMoE:
 
     def _build_launch_args(self) -> None:
         """The megakernel's arguments that are fixed for the layer's life, built once: the eager
-        path is bound by host time at small T (bench/diag/host_overhead.py)."""
+        path is bound by host time at small T (bench/results/HISTORY.md: host_overhead)."""
         plan, dev, core, h = self.plan, self.plan.device, self.plan.core, self.heap
         st = {s.name: s for s in dev.stages}
         seq = dev.schedule == "sequential"
@@ -375,7 +375,7 @@ class FusedMoE:
         side = x.numel() * x.element_size() >= _SIDE_COPY_BYTES
         stream = torch.cuda.current_stream(x.device)
         # one host call for the input copies: each copy_ took ~8-14 µs of host time on a lent H200
-        # host, and at T=128 the GPU waits for the host (bench/diag/replay_steps.py)
+        # host, and at T=128 the GPU waits for the host (bench/results/HISTORY.md: replay_steps)
         if side:
             torch._foreach_copy_([c.topk_idx, c.topk_weights], [topk_idx, topk_weights])
             # A large x is copied on a side stream while the layout graph, which does not read it,
