@@ -20,7 +20,7 @@ from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn, launch_group
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_inputs(sizes: list[int], H: int, I: int, *, rows: int | None = None, n_x: int | None = None,
