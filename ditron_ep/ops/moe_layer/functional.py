@@ -45,6 +45,11 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             timeout inside it in this call (a second host read) instead of at the next call.
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
+
+    Gradients (for x, topk_weights, w1, w2): schedule="staged" only, for now: dispatch's backward
+    is a combine, the experts' a staged fp32 backward (`grouped_swiglu_ffn_backward`), combine's a
+    dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>. The fused schedules raise
+    NotImplementedError when gradients are needed.
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
@@ -53,9 +58,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
                     ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], "
                     "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
-            raise NotImplementedError("backward through the MoE experts is not implemented yet: run moe() under "
-                                      "torch.no_grad() / inference_mode, or detach its inputs")
+        if schedule != "staged" and torch.is_grad_enabled() \
+                and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
+            raise NotImplementedError(f"schedule={schedule!r} (the fused megakernel) has no backward yet: train with "
+                                      f"schedule='staged', or run moe() under torch.no_grad() / inference_mode")
         _check_call(x, topk_idx, topk_weights, w1, w2)
     except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode

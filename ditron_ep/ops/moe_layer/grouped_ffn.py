@@ -7,7 +7,11 @@ persistent launches (`ops/moe_layer/grouped_gemm_kernels.py`): gate-up GEMM with
 h [rows, I] (x's dtype), then the down GEMM. Neither launch reads anything back to the host, so
 the op can be captured in a CUDA graph.
 
-Forward only for now: asking for gradients raises NotImplementedError.
+Gradients (`_GroupedSwiGLUFFN`): a staged backward in fp32 torch ops, one expert after another,
+each GEMM over that expert's rows only (no atomics, no split of a reduction): dgrad and wgrad of
+both GEMMs with the SwiGLU backward, recomputing the gate and up projections. Deterministic run to
+run; not fused and not yet fast (issue "training": the fused backward comes with the GEMM core).
+Gradients through `row_index` (gathered rows) are not supported yet.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
 )
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
-__all__ = ["MAX_LOCAL_EXPERTS", "grouped_swiglu_ffn", "launch_grouped_down", "launch_grouped_swiglu"]
+__all__ = ["MAX_LOCAL_EXPERTS", "grouped_swiglu_ffn", "grouped_swiglu_ffn_backward", "launch_grouped_down",
+           "launch_grouped_swiglu"]
 
 MAX_LOCAL_EXPERTS = 256  # the tile map's expert search is one vector of next_pow2(E_local) lanes
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -88,9 +93,12 @@ def grouped_swiglu_ffn(
         _check_values(expert_offsets, row_index, rows, x.shape[0])
     elif check is None:
         expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2)):
-        raise NotImplementedError("grouped_swiglu_ffn: backward through the experts is not implemented yet; "
-                                  "call it under torch.no_grad() or on tensors that do not require grad")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w1, w2))
+    if needs_grad and row_index is not None:
+        raise NotImplementedError("grouped_swiglu_ffn: gradients through row_index (gathered rows) are not "
+                                  "implemented yet; gather the rows first (x[row_index]) and pass no row_index")
+    if needs_grad and out is not None:
+        raise ValueError("grouped_swiglu_ffn: out= cannot be used when gradients are needed; leave it None")
     device_type = _device_type(x.device)
     if config is None:
         config = default_gemm_configs(x.dtype, device_type)
@@ -110,6 +118,18 @@ def grouped_swiglu_ffn(
     elif input_precision not in _PRECISIONS:
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
 
+    if needs_grad:
+        return _GroupedSwiGLUFFN.apply(x, w1, w2, expert_offsets, (gate_up_cfg, down_cfg), num_programs,
+                                       input_precision, group_rows)
+    return _forward(x, expert_offsets, w1, w2, row_index, gate_up_cfg, down_cfg, num_programs, input_precision,
+                    group_rows, out)
+
+
+def _forward(x, expert_offsets, w1, w2, row_index, gate_up_cfg, down_cfg, num_programs, input_precision,
+             group_rows, out):
+    """The two launches on validated inputs; returns y [rows, H]."""
+    rows = x.shape[0] if row_index is None else row_index.shape[0]
+    hidden, inter = x.shape[1], w2.shape[1]
     if out is None:
         out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     elif not isinstance(out, torch.Tensor) or out.shape != (rows, hidden) or out.dtype != x.dtype \
@@ -126,6 +146,65 @@ def grouped_swiglu_ffn(
     launch_grouped_down(h, w2, out, expert_offsets, tile_maps[down_cfg.block_m], down_cfg, num_programs,
                         input_precision, group_rows)
     return out
+
+
+class _GroupedSwiGLUFFN(torch.autograd.Function):
+    """Forward: the grouped FFN launches. Backward: `grouped_swiglu_ffn_backward`."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, expert_offsets, config, num_programs, input_precision, group_rows):
+        ctx.save_for_backward(x, w1, w2, expert_offsets)
+        return _forward(x, expert_offsets, w1, w2, None, *config, num_programs, input_precision, group_rows, None)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w1, w2, expert_offsets = ctx.saved_tensors
+        need_x, need_w1, need_w2 = ctx.needs_input_grad[:3]
+        grad_x, grad_w1, grad_w2 = grouped_swiglu_ffn_backward(x, expert_offsets, w1, w2, grad_y,
+                                                               need_x=need_x, need_w=need_w1 or need_w2)
+        return grad_x, grad_w1, grad_w2, None, None, None, None, None
+
+
+def grouped_swiglu_ffn_backward(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                                grad_y: torch.Tensor, *, need_x: bool = True, need_w: bool = True
+                                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Gradients of `grouped_swiglu_ffn` (no row_index) for grad_y [rows, H].
+
+    Per local expert e, on its rows R (fp32 throughout, recomputing gate and up):
+        g, u = x_R @ W1[e] split; a = silu(g); h = a * u
+        grad_W2[e] = h^T @ grad_y_R;  dh = grad_y_R @ W2[e]^T
+        du = dh * a;  dg = dh * u * sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+        grad_W1[e] = x_R^T @ [dg | du];  grad_x_R = [dg | du] @ W1[e]^T
+    Each sum runs over one expert's rows in one GEMM, experts one after another: deterministic.
+    Rows of no expert get zero gradient; experts without rows zero weight gradients. The forward
+    rounds h to x's dtype before the down GEMM; this backward does not (its error is that rounding).
+    Returns (grad_x, grad_w1, grad_w2) in the inputs' dtypes (None where not needed).
+    """
+    offsets = expert_offsets.tolist()  # one host read: the staged backward walks the experts on the host
+    inter = w2.shape[1]
+    f32 = torch.float32
+    grad_x = torch.zeros(x.shape, dtype=f32, device=x.device) if need_x else None
+    grad_w1 = torch.zeros(w1.shape, dtype=f32, device=w1.device) if need_w else None
+    grad_w2 = torch.zeros(w2.shape, dtype=f32, device=w2.device) if need_w else None
+    for e in range(w1.shape[0]):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi <= lo:
+            continue
+        x_e, w1_e = x[lo:hi].to(f32), w1[e].to(f32)
+        gate_up = x_e @ w1_e  # [n, 2I]
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        dy = grad_y[lo:hi].to(f32)
+        dh = dy @ w2[e].to(f32).T  # [n, I]
+        d_gate_up = torch.cat([dh * up * sig * (1 + gate * (1 - sig)), dh * act], dim=1)
+        if need_w:
+            grad_w2[e] = (act * up).T @ dy
+            grad_w1[e] = x_e.T @ d_gate_up
+        if need_x:
+            grad_x[lo:hi] = d_gate_up @ w1_e.T
+    cast = (lambda t, like: None if t is None else t.to(like.dtype))
+    return cast(grad_x, x), cast(grad_w1, w1), cast(grad_w2, w2)
 
 
 def launch_grouped_swiglu(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,

@@ -4,9 +4,11 @@ Layering: the router, top-k and load-balancing loss are plain torch (small [T, E
 expert work is the public `moe` op (dispatch → grouped SwiGLU experts → combine). Every rank holds
 a replica of the router and only its own E / W experts.
 
-Inference only for now: `moe` has no backward through the experts yet, so a forward under grad
-mode with parameters that require grad raises its NotImplementedError. Run the layer under
-`torch.no_grad()` / `torch.inference_mode()` (or freeze it); training support is a later issue.
+Training: build it with schedule="staged" (`moe`'s staged backward gives the gradients of x, the
+experts and, through the top-k weights and the aux loss, the router; the router is a replica on
+every rank, so average its gradient over the group as data parallelism does). The fused schedules
+("overlap", default, and "sequential") have no backward yet: under grad mode with parameters that
+require grad they raise NotImplementedError; run them under `torch.no_grad()` / `inference_mode()`.
 """
 from __future__ import annotations
 

@@ -79,6 +79,66 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
             "grad_refused": grad_refused}
 
 
+def _oracle_grads(xs, idxs, ws, w1s, w2s, gouts, rank: int) -> dict:
+    """float64 gradients of sum_r <out_r, gout_r> for `rank`'s x, topk_weights, w1, w2: a plain
+    loop over every rank's tokens and slots, through torch autograd (no code shared with moe)."""
+    leaves = [[t.to(torch.float64).requires_grad_() for t in ts] for ts in (xs, ws, w1s, w2s)]
+    X, Wt, W1, W2 = leaves
+    e_local, inter = w1s[0].shape[0], w1s[0].shape[2] // 2
+    loss = torch.zeros((), dtype=torch.float64)
+    for r in range(len(xs)):
+        for t in range(xs[r].shape[0]):
+            for k in range(idxs[r].shape[1]):
+                e = int(idxs[r][t, k])
+                if e < 0:
+                    continue
+                owner, local = divmod(e, e_local)
+                gate_up = X[r][t] @ W1[owner][local]
+                y = (torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]) @ W2[owner][local]
+                loss = loss + Wt[r][t, k] * (y @ gouts[r][t].to(torch.float64))
+    loss.backward()
+    return {name: leaf[rank].grad if leaf[rank].grad is not None else torch.zeros_like(leaf[rank])
+            for name, leaf in zip(("x", "topk_weights", "w1", "w2"), leaves)}
+
+
+def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
+    """Gradients of moe(schedule="staged") for x, topk_weights, w1, w2 against the float64
+    oracle's, a dropped slot's weight gradient 0, and two backward passes bitwise equal."""
+    from ditron_ep.ops import clear_cache, moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.2)
+    w1s, w2s = make_weights(W, E // W, H, I, seed)
+    gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 31 + r)) for r, t in enumerate(tokens)]
+    runs = []
+    for _ in range(2):
+        leaves = [t[rank].clone().requires_grad_() for t in (xs, ws, w1s, w2s)]
+        out = moe(leaves[0], idxs[rank], leaves[1], leaves[2], leaves[3], schedule="staged")
+        out.backward(gouts[rank])
+        runs.append([leaf.grad.clone() for leaf in leaves])
+    clear_cache()
+    want = _oracle_grads(xs, idxs, ws, w1s, w2s, gouts, rank)
+    errors = {}
+    for name, got in zip(want, runs[0]):
+        ref = want[name]
+        err = float((got.to(torch.float64) - ref).abs().max()) if ref.numel() else 0.0
+        errors[name] = (err, float(ref.abs().max()) if ref.numel() else 0.0)
+    dropped = idxs[rank] < 0
+    return {"errors": errors, "bitwise": all(torch.equal(a, b) for a, b in zip(*runs)),
+            "dropped_weight_grads_zero": bool((runs[0][1][dropped] == 0).all()),
+            "fused_refuses": _fused_refuses_grad(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])}
+
+
+def _fused_refuses_grad(x, idx, w, w1, w2) -> str:
+    from ditron_ep.ops import moe
+
+    try:
+        moe(x, idx, w.clone().requires_grad_(), w1, w2, schedule="overlap")
+    except NotImplementedError as err:
+        return str(err)
+    return "no error"
+
+
 def check_tile_order(layer: FusedMoE) -> str:
     """The GEMM tile table after a call: every tile with rows once (natural indices 0..n-1 first),
     ordered by the ring position of the last-received source among its rows, then by natural

@@ -103,6 +103,131 @@ def forward_case(tokens: list[int], num_experts: int, score_func: str, renormali
     return report
 
 
+def _reference_forward(xs, routers, w1s, w2s, score_func: str, renormalize: bool, aux_coef: float) -> list:
+    """Every rank's (out [T, H], aux loss) in float64, differentiable: routing by a stable sort of
+    the scores (a plain reimplementation), experts by per-slot loops; rank s routes with routers[s]."""
+    num_local = w1s[0].shape[0]
+    num_experts = num_local * len(w1s)
+    results = []
+    for x, router in zip(xs, routers):
+        logits = x @ router.T  # [T, E]
+        scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+        probs = scores if score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        rows, counts = [], torch.zeros(num_experts, dtype=torch.float64)
+        for t in range(x.shape[0]):
+            top = sorted(range(num_experts), key=lambda e: (-float(scores[t, e]), e))[:K]
+            weights = scores[t, top]
+            if renormalize:
+                weights = weights / weights.sum()
+            row = torch.zeros(x.shape[1], dtype=torch.float64)
+            for e, w in zip(top, weights):
+                owner, local = divmod(e, num_local)
+                h = x[t] @ w1s[owner][local]
+                row = row + w * ((torch.nn.functional.silu(h[:I]) * h[I:]) @ w2s[owner][local])
+                counts[e] += 1
+            rows.append(row)
+        out = torch.stack(rows) if rows else torch.zeros(0, x.shape[1], dtype=torch.float64)
+        aux = (aux_coef * num_experts * (counts / (x.shape[0] * K) * probs.mean(0)).sum() if x.shape[0]
+               else torch.zeros((), dtype=torch.float64))
+        results.append((out, aux))
+    return results
+
+
+def training_case(tokens: list[int], num_experts: int, score_func: str, renormalize: bool, seed: int) -> dict:
+    """EPMoE(schedule="staged") under grad mode: loss = <out, gout> + aux; the gradients of x, the
+    router and this rank's experts against float64 autograd of a plain reimplementation over every
+    rank's tokens (the router is a replica: its gradient is this rank's own loss's)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed * 100 + rank)
+    layer = EPMoE(H, I, num_experts, K, score_func=score_func, renormalize=renormalize, aux_loss_coef=0.01,
+                  schedule="staged").sync_router_(src=0)
+    xs = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 1000 + r)) for r, t in enumerate(tokens)]
+    gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 77 + r)) for r, t in enumerate(tokens)]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (layer.w1.detach(), layer.w2.detach()))
+    w1s, w2s = (list(ws) for ws in zip(*gathered))
+    x = xs[rank].clone().requires_grad_()
+    out, aux = layer(x)
+    ((out * gouts[rank]).sum() + aux).backward()
+    got = {"x": x.grad, "router": layer.router_weight.grad, "w1": layer.w1.grad, "w2": layer.w2.grad}
+
+    leaves_x = [t.to(torch.float64).requires_grad_() for t in xs]
+    routers = [layer.router_weight.detach().to(torch.float64).requires_grad_() for _ in range(world)]
+    leaves_w1 = [w.to(torch.float64).requires_grad_() for w in w1s]
+    leaves_w2 = [w.to(torch.float64).requires_grad_() for w in w2s]
+    ref = _reference_forward(leaves_x, routers, leaves_w1, leaves_w2, score_func, renormalize, 0.01)
+    sum((out_s * g.to(torch.float64)).sum() + aux_s for (out_s, aux_s), g in zip(ref, gouts)).backward()
+    want = {"x": leaves_x[rank].grad, "router": routers[rank].grad, "w1": leaves_w1[rank].grad,
+            "w2": leaves_w2[rank].grad}
+    errors = {}
+    for name, ref in want.items():
+        ref = ref if ref is not None else torch.zeros_like(got[name], dtype=torch.float64)
+        g = got[name] if got[name] is not None else torch.full_like(ref, float("nan"))
+        errors[name] = (float((g.to(torch.float64) - ref).abs().max()) if ref.numel() else 0.0,
+                        float(ref.abs().max()) if ref.numel() else 0.0)
+    clear_cache()
+    return {"errors": errors}
+
+
+def training_loop_case(tokens: list[int], num_experts: int, steps: int, repeat_steps: int, seed: int) -> dict:
+    """A tiny MoE model trained by SGD for `steps` steps with EPMoE(schedule="staged") (router
+    gradient averaged over the ranks, as data parallelism does), again for `repeat_steps` from the
+    same start; and
+    the same loop in float64 over every rank in one process (no ditron_ep code). Returns this
+    rank's losses of the three runs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lr = 0.5
+    torch.manual_seed(seed * 100 + rank)
+    layer = EPMoE(H, I, num_experts, K, score_func="softmax", renormalize=False, aux_loss_coef=0.01,
+                  schedule="staged").sync_router_(src=0)
+    start = {name: p.detach().clone() for name, p in layer.named_parameters()}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (start["w1"], start["w2"]))
+    xs = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 1000 + r)) for r, t in enumerate(tokens)]
+    targets = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 99 + r)) for r, t in enumerate(tokens)]
+
+    def head(out, target):  # a rank's loss: mean squared error
+        return ((out - target) ** 2).mean()
+
+    runs = []
+    for run_steps in (steps, repeat_steps):
+        with torch.no_grad():
+            for name, param in layer.named_parameters():
+                param.copy_(start[name])
+        losses = []
+        for _ in range(run_steps):
+            layer.zero_grad(set_to_none=False)
+            out, aux = layer(xs[rank])
+            loss = head(out, targets[rank]) + aux
+            loss.backward()
+            dist.all_reduce(layer.router_weight.grad)
+            with torch.no_grad():
+                layer.router_weight.grad /= world
+                for param in layer.parameters():
+                    param -= lr * param.grad
+            losses.append(float(loss.detach()))
+        runs.append(losses)
+    clear_cache()
+
+    router = start["router_weight"].to(torch.float64)
+    w1s = [w.to(torch.float64) for w, _ in gathered]
+    w2s = [w.to(torch.float64) for _, w in gathered]
+    x64, t64 = [x.to(torch.float64) for x in xs], [t.to(torch.float64) for t in targets]
+    reference = []
+    for _ in range(steps):
+        routers = [router.clone().requires_grad_() for _ in range(world)]
+        w1s, w2s = [w.detach().requires_grad_() for w in w1s], [w.detach().requires_grad_() for w in w2s]
+        fwd = _reference_forward(x64, routers, w1s, w2s, "softmax", False, 0.01)
+        per_rank = [head(out, target) + aux for (out, aux), target in zip(fwd, t64)]
+        sum(per_rank).backward()
+        reference.append(float(per_rank[rank]))
+        with torch.no_grad():
+            router = router - lr * sum(r.grad for r in routers) / world
+            w1s = [w - lr * w.grad if w.grad is not None else w for w in w1s]  # no tokens: no gradient
+            w2s = [w - lr * w.grad if w.grad is not None else w for w in w2s]
+    return {"losses": runs[0], "again": runs[1], "reference": reference}
+
+
 def error_cases() -> dict:
     """Bad constructor / forward arguments: DitronConfigError (a ValueError) on every rank, before
     any collective."""
