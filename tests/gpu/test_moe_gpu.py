@@ -464,12 +464,13 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
         moe(x, idx, w, w1, w2)  # the second call captures the signature: the calls below replay it
     for name, bad_args, bad_exc in (
             ("1-D topk_weights", (x, idx, w[:, 0], w1, w2), DitronConfigError),
-            ("gradients", (x, idx, w, w1.clone().requires_grad_(), w2), NotImplementedError)):
+            ("non-contiguous w1", (x, idx, w, w1.transpose(1, 2).contiguous().transpose(1, 2), w2),
+             DitronConfigError)):
         want_exc = bad_exc if rank == bad_rank else DitronConfigError
         t0 = time.monotonic()
         got = "no error"
         try:
-            with torch.set_grad_enabled(name == "gradients"):
+            with torch.no_grad():
                 moe(*(bad_args if rank == bad_rank else (x, idx, w, w1, w2)))
         except (DitronConfigError, NotImplementedError) as err:
             got = f"{type(err).__name__}: {err}"

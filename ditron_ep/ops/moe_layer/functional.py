@@ -46,10 +46,12 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
 
-    Gradients (for x, topk_weights, w1, w2): schedule="staged" only, for now: dispatch's backward
-    is a combine, the experts' a staged fp32 backward (`grouped_swiglu_ffn_backward`), combine's a
-    dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>. The fused schedules raise
-    NotImplementedError when gradients are needed.
+    Gradients (for x, topk_weights, w1, w2): the staged schedule's autograd — dispatch's backward
+    is a combine, the experts' an fp32 backward per expert (`grouped_swiglu_ffn_backward`),
+    combine's a dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>. The fused schedules run their
+    forward fused and, in backward, recompute the staged forward on the saved inputs first (one
+    more dispatch, FFN and combine); they need sync=True when gradients are asked for. The same
+    inputs give the same gradient bits under every schedule.
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
@@ -58,10 +60,11 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
                     ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], "
                     "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
-        if schedule != "staged" and torch.is_grad_enabled() \
-                and any(t.requires_grad for t in (x, topk_weights, w1, w2)):
-            raise NotImplementedError(f"schedule={schedule!r} (the fused megakernel) has no backward yet: train with "
-                                      f"schedule='staged', or run moe() under torch.no_grad() / inference_mode")
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
+        if needs_grad and schedule != "staged" and not sync:
+            raise NotImplementedError("gradients through the fused schedules need sync=True (their backward "
+                                      "recomputes the layer with the staged schedule, which reads the host); "
+                                      "capture the forward alone, or train with sync=True")
         _check_call(x, topk_idx, topk_weights, w1, w2)
     except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
@@ -71,11 +74,43 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
-    if schedule != "staged":
-        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
+    if schedule == "staged":
+        return _staged(x, topk_idx, topk_weights, w1, w2, group, num_experts)
+    if needs_grad:
+        return _FusedForwardStagedBackward.apply(x, topk_weights, w1, w2, topk_idx, group, schedule, check_errors,
+                                                 num_experts)
+    return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
+
+
+def _staged(x, topk_idx, topk_weights, w1, w2, group, num_experts) -> torch.Tensor:
+    """Dispatch, grouped FFN, combine as separate launches; autograd through each."""
     recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
     y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2, check=False)  # offsets built by dispatch
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
+
+
+class _FusedForwardStagedBackward(torch.autograd.Function):
+    """Forward: the fused megakernel. Backward: the staged schedule recomputed on the saved inputs
+    (one more dispatch, FFN and combine: activation-checkpointing style), then its autograd. The
+    gradients are a function of the inputs alone, so "overlap" and "sequential" give the same bits
+    (and those of schedule="staged"). Collective, like every moe call."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, w2, topk_idx, group, schedule, check_errors, num_experts):
+        ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx)
+        ctx.group, ctx.num_experts = group, num_experts
+        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, True, check_errors, num_experts)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, topk_weights, w1, w2, topk_idx = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(need) for t, need in zip((x, topk_weights, w1, w2), needs)]
+            out = _staged(leaves[0], topk_idx, leaves[1], leaves[2], leaves[3], ctx.group, ctx.num_experts)
+            wanted = [leaf for leaf in leaves if leaf.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (*(next(grads) if need else None for need in needs), None, None, None, None, None)
 
 
 def _check_call(x, topk_idx, topk_weights, w1, w2) -> None:

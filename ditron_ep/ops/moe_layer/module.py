@@ -4,11 +4,10 @@ Layering: the router, top-k and load-balancing loss are plain torch (small [T, E
 expert work is the public `moe` op (dispatch → grouped SwiGLU experts → combine). Every rank holds
 a replica of the router and only its own E / W experts.
 
-Training: build it with schedule="staged" (`moe`'s staged backward gives the gradients of x, the
-experts and, through the top-k weights and the aux loss, the router; the router is a replica on
-every rank, so average its gradient over the group as data parallelism does). The fused schedules
-("overlap", default, and "sequential") have no backward yet: under grad mode with parameters that
-require grad they raise NotImplementedError; run them under `torch.no_grad()` / `inference_mode()`.
+Training: `moe`'s backward gives the gradients of x, the experts and, through the top-k weights
+and the aux loss, the router (a replica on every rank: average its gradient over the group, as
+data parallelism does). With the fused schedules the forward runs fused and the backward
+recomputes the staged schedule first (see `moe`); every schedule gives the same gradient bits.
 """
 from __future__ import annotations
 

@@ -93,17 +93,16 @@ def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
     for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_layer_case, tokens, 32, 24, E, K, kind, 4)):
         assert rep["ok"], f"rank {rank}: moe off the float64 oracle by {rep['max_abs']}"
         assert rep["bitwise"], f"rank {rank}: two runs differ"
-        assert rep["grad_refused"], "requesting gradients through moe must raise"
+        assert rep["grad_mode_bitwise"], f"rank {rank}: the fused forward under grad mode differs"
 
 
 @pytest.mark.parametrize("W,tokens,E,K,kind", [(2, [13, 7], 4, 2, "uniform"), (3, [9, 0, 11], 6, 3, "zipf")],
                          ids=["W2-uniform", "W3-zipf-empty-rank"])
-def test_staged_moe_trains(emulated_cluster, W, tokens, E, K, kind):
-    """Gradients of every input of moe(schedule="staged") match the float64 oracle's (norm-wise
-    relative error, fp32), dropped slots get none, and the backward is bitwise run to run."""
+def test_moe_trains_under_every_schedule(emulated_cluster, W, tokens, E, K, kind):
+    """Gradients of every input of moe match the float64 oracle's (norm-wise relative error,
+    fp32), dropped slots get none, and staged (twice), overlap and sequential give the same bits."""
     for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_training_case, tokens, 24, 16, E, K, kind, 5)):
         for name, (err, ref) in rep["errors"].items():
             assert err <= 1e-5 * max(ref, 1.0), f"rank {rank} grad {name}: off the float64 oracle by {err} (max {ref})"
-        assert rep["bitwise"], f"rank {rank}: two backward passes differ"
+        assert all(rep["bitwise"].values()), f"rank {rank}: backward passes differ {rep['bitwise']}"
         assert rep["dropped_weight_grads_zero"], f"rank {rank}: a dropped slot got a weight gradient"
-        assert "schedule='staged'" in rep["fused_refuses"], rep["fused_refuses"]
