@@ -495,40 +495,70 @@ def run_portability_check(package: str = "ditron_ep", *, paths: Sequence[str | o
                           targets: Sequence[GPUTarget] = PORTABILITY_TARGETS,
                           cache_dir: str | os.PathLike | None = None, timeout: float = 600,
                           env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the check in a fresh ``TRITON_INTERPRET=0`` subprocess and return its report.
+    """Run the check in fresh ``TRITON_INTERPRET=0`` subprocesses, one per target at once (the
+    compiles dominate: two targets on two cores take the time of one), and return the merged report.
 
-    ``paths`` are prepended to the worker's ``sys.path``; ``cache_dir`` becomes its
+    ``paths`` are prepended to the workers' ``sys.path``; ``cache_dir`` becomes their
     ``TRITON_CACHE_DIR`` (a fresh temporary folder when None, so no earlier build is reused).
-    The report gains ``returncode`` and ``stderr`` (its tail). Raises RuntimeError when the worker
-    wrote no report.
+    The report gains ``returncode`` (the worst) and ``stderr`` (each worker's tail). Raises
+    RuntimeError when a worker wrote no report.
     """
     with tempfile.TemporaryDirectory(prefix="ditron_portability_") as tmp:
-        report_path = Path(tmp) / "report.json"
         child_env = dict(os.environ if env is None else env)
         child_env["TRITON_INTERPRET"] = "0"  # explicit "0": unset would let the package pick the interpreter
         child_env.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)  # users' launches do not set it either
         child_env["TRITON_CACHE_DIR"] = str(cache_dir if cache_dir is not None else Path(tmp) / "triton_cache")
         child_env["PYTHONPATH"] = os.pathsep.join(
             [str(_REPO_ROOT), *map(str, paths), *filter(None, [child_env.get("PYTHONPATH")])])
-        cmd = [sys.executable, "-m", "tools.compile_worker", "--package", package,
-               "--json", str(report_path)]
-        for path in paths:
-            cmd += ["--path", str(path)]
-        for module in extra_modules:
-            cmd += ["--module", str(module)]
-        for name in skip:
-            cmd += ["--skip", name]
-        for target in targets:
-            cmd += ["--target", f"{target.backend}:{target.arch}:{target.warp_size}"]
-        proc = subprocess.run(cmd, env=child_env, cwd=str(_REPO_ROOT), capture_output=True, text=True,
-                              timeout=timeout)
-        if not report_path.exists():
-            raise RuntimeError(f"portability worker exited with {proc.returncode} and no report:\n"
-                               f"{proc.stdout[-_ERROR_TAIL_CHARS:]}\n{proc.stderr[-_ERROR_TAIL_CHARS:]}")
-        report = json.loads(report_path.read_text())
-    report["returncode"] = proc.returncode
-    report["stderr"] = proc.stderr[-_ERROR_TAIL_CHARS:]
+        workers = []
+        for i, target in enumerate(targets):
+            report_path = Path(tmp) / f"report{i}.json"
+            cmd = [sys.executable, "-m", "tools.compile_worker", "--package", package, "--json", str(report_path),
+                   "--target", f"{target.backend}:{target.arch}:{target.warp_size}"]
+            for path in paths:
+                cmd += ["--path", str(path)]
+            for module in extra_modules:
+                cmd += ["--module", str(module)]
+            for name in skip:
+                cmd += ["--skip", name]
+            proc = subprocess.Popen(cmd, env=child_env, cwd=str(_REPO_ROOT), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+            workers.append((proc, report_path))
+        reports, stderrs, codes = [], [], []
+        for proc, report_path in workers:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            if not report_path.exists():
+                for other, _ in workers:
+                    other.kill()
+                raise RuntimeError(f"portability worker exited with {proc.returncode} and no report:\n"
+                                   f"{out[-_ERROR_TAIL_CHARS:]}\n{err[-_ERROR_TAIL_CHARS:]}")
+            reports.append(json.loads(report_path.read_text()))
+            stderrs.append(err[-_ERROR_TAIL_CHARS:])
+            codes.append(proc.returncode)
+    report = _merge_reports(reports)
+    report["returncode"] = max(codes, default=0)
+    report["stderr"] = "\n".join(stderrs)
     return report
+
+
+def _merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of several workers' (one target each): results and targets concatenated, the
+    scan's findings (the same in every worker) taken once; a device function counts as compiled
+    if any target compiled a kernel calling it."""
+    merged = dict(reports[0])
+    for key in ("targets", "results"):
+        merged[key] = [item for r in reports for item in r.get(key, [])]
+    fatal = [r["fatal"] for r in reports if r.get("fatal")]
+    if fatal:
+        merged["fatal"] = "\n".join(fatal)
+    uncompiled = [set(r.get("device_functions_not_compiled", [])) for r in reports]
+    merged["device_functions_not_compiled"] = sorted(set.intersection(*uncompiled)) if uncompiled else []
+    merged["seconds"] = max(r.get("seconds", 0) for r in reports)
+    return merged
 
 
 _REPORT_PARTS = ("fatal", "imports", "unregistered", "compile")
