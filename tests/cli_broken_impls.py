@@ -1,7 +1,7 @@
 """MoE forwards for `python -m ditron_ep check --against cli_broken_impls:FN` (tests/test_cli.py).
 
 Every function has the signature of `ditron_ep.ops.moe_layer.functional` and is built from ditron_ep's staged
-pieces (dispatch -> grouped_swiglu_ffn -> combine) plus torch. `staged_moe` is correct; each of
+pieces (dispatch -> grouped_mlp -> combine) plus torch. `staged_moe` is correct; each of
 the others is broken in one way that exactly one check of `--against` must catch:
 
 * `overlap_ulp_moe`     — overlap output off by one ulp in one element: overlap vs sequential;
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ditron_ep.ops import combine, dispatch, grouped_swiglu_ffn
+from ditron_ep.ops import combine, dispatch, grouped_mlp
 
 
 def _num_experts(w1: torch.Tensor, group) -> int:
@@ -27,7 +27,7 @@ def staged_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, schedule="overl
     """Correct: the unfused pieces, the same for every schedule."""
     E = _num_experts(w1, group)
     recv_x, handle = dispatch(x, topk_idx, num_experts=E, group=group)
-    y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
+    y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=E, group=group)
 
 
@@ -49,7 +49,7 @@ def swapped_rows_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, schedule=
         if hi - lo >= 2:
             recv_x[[lo, lo + 1]] = recv_x[[lo + 1, lo]]
             break
-    y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
+    y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2)
     return combine(y, handle, topk_weights, num_experts=E, group=group)
 
 
@@ -60,7 +60,7 @@ def index_add_combine_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, sche
     E = _num_experts(w1, group)
     T, K = topk_idx.shape
     recv_x, handle = dispatch(x, topk_idx, num_experts=E, group=group)
-    y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2)
+    y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2)
     w32 = topk_weights.to(torch.float32)
     terms = []
     for k in range(K):

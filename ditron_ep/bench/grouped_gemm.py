@@ -1,4 +1,4 @@
-"""Registry entry "grouped_gemm": the grouped SwiGLU expert FFN (`grouped_swiglu_ffn`) against
+"""Registry entry "grouped_gemm": the grouped SwiGLU expert FFN (`grouped_mlp`) against
 torch._grouped_mm, on each rank's own GPU (no communication; the time is the slowest rank's).
 
 Rows of one config (T tokens per rank): the per-rank rows of an EP layer of `--opt ranks=R` ranks
@@ -8,8 +8,8 @@ through `row_index` from the R*T tokens, as the layer does (`--opt rows=contiguo
 pre-gathered); torch's always gets them pre-gathered. Weights as the MoE layer's
 (`ep_inputs.make_weights`). Rows of the table:
   gate-up+SwiGLU, down, FFN   ours with the default tile configs on the persistent grid (one
-                      program per SM): h = silu(x_r @ gate) * (x_r @ up) (`launch_grouped_swiglu`),
-                      y = h @ W2 (`launch_grouped_down`), both (`grouped_swiglu_ffn`);
+                      program per SM): h = silu(x_r @ gate) * (x_r @ up) (`launch_grouped_up`),
+                      y = h @ W2 (`launch_grouped_down`), both (`grouped_mlp`);
   torch ..., W row-major / col-major   torch._grouped_mm with W [E, K, N] row-major or as a
                       column-major view of [E, N, K] storage (gate-up: + silu(g) * u elementwise);
   with --opt sweep=1 also every tile config of the sweep (GATE_UP_CONFIGS / DOWN_CONFIGS, smaller
@@ -35,7 +35,7 @@ from ditron_ep.bench.torch_moe import torch_down, torch_gate_up
 from ditron_ep.check import make_routing
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
-from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn, launch_grouped_down, launch_grouped_swiglu
+from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp, launch_grouped_down, launch_grouped_up
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 
 FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down), rows = this rank's routed rows (the slowest "
@@ -131,7 +131,7 @@ def run_grouped_gemm(ctx: BenchContext, tokens: int) -> list[Measurement]:
         def stage_fn(stage: str, cfg: GemmTileConfig, programs: int) -> tuple[Callable[[], object], torch.Tensor]:
             tiles = build_tile_map(off, cfg.block_m)
             if stage == "gate-up+SwiGLU":
-                return (lambda: launch_grouped_swiglu(x, idx, wts.w1, h, off, tiles, cfg, programs, precision, 1)), h
+                return (lambda: launch_grouped_up(x, idx, wts.w1, h, off, tiles, cfg, programs, precision, 1)), h
             return (lambda: launch_grouped_down(h_ref, wts.w2, y, off, tiles, cfg, programs, precision, 1)), y
 
         def checked(impl: str, stage: str, fn: Callable[[], object], result: Callable[[], torch.Tensor],
@@ -152,7 +152,7 @@ def run_grouped_gemm(ctx: BenchContext, tokens: int) -> list[Measurement]:
             out.append(checked(stage, stage, fn, lambda r=result: r, {"config": str(cfg), "num_programs": sms}))
 
         def ffn(pair: tuple[GemmTileConfig, GemmTileConfig], programs: int | None) -> torch.Tensor:
-            return grouped_swiglu_ffn(x, off, wts.w1, wts.w2, row_index=idx, config=pair, num_programs=programs,
+            return grouped_mlp(x, off, wts.w1, wts.w2, row_index=idx, config=pair, num_programs=programs,
                                       input_precision=precision, check=False)
 
         pair = (defaults["gate-up+SwiGLU"], defaults["down"])
@@ -200,7 +200,7 @@ def validate(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> 
 
 GROUPED_GEMM = Benchmark(
     name="grouped_gemm",
-    description="grouped SwiGLU expert FFN (grouped_swiglu_ffn) vs torch._grouped_mm, on each rank's own GPU, "
+    description="grouped SwiGLU expert FFN (grouped_mlp) vs torch._grouped_mm, on each rank's own GPU, "
                 "at a layer's per-rank rows",
     metric="TFLOP/s", work_rule=FLOP_RULE,
     check_rule="output vs torch's (row-major W; down on torch's h) within the dtype's rtol, max |diff| / max |ref| "

@@ -20,7 +20,7 @@ fused layers of `moe` sized for T (caches cleared first); everything under torch
                       index_select + bmm combine; with the faster weight layout per GEMM of the
                       references below (a per-expert matmul loop where torch._grouped_mm is
                       unsupported);
-  grouped GEMM alone  `grouped_swiglu_ffn` on this rank's real received rows (one untimed dispatch
+  grouped GEMM alone  `grouped_mlp` on this rank's real received rows (one untimed dispatch
                       beforehand): the expert work inside the layer, no communication;
   references (--opt refs=1, the default): gate-up (rows @ W1, no activation) and down (h @ W2)
                       alone on the same rows, with torch._grouped_mm and W row-major or
@@ -49,7 +49,7 @@ from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, M
 from ditron_ep.bench.timing import capture_graph, summarize
 from ditron_ep.bench.torch_moe import torch_experts, torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
-from ditron_ep.ops import clear_cache, clear_layers, dispatch, grouped_swiglu_ffn, moe
+from ditron_ep.ops import clear_cache, clear_layers, dispatch, grouped_mlp, moe
 from ditron_ep.ops.moe_layer.fused import FusedMoE
 from ditron_ep.ops.moe_layer.functional import SCHEDULES
 
@@ -274,7 +274,7 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
         return lambda: moe(inp.x, inp.idx, inp.w, wts.w1, wts.w2, group=ctx.group, schedule=schedule)
 
     def alone() -> torch.Tensor:
-        return grouped_swiglu_ffn(recv_x, off, wts.w1, wts.w2, check=False)
+        return grouped_mlp(recv_x, off, wts.w1, wts.w2, check=False)
 
     # ---- checks: every schedule against torch-native, the GEMM alone against torch_experts
     ours = {f"moe {S}": layer(S) for S in SCHEDULES}

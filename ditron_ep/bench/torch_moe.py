@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 
@@ -41,12 +42,20 @@ def torch_experts(x_rows: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor, w2
 
 
 def torch_native_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     grouped: bool, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                     grouped: bool, group: dist.ProcessGroup | None = None, differentiable: bool = False) -> torch.Tensor:
     """out[t] = sum_k w[t,k] * FFN_{idx[t,k]}(x[t]) with NCCL all_to_all_single and torch ops only.
 
     x [T, H]; idx int64 [T, K] (no dropped slots); w fp32 [T, K]; w1 / w2 this rank's experts.
     grouped: torch._grouped_mm for the experts, else a per-expert torch.matmul loop.
+    differentiable: the row exchanges through torch.distributed.nn's all_to_all_single, which has
+    autograd (everything else is differentiable torch ops), for training.
     """
+    def exchange(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        if differentiable:
+            return dist_nn.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        dist.all_to_all_single(out, inp, out_splits, in_splits, group=group)
+        return out
+
     T, K = idx.shape
     H, e_local = x.shape[1], w1.shape[0]
     W = dist.get_world_size(group)
@@ -60,8 +69,7 @@ def torch_native_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: to
     host = torch.stack([counts, recv_counts]).view(2, W, e_local).cpu()   # the one host read
     send_splits, recv_splits = host[0].sum(1).tolist(), host[1].sum(1).tolist()
     rows = sum(recv_splits)
-    recv_x = x.new_empty(rows, H)
-    dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=group)
+    recv_x = exchange(x.new_empty(rows, H), send_x, recv_splits, send_splits)
     # Source-major -> expert-major; stable, so within an expert rows stay in (source rank, token) order.
     expert_of_row = torch.repeat_interleave(torch.arange(e_local, device=x.device).repeat(W), recv_counts,
                                             output_size=rows)
@@ -71,8 +79,7 @@ def torch_native_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: to
     loop_offsets = None if grouped else [0, *host[1].sum(0).cumsum(0).tolist()]
     y_e = torch_experts(recv_x.index_select(0, perm), offs, w1, w2, loop_offsets)
     y_r = torch.empty_like(y_e).index_copy_(0, perm, y_e)    # back to the received (source-major) order
-    back = x.new_empty(T * K, H)
-    dist.all_to_all_single(back, y_r, send_splits, recv_splits, group=group)
+    back = exchange(x.new_empty(T * K, H), y_r, send_splits, recv_splits)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(T * K, device=x.device)
     rows_tk = back.index_select(0, inv).view(T, K, H)          # [T, K, H] in (token, k) order

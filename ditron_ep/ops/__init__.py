@@ -5,7 +5,7 @@ decide_mode()  # before any module below imports triton (see ditron_ep.runtime.m
 
 from ditron_ep.ops.ep import (CapacityError, DispatchHandle, EPBuffer, RoutingError, clear_cache, combine,  # noqa: E402
                               dispatch, get_buffer)
-from ditron_ep.ops.moe_layer import EPMoE, FusedMoE, clear_layers, grouped_swiglu_ffn, moe  # noqa: E402
+from ditron_ep.ops.moe_layer import EPMoE, FusedMoE, clear_layers, grouped_mlp, moe  # noqa: E402
 
 __all__ = ["CapacityError", "DispatchHandle", "EPBuffer", "EPMoE", "FusedMoE", "RoutingError", "clear_cache",
-           "clear_layers", "combine", "dispatch", "get_buffer", "grouped_swiglu_ffn", "moe"]
+           "clear_layers", "combine", "dispatch", "get_buffer", "grouped_mlp", "moe"]

@@ -77,7 +77,7 @@ def test_every_kernel_compiles(package_report: dict, target: str) -> None:
 # heap address built from an integer carries no alignment, so without the hint in
 # `primitives.heap_ptr` these compiled to one 2-byte access per element (the fused MoE kernel
 # ran 3-4x slower on H200s, combine about 4x).
-DATA_PATH_KERNELS = ("ep_dispatch_kernel", "ep_combine_kernel", "moe_fused_kernel", "grouped_swiglu_kernel",
+DATA_PATH_KERNELS = ("ep_dispatch_kernel", "ep_combine_kernel", "moe_fused_kernel", "grouped_up_kernel",
                      "grouped_down_kernel")
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import ditron_ep  # noqa: F401
 from ditron_ep.check import make_routing
 from ditron_ep.ops.moe_layer.fused import FusedMoE
-from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp
 
 H, I, K = 1024, 512, 4
 MAX_T = 256      # tokens every layer is sized for (the prefill-sized ones: PREFILL_T)
@@ -338,7 +338,7 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, moe_layers,
     assert not problems, problems
 
 
-def test_grouped_ffn_tile_orders_and_grids_bitwise(dist_env):
+def test_grouped_mlp_tile_orders_and_grids_bitwise(dist_env):
     """The standalone grouped SwiGLU FFN (bf16, gathered rows, ragged experts, an empty one): tile
     orders (group_rows 1, 2, 8, all M-tiles) and grid sizes give the same bits, within bf16
     tolerance of a float64 reference."""
@@ -352,7 +352,7 @@ def test_grouped_ffn_tile_orders_and_grids_bitwise(dist_env):
     idx = torch.randint(0, n_x, (sum(sizes),), generator=g, dtype=torch.int32)
     off = torch.tensor([0] + sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
     args = [t.to(dev) for t in (x, off, w1, w2)]
-    runs = {(p, gr): grouped_swiglu_ffn(*args, row_index=idx.to(dev), num_programs=p, group_rows=gr)
+    runs = {(p, gr): grouped_mlp(*args, row_index=idx.to(dev), num_programs=p, group_rows=gr)
             for p, gr in ((132, 1), (132, 2), (132, 8), (132, 10**6), (7, 8), (1, 3))}
     ref_y = []
     for e in range(E):
@@ -369,12 +369,12 @@ def test_grouped_ffn_tile_orders_and_grids_bitwise(dist_env):
     assert not problems, problems
 
 
-def test_grouped_ffn_bad_values_repaired_on_device(dist_env):
+def test_grouped_mlp_bad_values_repaired_on_device(dist_env):
     """By default a GPU call checks no values on the host (no sync): bad offsets and an
     out-of-range row_index are repaired on the device, giving the result of the repaired inputs
     (no fault, no unwritten rows); valid inputs give the same bits as check=False; check=True
     raises."""
-    from ditron_ep.ops.moe_layer.grouped_ffn import _made_valid
+    from ditron_ep.ops.moe_layer.grouped_mlp import _made_valid
     dev = dist_env.device
     g = torch.Generator().manual_seed(12)
     n_x, E = 200, 3
@@ -385,21 +385,21 @@ def test_grouped_ffn_bad_values_repaired_on_device(dist_env):
     x, w1, w2, idx = (t.to(dev) for t in (x, w1, w2, idx))
     problems = []
     good = torch.tensor([0, 120, 120, 300], dtype=torch.int32, device=dev)
-    if not torch.equal(grouped_swiglu_ffn(x, good, w1, w2, row_index=idx),
-                       grouped_swiglu_ffn(x, good, w1, w2, row_index=idx, check=False)):
+    if not torch.equal(grouped_mlp(x, good, w1, w2, row_index=idx),
+                       grouped_mlp(x, good, w1, w2, row_index=idx, check=False)):
         problems.append("valid inputs: check=None and check=False differ")
     bad_idx = idx.clone()
     bad_idx[5], bad_idx[77] = 10**6, -4
     for bad in ([40, 250, 100, 900], [-7, 0, 300, 290]):
         off = torch.tensor(bad, dtype=torch.int32, device=dev)
-        y = grouped_swiglu_ffn(x, off, w1, w2, row_index=bad_idx)
+        y = grouped_mlp(x, off, w1, w2, row_index=bad_idx)
         fixed_off, fixed_idx = _made_valid(off, bad_idx, 300, n_x)
-        if not torch.equal(y, grouped_swiglu_ffn(x, fixed_off, w1, w2, row_index=fixed_idx, check=False)):
+        if not torch.equal(y, grouped_mlp(x, fixed_off, w1, w2, row_index=fixed_idx, check=False)):
             problems.append(f"offsets {bad}: differs from the repaired inputs' result")
         if not torch.isfinite(y).all():
             problems.append(f"offsets {bad}: non-finite rows (unwritten memory?)")
         try:
-            grouped_swiglu_ffn(x, off, w1, w2, row_index=bad_idx, check=True)
+            grouped_mlp(x, off, w1, w2, row_index=bad_idx, check=True)
             problems.append(f"offsets {bad}: check=True did not raise")
         except ValueError:
             pass

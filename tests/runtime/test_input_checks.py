@@ -62,7 +62,7 @@ def test_fused_moe_fast_input_check_agrees_with_the_generic_checks(arg, problem)
     s = _MOE_SPEC
     fast = _inputs_pass(*args.values(), s["dtype"], s["hidden"], s["topk"], (3, 16, 16), (3, 8, 16), s["device"])
     try:
-        _check_inputs(*args.values(), s["dtype"], 16, 8, 3, 2, s["device"])
+        _check_inputs(*args.values(), s["dtype"], 16, 8, 3, 2, s["device"], 2)
         generic = True
     except DitronConfigError:
         generic = False

@@ -1,4 +1,4 @@
-"""`moe`: the EP MoE layer forward — dispatch, grouped SwiGLU experts, combine.
+"""`moe`: the EP MoE layer — dispatch, grouped expert MLPs, combine — forward and backward.
 
 schedule="overlap" (default): the fused megakernel (ops/moe_layer/fused.py), communication and GEMM
 tiles overlapped in one persistent launch. "sequential": the same binary and tiles run stage by
@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES, CapacityError
-from ditron_ep.ops.ep.functional import combine, dispatch, group_id, key_fields, refuse_cached, refuse_through_match
+from ditron_ep.ops.ep.functional import group_id, key_fields, refuse_cached, refuse_through_match
+from ditron_ep.ops.moe_layer.experts import ACT_CODES, check_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE, validate_inputs
-from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn
+from ditron_ep.ops.moe_layer.grouped_mlp import GRAD_DTYPES
+from ditron_ep.ops.moe_layer.staged import staged_moe
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
 from ditron_ep.runtime.mode import gemm_dtype_problem
@@ -24,16 +26,21 @@ _LAYERS: dict[tuple, FusedMoE] = {}
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-        w2: torch.Tensor, *, group: dist.ProcessGroup | None = None, schedule: str = "overlap",
-        sync: bool = True, check_errors: bool = False) -> torch.Tensor:
-    """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * FFN_{e(t,k)}(x[t]).
+        w2: torch.Tensor, *, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+        activation: str = "swiglu", group: dist.ProcessGroup | None = None, schedule: str = "overlap",
+        sync: bool = True, check_errors: bool = False, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * MLP_{e(t,k)}(x[t]).
 
     Args:
         x: [T, H] tokens of this rank: bf16, fp16 or fp32 (bf16 is refused under the interpreter).
         topk_idx: [T, K] int global expert ids (-1 = dropped); rank r owns experts
             [r*E_local, (r+1)*E_local) with E_local = w1.shape[0].
         topk_weights: [T, K] float routing weights.
-        w1: [E_local, H, 2I] gate ‖ up of this rank's experts; w2: [E_local, I, H].
+        w1: [E_local, H, n*I] this rank's first expert layer: gate ‖ up for gated activations
+            (n = 2), else n = 1; w2: [E_local, I, H].
+        b1, b2: optional biases [E_local, n*I] and [E_local, H].
+        activation: the experts' activation (experts.ACTIVATIONS): "swiglu" (default), "geglu",
+            "gelu", "gelu_tanh", "relu", "silu".
         group: EP process group (None = default).
         schedule: "overlap" | "sequential" | "staged" (see the module docstring).
         sync: fused schedules: True = one host read, of the layout's status (bad input raises
@@ -43,77 +50,51 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             once with sync=True).
         check_errors: fused schedules with sync=True: also wait for the megakernel and raise a
             timeout inside it in this call (a second host read) instead of at the next call.
+        grad_dtype: dtype of the weight and bias gradients: None (the weights') or torch.float32.
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
 
-    Gradients (for x, topk_weights, w1, w2): the staged schedule's autograd — dispatch's backward
-    is a combine, the experts' an fp32 backward per expert (`grouped_swiglu_ffn_backward`),
+    Gradients (for x, topk_weights, w1, w2, b1, b2): the staged schedule's autograd — dispatch's
+    backward is a combine, the experts' the grouped MLP backward kernels (grouped_mlp.py),
     combine's a dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>. The fused schedules run their
     forward fused and, in backward, recompute the staged forward on the saved inputs first (one
-    more dispatch, FFN and combine); they need sync=True when gradients are asked for. The same
-    inputs give the same gradient bits under every schedule.
+    more dispatch, MLP and combine; staged.py); they need sync=True when gradients are asked for.
+    The same inputs give the same gradient bits under every schedule.
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
     try:
         # the cached layer is looked up by these shapes, so they are checked before any lookup
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
-                    ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, 2I], "
+                    ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, n*I], "
                     "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2))
+        check_activation(activation)
+        if grad_dtype not in GRAD_DTYPES:
+            raise DitronConfigError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got "
+                                    f"{grad_dtype!r}")
+        needs_grad = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
         if needs_grad and schedule != "staged" and not sync:
             raise NotImplementedError("gradients through the fused schedules need sync=True (their backward "
                                       "recomputes the layer with the staged schedule, which reads the host); "
                                       "capture the forward alone, or train with sync=True")
-        _check_call(x, topk_idx, topk_weights, w1, w2)
+        _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation)
     except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
             # the peers raise at once too: through the layer (buffer) the arguments still key
             refuse_moe(group, schedule, reason=f"{type(err).__name__}: {err}",
-                       **_moe_key_fields(x, topk_idx, topk_weights, w1, w2, group))
+                       **_moe_key_fields(x, topk_idx, topk_weights, w1, w2, group, activation))
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule == "staged":
-        return _staged(x, topk_idx, topk_weights, w1, w2, group, num_experts)
-    if needs_grad:
-        return _FusedForwardStagedBackward.apply(x, topk_weights, w1, w2, topk_idx, group, schedule, check_errors,
-                                                 num_experts)
-    return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts)
+        return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, group=group, num_experts=num_experts,
+                          activation=activation, grad_dtype=grad_dtype)
+    return _fused(x, topk_idx, topk_weights, (w1, w2, b1, b2), group, schedule, sync, check_errors, num_experts,
+                  activation, grad_dtype)
 
 
-def _staged(x, topk_idx, topk_weights, w1, w2, group, num_experts) -> torch.Tensor:
-    """Dispatch, grouped FFN, combine as separate launches; autograd through each."""
-    recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
-    y = grouped_swiglu_ffn(recv_x, handle.expert_offsets, w1, w2, check=False)  # offsets built by dispatch
-    return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
-
-
-class _FusedForwardStagedBackward(torch.autograd.Function):
-    """Forward: the fused megakernel. Backward: the staged schedule recomputed on the saved inputs
-    (one more dispatch, FFN and combine: activation-checkpointing style), then its autograd. The
-    gradients are a function of the inputs alone, so "overlap" and "sequential" give the same bits
-    (and those of schedule="staged"). Collective, like every moe call."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, w1, w2, topk_idx, group, schedule, check_errors, num_experts):
-        ctx.save_for_backward(x, topk_weights, w1, w2, topk_idx)
-        ctx.group, ctx.num_experts = group, num_experts
-        return _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, True, check_errors, num_experts)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, topk_weights, w1, w2, topk_idx = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:4]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(need) for t, need in zip((x, topk_weights, w1, w2), needs)]
-            out = _staged(leaves[0], topk_idx, leaves[1], leaves[2], leaves[3], ctx.group, ctx.num_experts)
-            wanted = [leaf for leaf in leaves if leaf.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
-        return (*(next(grads) if need else None for need in needs), None, None, None, None, None)
-
-
-def _check_call(x, topk_idx, topk_weights, w1, w2) -> None:
+def _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation) -> None:
     """The layer's argument checks (`validate_inputs`), on this rank, before a cached layer or
     buffer is looked up by the arguments' shapes: a mistake the rank can see alone raises here at
     once, instead of keying a layer its peers do not have (and waiting in its sizing). The FFN
@@ -123,44 +104,50 @@ def _check_call(x, topk_idx, topk_weights, w1, w2) -> None:
         raise DitronConfigError(problem)
     if x.dtype not in SUPPORTED_DTYPES:
         raise DitronConfigError(f"x has dtype {x.dtype}; use one of {SUPPORTED_DTYPES}")
-    inter = w1.shape[2] // 2 if w1.shape[2] % 2 == 0 else w2.shape[1]
-    validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=x.dtype, hidden=x.shape[1], ffn_hidden=inter,
-                    num_local_experts=w1.shape[0], topk=topk_idx.shape[1], device=x.device)
+    n = width_factor(activation)
+    inter = w1.shape[2] // n if w1.shape[2] % n == 0 else w2.shape[1]
+    validate_inputs(x, topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=activation, dtype=x.dtype,
+                    hidden=x.shape[1], ffn_hidden=inter, num_local_experts=w1.shape[0], topk=topk_idx.shape[1],
+                    device=x.device)
 
 
-def _fused(x, topk_idx, topk_weights, w1, w2, group, schedule, sync, check_errors, num_experts) -> torch.Tensor:
+def _fused(x, topk_idx, topk_weights, experts, group, schedule, sync, check_errors, num_experts, activation,
+           grad_dtype) -> torch.Tensor:
     """The cached FusedMoE for these shapes: sized at first use by one bounded exchange (largest
     T; runtime/sizing.py), regrown on every rank together when a call's layout reports more
     tokens than it holds."""
-    key = _layer_key(group, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule)
+    w2 = experts[1]
+    key = _layer_key(group, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule, activation)
     layer = _LAYERS.get(key)
     if layer is None:
         need = agree_on_tokens(group, "ditron_ep.ops.moe_layer.functional", {
             "num_experts": num_experts, "hidden": x.shape[-1], "ffn_hidden": w2.shape[1],
-            "topk": topk_idx.shape[-1], "dtype": x.dtype, "schedule": schedule}, max(x.shape[0], 1))
+            "topk": topk_idx.shape[-1], "dtype": x.dtype, "schedule": schedule, "activation": activation},
+            max(x.shape[0], 1))
         layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], need,
-                                        topk_idx.shape[-1], x.dtype, schedule=schedule)
+                                        topk_idx.shape[-1], x.dtype, schedule=schedule, activation=activation)
     layer.check_errors = check_errors
     try:
-        return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+        return layer(x, topk_idx, topk_weights, *experts, sync=sync, grad_dtype=grad_dtype)
     except CapacityError as err:
         if not sync or err.pending:  # a graph-mode call's recorded problem is the user's to see
             raise
         layer.free()
         layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1],
                                         max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
-                                        schedule=schedule, check_errors=check_errors)
-        return layer(x, topk_idx, topk_weights, w1, w2, sync=sync)
+                                        schedule=schedule, activation=activation, check_errors=check_errors)
+        return layer(x, topk_idx, topk_weights, *experts, sync=sync, grad_dtype=grad_dtype)
 
 
 def _layer_key(group: dist.ProcessGroup | None, num_experts: int | None, hidden: int | None,
-               ffn_hidden: int | None, topk: int | None, dtype: torch.dtype | None, schedule: str) -> tuple:
+               ffn_hidden: int | None, topk: int | None, dtype: torch.dtype | None, schedule: str,
+               activation: str | None) -> tuple:
     """A cached layer's key (None fields: unknown, for `refuse_through_match`)."""
-    return (group_id(group), num_experts, hidden, ffn_hidden, topk, dtype, schedule)
+    return (group_id(group), num_experts, hidden, ffn_hidden, topk, dtype, schedule, activation)
 
 
 def _moe_key_fields(x: object, topk_idx: object, topk_weights: object, w1: object, w2: object,
-                    group: dist.ProcessGroup | None) -> dict:
+                    group: dist.ProcessGroup | None, activation: object = "swiglu") -> dict:
     """The layer-key fields the arguments still give: from tensors whose number of dimensions is
     right, and only where the arguments agree on the field. When they disagree (x in fp16 with
     fp32 weights, a w2 that does not match w1, ...) the rejected argument may be the one that
@@ -178,7 +165,10 @@ def _moe_key_fields(x: object, topk_idx: object, topk_weights: object, w1: objec
     hidden = fields.get("hidden")
     if (w1_ok and w1.shape[1] != hidden) or (w2_ok and w2.shape[2] != hidden):
         fields.pop("hidden", None)
-    if w1_ok and w2_ok and (w1.shape[0] != w2.shape[0] or w1.shape[2] != 2 * w2.shape[1]):
+    n = width_factor(activation) if activation in ACT_CODES else None
+    if n is not None:
+        fields["activation"] = activation
+    if w1_ok and w2_ok and (w1.shape[0] != w2.shape[0] or n is None or w1.shape[2] != n * w2.shape[1]):
         fields.pop("num_experts", None)
         fields.pop("ffn_hidden", None)
     if (isinstance(topk_weights, torch.Tensor) and topk_weights.ndim == 2
@@ -189,7 +179,8 @@ def _moe_key_fields(x: object, topk_idx: object, topk_weights: object, w1: objec
 
 def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
                hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
-               dtype: torch.dtype | None = None, reason: str = "", trusted_key: bool = False) -> None:
+               dtype: torch.dtype | None = None, activation: str | None = None, reason: str = "",
+               trusted_key: bool = False) -> None:
     """This rank rejected arguments that cannot all key a cached layer (their number of
     dimensions), asked for gradients, or failed a module's own checks (`reason`: its error): join
     the peers' call flagged through the cached layer these fields key when all are given, else
@@ -203,8 +194,8 @@ def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: i
         refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype, reason=reason,
                       trusted_key=trusted_key)
         return
-    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule), group,
-                         reason, trusted_key)
+    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule,
+                                             activation), group, reason, trusted_key)
 
 
 def clear_layers() -> None:

@@ -24,6 +24,8 @@ from ditron_ep.ops.ep.buffer import (
     raise_pending_flags,
 )
 from ditron_ep.ops.ep.layout_kernels import FLAG_REFUSED, build_send_layout, exchange_layout, layout_landing_shape
+from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
+from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ditron_ep.runtime.agreement import raise_unless_all_agree
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
@@ -36,14 +38,21 @@ STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combin
 
 
 def validate_inputs(x, topk_idx, topk_weights, w1, w2, *, dtype: torch.dtype, hidden: int, ffn_hidden: int,
-                    num_local_experts: int, topk: int, device: torch.device) -> None:
+                    num_local_experts: int, topk: int, device: torch.device, activation: str = "swiglu",
+                    b1: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> None:
     """FusedMoE's argument checks: raise DitronConfigError saying what is wrong and how to fix it."""
-    H, I, El, K = hidden, ffn_hidden, num_local_experts, topk
-    if not _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, H, K, (El, H, 2 * I), (El, I, H), device):
-        _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device)
+    H, I, El, K, n = hidden, ffn_hidden, num_local_experts, topk, width_factor(activation)
+    if not _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, H, K, (El, H, n * I), (El, I, H), device):
+        _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device, n)
+    layer = {"device": device, "owner": "the layer"}
+    for name, t, shape in (("b1", b1, (("E_local", El), (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * I))),
+                           ("b2", b2, (("E_local", El), ("hidden", H)))):
+        if t is not None:
+            check_tensor(name, t, shape=shape, dtypes=(dtype,), dtype_hint="cast the biases to the layer's dtype",
+                         **layer)
 
 
-def _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device) -> None:
+def _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device, n) -> None:
     """The generic checks of validate_inputs, one message per problem."""
     layer = {"device": device, "owner": "the layer"}
     check_tensor("x", x, shape=(("T", None), ("hidden", H)), dtypes=(dtype,),
@@ -51,7 +60,8 @@ def _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device)
     T = x.shape[0]
     check_tensor("topk_idx", topk_idx, shape=(("T", T), ("topk", K)), dtypes=INDEX_DTYPES, **layer)
     check_tensor("topk_weights", topk_weights, shape=(("T", T), ("topk", K)), dtypes=FLOAT_DTYPES, **layer)
-    for name, t, shape in (("w1", w1, (("E_local", El), ("hidden", H), ("2*ffn_hidden", 2 * I))),
+    for name, t, shape in (("w1", w1, (("E_local", El), ("hidden", H),
+                                       (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * I))),
                            ("w2", w2, (("E_local", El), ("ffn_hidden", I), ("hidden", H)))):
         check_tensor(name, t, shape=shape, dtypes=(dtype,), dtype_hint="cast the weights to the layer's dtype",
                      **layer)
@@ -134,7 +144,9 @@ def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dty
 class FusedMoE:
     """Fused EP MoE forward over `group`: out = combine(experts(dispatch(x))) in one launch.
 
-    Args mirror `EPBuffer`, plus ffn_hidden (I), the schedule and Device-level plan overrides
+    Args mirror `EPBuffer`, plus ffn_hidden (I), the schedule, the experts' activation
+    (experts.ACTIVATIONS: w1 is [E_local, H, 2I] for gated ones, [E_local, H, I] for plain ones;
+    biases are per call, optional) and Device-level plan overrides
     (num_programs, chunk_rows, source_order, gemm_tile_order, gemm_group_rows, block_t, tile configs): any of
     them changes which program runs what and when (the trace) but not one bit of the result.
     `plan`: a plan lowered or edited elsewhere (by hand, say); it must be verified.
@@ -154,14 +166,15 @@ class FusedMoE:
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int, ffn_hidden: int,
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
-                 schedule: str = "overlap", backend: str = "auto", wait_budget: int | None = None,
-                 check_errors: bool = False, graph_cache: int = 4, plan: MoEPlan | None = None,
-                 **plan_overrides) -> None:
+                 schedule: str = "overlap", activation: str = "swiglu", backend: str = "auto",
+                 wait_budget: int | None = None, check_errors: bool = False, graph_cache: int = 4,
+                 plan: MoEPlan | None = None, **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
         problem = None
         try:
+            self.activation = check_activation(activation)
             self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
                                                 dtype, schedule, backend, plan, plan_overrides)
             self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)
@@ -170,9 +183,11 @@ class FusedMoE:
         # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
         raise_unless_all_agree(group, "FusedMoE", problem, same={
             "num_experts": num_experts, "hidden": hidden, "ffn_hidden": ffn_hidden,
-            "max_tokens_per_rank": max_tokens_per_rank, "topk": topk, "dtype": dtype, "schedule": schedule})
+            "max_tokens_per_rank": max_tokens_per_rank, "topk": topk, "dtype": dtype, "schedule": schedule,
+            "activation": activation})
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
+        self.group = group
         self.max_tokens, self.world_size, self.num_local_experts = max_tokens_per_rank, world, num_experts // world
         dev = self.plan.device
         landing = layout_landing_shape(world, self.num_local_experts)
@@ -234,11 +249,14 @@ class FusedMoE:
             BLOCK_H=core.block_h, BLOCK_T=dev.block_t, SEQUENTIAL=seq,
             REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(self.world_size),
             INPUT_PRECISION="ieee" if (interp or self.dtype == torch.float32) else "tf32",
+            ACT=activation_code(self.activation),
             num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
-                w2: torch.Tensor, *, sync: bool = True, trace: bool = False) -> torch.Tensor:
-        """out [T, H] = sum_k w[t,k] * SwiGLU-FFN_{e(t,k)}(x[t]); shapes as in `ditron_ep.ops.moe`.
+                w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
+                sync: bool = True, trace: bool = False, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """out [T, H] = sum_k w[t,k] * MLP_{e(t,k)}(x[t]) with the layer's activation; shapes as
+        in `ditron_ep.ops.moe` (b1 [E_local, n*I], b2 [E_local, H]: optional expert biases).
 
         sync=True: one device-to-host read, of the layout's status (the host waits for the layout
         launches, not for the megakernel, which runs on asynchronously): bad input on any rank
@@ -253,24 +271,34 @@ class FusedMoE:
         `check()`.
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
+        Gradients (x, topk_weights, w1, w2, b1, b2; sync=True): the backward recomputes the staged
+        layer on the saved inputs and takes its autograd (staged.py); grad_dtype: None (the
+        weights' dtype) or torch.float32 for the weight and bias gradients.
         """
         if self.heap.freed:
             raise DitronConfigError("this FusedMoE was freed (free() was called); build a new one")
         try:
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w1, w2)
-                                               if isinstance(t, torch.Tensor)):
-                # Without this the output would silently carry no gradient.
-                raise NotImplementedError("FusedMoE has no backward yet: call it under torch.no_grad() / "
-                                          "inference_mode, or detach its inputs")
-            self._validate(x, topk_idx, topk_weights, w1, w2)
+            self._validate(x, topk_idx, topk_weights, w1, w2, b1, b2)
+            needs_grad = torch.is_grad_enabled() and any(
+                t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
+            if needs_grad and (not sync or trace):
+                raise NotImplementedError("FusedMoE with gradients needs sync=True and trace=False (its backward "
+                                          "recomputes the layer with the staged schedule, which reads the host)")
         except (DitronConfigError, NotImplementedError):
             if sync:
                 self._refuse_call()
             raise
+        if needs_grad:
+            return FusedForwardStagedBackward.apply(self, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype)
+        return self._forward(x, topk_idx, topk_weights, (w1, w2, b1, b2), sync, trace)
+
+    def _forward(self, x, topk_idx, topk_weights, experts, sync, trace) -> torch.Tensor:
+        """forward on validated inputs; experts = (w1, w2, b1, b2)."""
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-            key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, w1.data_ptr(), w2.data_ptr(), self.heap.wait_budget)
+            key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, self.heap.wait_budget,
+                   *(t.data_ptr() if t is not None else None for t in experts))
             captured = self._graphs.lookup_or_give_up(
-                key, lambda: self._capture_call(x, topk_idx, topk_weights, w1, w2), "FusedMoE")
+                key, lambda: self._capture_call(x, topk_idx, topk_weights, experts), "FusedMoE")
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
         h = self.heap
@@ -283,7 +311,7 @@ class FusedMoE:
             # (every rank sees every rank's flags), so no token moves, and raises below.
             status = self._status_snapshot(layout_status_words(h, recv, self._pending_flags))
         out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
-        self._launch_kernel(x, send, recv, weights, w1, w2, out, refuse_flagged=sync, trace=trace)
+        self._launch_kernel(x, send, recv, weights, experts, out, refuse_flagged=sync, trace=trace)
         if sync:
             if status[1] is not None:
                 status[1].synchronize()
@@ -302,8 +330,8 @@ class FusedMoE:
                                                   refused=True)
         none = torch.empty((0, self.hidden), dtype=dt, device=dev)
         placeholder = torch.empty(16, dtype=dt, device=dev)
-        self._launch_kernel(none, send, recv, weights, placeholder, placeholder, none, refuse_flagged=True,
-                            trace=False)
+        self._launch_kernel(none, send, recv, weights, (placeholder, placeholder, None, None), none,
+                            refuse_flagged=True, trace=False)
 
     def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool = False,
                        record_pending: bool = False):
@@ -323,8 +351,10 @@ class FusedMoE:
             h.signals[lo:hi].zero_()
         return send, recv, topk_weights.to(torch.float32).contiguous()
 
-    def _launch_kernel(self, x, send, recv, weights, w1, w2, out, *, refuse_flagged: bool, trace: bool) -> None:
-        """The megakernel launch itself (see `moe_fused_kernel` for its arguments)."""
+    def _launch_kernel(self, x, send, recv, weights, experts, out, *, refuse_flagged: bool, trace: bool) -> None:
+        """The megakernel launch itself (see `moe_fused_kernel` for its arguments); experts =
+        (w1, w2, b1, b2), biases None when absent."""
+        w1, w2, b1, b2 = experts
         dev, nt = self.plan.device, self.plan.device.num_tasks
         if trace:
             self._clock.zero_()
@@ -334,9 +364,11 @@ class FusedMoE:
         timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
         moe_fused_kernel[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
-            recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2, out, trace_buf, timer_buf,
+            recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2,
+            b1 if b1 is not None else w1, b2 if b2 is not None else w2, out, trace_buf, timer_buf,
             self._clock, recv.src_info, int(refuse_flagged), *self._plan_args, x.shape[0], *self._shape_args,
-            self.heap.wait_budget, TRACE=trace, DEVICE_TIMER=timer, **self._constexprs)
+            self.heap.wait_budget, TRACE=trace, DEVICE_TIMER=timer, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
+            **self._constexprs)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None
@@ -349,7 +381,7 @@ class FusedMoE:
             self.heap.check_error()
 
     # ------------------------------------------------------------------ CUDA-graph replay
-    def _capture_call(self, x, topk_idx, topk_weights, w1, w2) -> _CapturedCall:
+    def _capture_call(self, x, topk_idx, topk_weights, experts) -> _CapturedCall:
         """Capture this call signature's launches as two graphs (runtime/call_graphs.py says when):
         `layout` (layout launches + the status copy to pinned memory) and `kernel` (the
         megakernel), replayed with an event between them so the host can wait for the layout
@@ -368,7 +400,7 @@ class FusedMoE:
             c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
         with graph_capture(c.kernel, pool=c.layout.pool()):
             c.out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
-            self._launch_kernel(c.x, send, recv, weights, w1, w2, c.out, refuse_flagged=True, trace=False)
+            self._launch_kernel(c.x, send, recv, weights, experts, c.out, refuse_flagged=True, trace=False)
         return c
 
     def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:
@@ -491,8 +523,9 @@ class FusedMoE:
         self.heap.free()
 
     # ------------------------------------------------------------------ helpers
-    def _validate(self, x, topk_idx, topk_weights, w1, w2) -> None:
-        validate_inputs(x, topk_idx, topk_weights, w1, w2, dtype=self.dtype, hidden=self.hidden,
+    def _validate(self, x, topk_idx, topk_weights, w1, w2, b1=None, b2=None) -> None:
+        validate_inputs(x, topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=self.activation,
+                        dtype=self.dtype, hidden=self.hidden,
                         ffn_hidden=self.ffn_hidden, num_local_experts=self.num_local_experts, topk=self.topk,
                         device=self.device)
 

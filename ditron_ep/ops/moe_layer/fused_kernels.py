@@ -1,4 +1,4 @@
-"""The fused EP MoE megakernel: dispatch -> grouped SwiGLU GEMM -> down GEMM -> combine in one
+"""The fused EP MoE megakernel: dispatch -> grouped expert GEMM (activation fused) -> down GEMM -> combine in one
 persistent launch, synchronised at tile granularity (the layout stage is a separate launch).
 
 Programs take tasks from an ordered queue of atomic tickets. Stages, in queue order:
@@ -7,7 +7,8 @@ Programs take tasks from an ordered queue of atomic tickets. Stages, in queue or
                      routed here write the GEMM row's gather index (no data copy) and count the
                      row into its GEMM row tile (local counter). S0 and S1 share the first
                      tickets, interleaved (plan field recv_lag; task_queue.py).
-  S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; SwiGLU.
+  S2 gemm_gate_up    (row tile i, col tile j): wait until all rows of tile i are placed; the
+                     expert's activation (experts.py: SwiGLU by default) and bias.
                      Row tiles come in arrival order (the layout launch sorts them: tiles of
                      this rank's own rows first, then by the ring position of their last source),
                      walked in the plan's groups of gemm_group tiles (plan.GEMM_TILE_ORDERS)
@@ -63,7 +64,7 @@ from ditron_ep.language.registry import register_device_function, register_kerne
 from ditron_ep.language.task_queue import interleaved_task
 from ditron_ep.ops.ep.combine_kernels import reduce_landed
 from ditron_ep.ops.ep.dispatch_kernels import stage_token_chunk
-from ditron_ep.ops.moe_layer.grouped_gemm_kernels import down_acc, grouped_tile, swiglu_tile
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import down_acc, grouped_tile, up_tile
 from ditron_ep.runtime.heap import register_stage
 
 STAGE_MOE_RECV = tl.constexpr(register_stage(10, "moe: dispatch_recv waits for a chunk"))
@@ -169,8 +170,10 @@ def moe_fused_kernel(
     src_off_ptr,      # int32 (W, E_local)
     tokens_from_ptr,  # int32 (W,)
     tile_start_ptr,   # int32 (E_local + 1,) first row tile of each local expert
-    w1_ptr,           # (E_local, H, 2I) gate ‖ up
+    w1_ptr,           # (E_local, H, n*I): gate ‖ up (gated activations) or z's weights
     w2_ptr,           # (E_local, I, H)
+    b1_ptr,           # (E_local, n*I) (read when HAS_B1)
+    b2_ptr,           # (E_local, H) (read when HAS_B2)
     out_ptr,          # out (T, H)
     trace_ptr,        # out int32 (NT, 2): logical start / end clock of every ticket (TRACE)
     timer_ptr,        # out int64 (NT + 1, 2): device timer at start / end of every ticket (DEVICE_TIMER)
@@ -190,6 +193,7 @@ def moe_fused_kernel(
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, REVERSE_RING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
+    ACT: tl.constexpr = 0, HAS_B1: tl.constexpr = False, HAS_B2: tl.constexpr = False,  # experts.py
 ):
     if TRACE:  # row NT of the timer: program 0's entry and its exit from call_begin
         if tl.program_id(0) == 0:
@@ -321,8 +325,8 @@ def moe_fused_kernel(
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
-                        swiglu_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I,
-                                    True, BM, BN1, BK1, INPUT_PRECISION, 4)
+                        up_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I,
+                                True, BM, BN1, BK1, INPUT_PRECISION, 4, ACT, b1_ptr, p_h, HAS_B1, False)
                         notify_add(p_sig + sig_gu + i_m, 1)
                 if SEQUENTIAL:
                     _stage_done(sig_table_ptr, rank, world, done_gu, L1, 0, epoch, False)
@@ -335,7 +339,7 @@ def moe_fused_kernel(
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
                         acc = down_acc(p_h, w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
-                                       BM, BN2, BK2, INPUT_PRECISION)  # [BM, BN2] fp32
+                                       BM, BN2, BK2, INPUT_PRECISION, b2_ptr, HAS_B2)  # [BM, BN2] fp32
                         o_m = tl.arange(0, BM)
                         m_m = o_m < n_rows
                         p_rows = p_rows_all + (row0 + o_m).to(tl.int64) * 4
@@ -400,7 +404,8 @@ def moe_fused_kernel(
 
 _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
-        "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "out_ptr": "*bf16", "trace_ptr": "*i32",
+        "tile_start_ptr": "*i32", "w1_ptr": "*bf16", "w2_ptr": "*bf16", "b1_ptr": "*bf16", "b2_ptr": "*bf16",
+        "out_ptr": "*bf16", "trace_ptr": "*i32",
         "timer_ptr": "*i64", "clock_ptr": "*i32", "src_info_ptr": "*i32", "refuse_flagged": "i32",
         "comm_programs": "i32", "recv_lag": "i32", "gemm_group": "i32",
         "table_ptr": "*i64", "sig_table_ptr": "*i64",
@@ -421,6 +426,8 @@ register_kernel(moe_fused_kernel, _SIG, {**_CONST, "BLOCK_T": 1}, label="bf16-K8
 _ONES = ("n_chunks", "n_t1", "n_t2", "rank")
 register_kernel(moe_fused_kernel, {n: v for n, v in _SIG.items() if n not in _ONES},
                 {**_CONST, **{n: 1 for n in _ONES}}, label="bf16-K8-overlap-ones", multiples_of_16=_MULT16)
-register_kernel(moe_fused_kernel, {**_SIG, "x_ptr": "*fp32", "w1_ptr": "*fp32", "w2_ptr": "*fp32", "out_ptr": "*fp32"},
+register_kernel(moe_fused_kernel, {**_SIG, **{n: "*fp32" for n in ("x_ptr", "w1_ptr", "w2_ptr", "b1_ptr", "b2_ptr",
+                                                                    "out_ptr")}},
                 {**_CONST, "K": 2, "BLOCK_K": 2, "SEQUENTIAL": True, "REVERSE_RING": True,
-                 "INPUT_PRECISION": "ieee", "BLOCK_H": 128}, label="fp32-K2-sequential", multiples_of_16=_MULT16)
+                 "INPUT_PRECISION": "ieee", "BLOCK_H": 128, "ACT": 2, "HAS_B1": True, "HAS_B2": True},
+                label="fp32-K2-sequential-gelu-bias", multiples_of_16=_MULT16)

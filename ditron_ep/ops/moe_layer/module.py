@@ -1,7 +1,7 @@
 """`EPMoE`: an expert-parallel MoE layer (router + top-k + `moe`) for DeepSpeed / Megatron models.
 
 Layering: the router, top-k and load-balancing loss are plain torch (small [T, E] tensors); the
-expert work is the public `moe` op (dispatch → grouped SwiGLU experts → combine). Every rank holds
+expert work is the public `moe` op (dispatch → grouped expert MLPs → combine). Every rank holds
 a replica of the router and only its own E / W experts.
 
 Training: `moe`'s backward gives the gradients of x, the experts and, through the top-k weights
@@ -21,7 +21,8 @@ from torch import nn
 
 from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES
 from ditron_ep.ops.moe_layer.functional import SCHEDULES, moe, refuse_moe
-from ditron_ep.ops.moe_layer.grouped_ffn import MAX_LOCAL_EXPERTS
+from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
+from ditron_ep.ops.moe_layer.grouped_mlp import GRAD_DTYPES, MAX_LOCAL_EXPERTS
 from ditron_ep.runtime.errors import DitronConfigError
 
 __all__ = ["EPMoE", "SCORE_FUNCS"]
@@ -31,7 +32,8 @@ ROUTER_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class EPMoE(nn.Module):
-    """Top-k routed SwiGLU MoE over an expert-parallel process group.
+    """Top-k routed MoE over an expert-parallel process group; experts are SwiGLU MLPs by default,
+    or any of experts.ACTIVATIONS, with optional biases.
 
     forward(x [..., H]) -> (out [..., H] in x's dtype, aux_loss: 0-dim tensor in router_dtype):
 
@@ -46,8 +48,8 @@ class EPMoE(nn.Module):
        normalised to sum 1 per token). It is LOCAL-batch: not all-reduced over the group (no
        extra collective); average it across ranks yourself if you want the global statistic.
        0 on a rank with no tokens. 1.0 (times the coefficient) at perfect balance.
-    5. out = moe(tokens, topk_idx, weights (fp32), w1, w2): the experts' SwiGLU outputs summed
-       with the weights, in x's dtype.
+    5. out = moe(tokens, topk_idx, weights (fp32), w1, w2, b1, b2, activation): the experts'
+       outputs summed with the weights, in x's dtype.
 
     Parameters (initialised by `reset_parameters` from the global torch RNG; fan-in scaled
     normals, so unit-variance inputs give order-1 pre-activations; each expert from its own
@@ -55,10 +57,12 @@ class EPMoE(nn.Module):
         router_weight: [E, H] in router_dtype, N(0, 1/H). Replicated: it MUST be identical on
             every rank — seed every rank alike before construction, or call `sync_router_(src)`
             once after construction (and after loading a checkpoint that differs per rank).
-        w1: [E_local, H, 2I] in dtype, N(0, 1/H): gate ‖ up of this rank's experts.
+        w1: [E_local, H, n*I] in dtype, N(0, 1/H): gate ‖ up of this rank's experts for gated
+            activations (n = 2), else n = 1.
         w2: [E_local, I, H] in dtype, N(0, 1/I). Rank r owns global experts
             [r * E_local, (r + 1) * E_local). Seeded alike, the ranks hold distinct experts
             (each drawn from its global id), the same ones as any other group size would.
+        b1: [E_local, n*I], b2: [E_local, H] in dtype, zeros (only with bias=True).
 
     Args:
         hidden: H, the model width.
@@ -80,13 +84,18 @@ class EPMoE(nn.Module):
             stage) or "staged" (separate dispatch / grouped GEMM / combine launches). "overlap"
             is the fastest on 4xH200 (H=7168, I=2048, E=64, top-8: 6.6 ms vs 7.8 ms "staged" at
             T=4096, 1.3 vs 1.9 ms at T=128; bench/results/bench_H200x4_20261122.*).
+        activation: the experts' activation, one of experts.ACTIVATIONS ("swiglu", "geglu",
+            "gelu", "gelu_tanh", "relu", "silu").
+        bias: give both expert layers a bias (b1, b2).
+        grad_dtype: dtype of the expert weight gradients: None (the weights') or torch.float32.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int,
                  group: dist.ProcessGroup | None = None, *, score_func: str = "softmax",
                  renormalize: bool = True, aux_loss_coef: float = 0.0,
                  router_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, schedule: str = "overlap") -> None:
+                 device: torch.device | str | None = None, schedule: str = "overlap", activation: str = "swiglu",
+                 bias: bool = False, grad_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                             ("topk", topk)):
@@ -108,6 +117,12 @@ class EPMoE(nn.Module):
             raise DitronConfigError(f"dtype must be one of {SUPPORTED_DTYPES} (the experts' dtype), got {dtype!r}")
         if schedule not in SCHEDULES:
             raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
+        check_activation(activation)
+        if not isinstance(bias, bool):
+            raise DitronConfigError(f"bias must be a bool, got {bias!r}")
+        if grad_dtype not in GRAD_DTYPES:
+            raise DitronConfigError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got "
+                                    f"{grad_dtype!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise DitronConfigError("EPMoE needs torch.distributed initialised: call dist.init_process_group "
                                     "before building the layer")
@@ -133,15 +148,22 @@ class EPMoE(nn.Module):
         self.num_local_experts = num_experts // world
         self.score_func, self.renormalize, self.aux_loss_coef = score_func, renormalize, float(aux_loss_coef)
         self.router_dtype, self.schedule = router_dtype, schedule
-        e_local = self.num_local_experts
+        self.activation, self.grad_dtype = activation, grad_dtype
+        e_local, width = self.num_local_experts, width_factor(activation) * ffn_hidden
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=router_dtype, device=device))
-        self.w1 = nn.Parameter(torch.empty(e_local, hidden, 2 * ffn_hidden, dtype=dtype, device=device))
+        self.w1 = nn.Parameter(torch.empty(e_local, hidden, width, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(e_local, ffn_hidden, hidden, dtype=dtype, device=device))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(e_local, width, dtype=dtype, device=device))
+            self.b2 = nn.Parameter(torch.empty(e_local, hidden, dtype=dtype, device=device))
+        else:
+            self.register_parameter("b1", None)
+            self.register_parameter("b2", None)
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Fan-in scaled normals: router and w1 N(0, 1/H), w2 N(0, 1/I).
+        """Fan-in scaled normals: router and w1 N(0, 1/H), w2 N(0, 1/I); biases zero.
 
         The router comes from the global RNG (rank-local: seed alike on every rank or call
         `sync_router_` after). Each expert's weights come from a generator seeded with one draw
@@ -158,6 +180,9 @@ class EPMoE(nn.Module):
             gen = torch.Generator(device=device).manual_seed(base + first + e)  # drawn where the weights live
             for w, fan_in in ((self.w1, self.hidden), (self.w2, self.ffn_hidden)):
                 w[e].normal_(0.0, fan_in ** -0.5, generator=gen)
+        for b in (self.b1, self.b2):
+            if b is not None:
+                b.zero_()
 
     @torch.no_grad()
     def sync_router_(self, src: int = 0) -> EPMoE:
@@ -184,15 +209,16 @@ class EPMoE(nn.Module):
         if problem:
             # the peers' moe call on this layer's cached FusedMoE raises at once too
             refuse_moe(self.group, self.schedule, num_experts=self.num_experts, hidden=self.hidden,
-                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, reason=problem,
+                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, activation=self.activation,
+                       reason=problem,
                        trusted_key=True)  # the layer's own fields: the key its peers' calls use
             raise DitronConfigError(problem)
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)
         aux_loss = self.aux_loss_coef * _load_balancing_loss(probs, topk_idx, self.num_experts)
-        out = moe(tokens, topk_idx, topk_weights.to(torch.float32), self.w1, self.w2, group=self.group,
-                  schedule=self.schedule)
+        out = moe(tokens, topk_idx, topk_weights.to(torch.float32), self.w1, self.w2, b1=self.b1, b2=self.b2,
+                  activation=self.activation, group=self.group, schedule=self.schedule, grad_dtype=self.grad_dtype)
         return out.reshape(x.shape), aux_loss
 
     def extra_repr(self) -> str:
@@ -203,7 +229,8 @@ class EPMoE(nn.Module):
                 f"renormalize={self.renormalize}, aux_loss_coef={self.aux_loss_coef}, "
                 f"router_dtype={self.router_dtype}"
                 + ("" if self.router_weight.dtype == self.router_dtype else f" (weight {self.router_weight.dtype})")
-                + f", dtype={self.w1.dtype}, schedule={self.schedule!r}")
+                + f", dtype={self.w1.dtype}, schedule={self.schedule!r}, activation={self.activation!r}, "
+                f"bias={self.b1 is not None}")
 
 
 def _route(logits: torch.Tensor, topk: int, score_func: str,

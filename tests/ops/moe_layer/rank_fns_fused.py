@@ -6,18 +6,16 @@ import time
 import torch
 import torch.distributed as dist
 
+from ditron_ep.ops.moe_layer.experts import expert_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 from tests.ops.ep.rank_fns_ep import make_inputs
 
 
 def make_weights(W: int, e_local: int, H: int, I: int, seed: int):
-    w1s, w2s = [], []
-    for r in range(W):
-        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
-        w1s.append(torch.randn(e_local, H, 2 * I, generator=g) / H ** 0.5)
-        w2s.append(torch.randn(e_local, I, H, generator=g) / I ** 0.5)
-    return w1s, w2s
+    """SwiGLU experts without biases: (w1s, w2s), one per rank."""
+    experts = make_experts(W, e_local, H, I, seed, "swiglu", False)
+    return [e[0] for e in experts], [e[1] for e in experts]
 
 
 def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0,
@@ -75,13 +73,15 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
             "grad_mode_bitwise": torch.equal(grad_mode.detach(), out)}
 
 
-def _oracle_grads(xs, idxs, ws, w1s, w2s, gouts, rank: int) -> dict:
-    """float64 gradients of sum_r <out_r, gout_r> for `rank`'s x, topk_weights, w1, w2: a plain
-    loop over every rank's tokens and slots, through torch autograd (no code shared with moe)."""
-    leaves = [[t.to(torch.float64).requires_grad_() for t in ts] for ts in (xs, ws, w1s, w2s)]
-    X, Wt, W1, W2 = leaves
-    e_local, inter = w1s[0].shape[0], w1s[0].shape[2] // 2
+def _oracle_grads(xs, idxs, ws, experts, gouts, rank: int, activation: str) -> dict:
+    """float64 gradients of sum_r <out_r, gout_r> for `rank`'s x, topk_weights and expert tensors
+    (experts: per rank [w1, w2, b1, b2], biases None when absent), and "out": `rank`'s output: a
+    plain loop over every rank's tokens and slots, through torch autograd (no code shared with moe)."""
+    X, Wt = ([t.to(torch.float64).requires_grad_() for t in ts] for ts in (xs, ws))
+    P = [[None if t is None else t.to(torch.float64).requires_grad_() for t in ex] for ex in experts]
+    e_local = experts[0][0].shape[0]
     loss = torch.zeros((), dtype=torch.float64)
+    out = torch.zeros(xs[rank].shape, dtype=torch.float64)
     for r in range(len(xs)):
         for t in range(xs[r].shape[0]):
             for k in range(idxs[r].shape[1]):
@@ -89,34 +89,50 @@ def _oracle_grads(xs, idxs, ws, w1s, w2s, gouts, rank: int) -> dict:
                 if e < 0:
                     continue
                 owner, local = divmod(e, e_local)
-                gate_up = X[r][t] @ W1[owner][local]
-                y = (torch.nn.functional.silu(gate_up[:inter]) * gate_up[inter:]) @ W2[owner][local]
+                w1, w2, b1, b2 = P[owner]
+                z = X[r][t] @ w1[local] + (0 if b1 is None else b1[local])
+                y = expert_activation(z, activation) @ w2[local] + (0 if b2 is None else b2[local])
                 loss = loss + Wt[r][t, k] * (y @ gouts[r][t].to(torch.float64))
+                if r == rank:
+                    out[t] += (Wt[r][t, k] * y).detach()
     loss.backward()
-    return {name: leaf[rank].grad if leaf[rank].grad is not None else torch.zeros_like(leaf[rank])
-            for name, leaf in zip(("x", "topk_weights", "w1", "w2"), leaves)}
+    leaves = (X[rank], Wt[rank], *P[rank])
+    grads = {name: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+             for name, leaf in zip(("x", "topk_weights", "w1", "w2", "b1", "b2"), leaves) if leaf is not None}
+    return grads, out
 
 
-def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
-    """Gradients of moe for x, topk_weights, w1, w2 against the float64 oracle's; a dropped slot's
-    weight gradient 0; staged twice, overlap and sequential: every backward bitwise equal."""
+def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0,
+                      activation: str = "swiglu", bias: bool = False) -> dict:
+    """Gradients of moe for x, topk_weights and the expert weights (and biases) against the float64
+    oracle's; a dropped slot's weight gradient 0; staged twice, overlap, sequential and a FusedMoE
+    called directly: every backward bitwise equal."""
     from ditron_ep.ops import clear_cache, clear_layers, moe
 
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, kind, seed, drop_prob=0.2)
-    w1s, w2s = make_weights(W, E // W, H, I, seed)
+    experts = make_experts(W, E // W, H, I, seed, activation, bias)
     gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 31 + r)) for r, t in enumerate(tokens)]
-    runs = {}
+    layer = FusedMoE(None, E, H, I, max(tokens), K, torch.float32, activation=activation)
+    runs, outs = {}, {}
     for name, schedule in (("staged", "staged"), ("staged again", "staged"), ("overlap", "overlap"),
-                           ("sequential", "sequential")):
-        leaves = [t[rank].clone().requires_grad_() for t in (xs, ws, w1s, w2s)]
-        out = moe(leaves[0], idxs[rank], leaves[1], leaves[2], leaves[3], schedule=schedule)
+                           ("sequential", "sequential"), ("FusedMoE", None)):
+        leaves = [None if t is None else t.clone().requires_grad_()
+                  for t in (xs[rank], ws[rank], *experts[rank])]
+        x, w, w1, w2, b1, b2 = leaves
+        if schedule is None:
+            out = layer(x, idxs[rank], w, w1, w2, b1, b2)
+        else:
+            out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation=activation, schedule=schedule)
         out.backward(gouts[rank])
-        runs[name] = [leaf.grad.clone() for leaf in leaves]
+        runs[name] = [leaf.grad.clone() for leaf in leaves if leaf is not None]
+        outs[name] = out.detach()
+    layer.free()
     clear_cache()
     clear_layers()
-    want = _oracle_grads(xs, idxs, ws, w1s, w2s, gouts, rank)
-    errors = {}
+    want, want_out = _oracle_grads(xs, idxs, ws, experts, gouts, rank, activation)
+    errors = {f"out {name}": (float((o.double() - want_out).abs().max()) if o.numel() else 0.0,
+                              float(want_out.abs().max()) if o.numel() else 0.0) for name, o in outs.items()}
     for name, got in zip(want, runs["staged"]):
         ref = want[name]
         err = float((got.to(torch.float64) - ref).abs().max()) if ref.numel() else 0.0
@@ -124,7 +140,21 @@ def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: s
     dropped = idxs[rank] < 0
     return {"errors": errors,
             "bitwise": {name: all(torch.equal(a, b) for a, b in zip(run, runs["staged"])) for name, run in runs.items()},
+            "forward_bitwise": all(torch.equal(outs[n], outs["overlap"]) for n in ("sequential", "FusedMoE")),
             "dropped_weight_grads_zero": bool((runs["staged"][1][dropped] == 0).all())}
+
+
+def make_experts(W: int, e_local: int, H: int, I: int, seed: int, activation: str, bias: bool) -> list:
+    """Per rank [w1 [E_local, H, n*I], w2, b1, b2] (biases None unless `bias`)."""
+    out = []
+    for r in range(W):
+        g = torch.Generator().manual_seed(seed * 7 + 100 + r)
+        w1 = torch.randn(e_local, H, width_factor(activation) * I, generator=g) / H ** 0.5
+        w2 = torch.randn(e_local, I, H, generator=g) / I ** 0.5
+        b1 = torch.randn(e_local, w1.shape[2], generator=g) if bias else None
+        b2 = torch.randn(e_local, H, generator=g) if bias else None
+        out.append([w1, w2, b1, b2])
+    return out
 
 
 def check_tile_order(layer: FusedMoE) -> str:
@@ -217,9 +247,9 @@ def fused_refusals() -> dict:
     t0 = time.monotonic()
     catch("one_rank_bad_w1", lambda: layer(x, idx, w, w1[:, :, :I].contiguous() if dist.get_rank() == 1 else w1, w2))
     res["one_rank_bad_w1_s"] = time.monotonic() - t0
-    # gradients asked for on rank 1 only: no output without a gradient; its peer raises at once
+    # gradients with trace=True (refused: the backward reads the host) on rank 1 only; its peer raises at once
     w1_grad = w1.clone().requires_grad_(dist.get_rank() == 1)
-    catch("grad_on_one_rank", lambda: layer(x, idx, w, w1_grad, w2))
+    catch("grad_on_one_rank", lambda: layer(x, idx, w, w1_grad, w2, trace=dist.get_rank() == 1))
     staged = layer.heap.local_view("dispatch/x").clone()
     land = layer.heap.local_view("combine/land").clone()
     idx_bad = idx.clone()

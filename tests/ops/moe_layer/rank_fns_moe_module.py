@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ditron_ep.check import assert_close_to_oracle
 from ditron_ep.ops import clear_cache, clear_layers
+from ditron_ep.ops.moe_layer.experts import expert_activation
 from ditron_ep.ops.moe_layer.module import EPMoE
 
 H, I, K = 32, 16, 2
@@ -100,7 +101,8 @@ def forward_case(tokens: list[int], num_experts: int, score_func: str, renormali
     return report
 
 
-def _reference_forward(xs, routers, w1s, w2s, score_func: str, renormalize: bool, aux_coef: float) -> list:
+def _reference_forward(xs, routers, w1s, w2s, score_func: str, renormalize: bool, aux_coef: float,
+                       activation: str = "swiglu", b1s=None, b2s=None) -> list:
     """Every rank's (out [T, H], aux loss) in float64, differentiable: routing by a stable sort of
     the scores (a plain reimplementation), experts by per-slot loops; rank s routes with routers[s]."""
     num_local = w1s[0].shape[0]
@@ -119,8 +121,9 @@ def _reference_forward(xs, routers, w1s, w2s, score_func: str, renormalize: bool
             row = torch.zeros(x.shape[1], dtype=torch.float64)
             for e, w in zip(top, weights):
                 owner, local = divmod(e, num_local)
-                h = x[t] @ w1s[owner][local]
-                row = row + w * ((torch.nn.functional.silu(h[:I]) * h[I:]) @ w2s[owner][local])
+                z = x[t] @ w1s[owner][local] + (0 if b1s is None else b1s[owner][local])
+                row = row + w * (expert_activation(z, activation) @ w2s[owner][local]
+                                 + (0 if b2s is None else b2s[owner][local]))
                 counts[e] += 1
             rows.append(row)
         out = torch.stack(rows) if rows else torch.zeros(0, x.shape[1], dtype=torch.float64)
@@ -130,32 +133,44 @@ def _reference_forward(xs, routers, w1s, w2s, score_func: str, renormalize: bool
     return results
 
 
-def training_case(tokens: list[int], num_experts: int, score_func: str, renormalize: bool, seed: int) -> dict:
-    """EPMoE(schedule="staged") under grad mode: loss = <out, gout> + aux; the gradients of x, the
-    router and this rank's experts against float64 autograd of a plain reimplementation over every
+def training_case(tokens: list[int], num_experts: int, score_func: str, renormalize: bool, seed: int,
+                  activation: str = "swiglu", bias: bool = False, schedule: str = "staged") -> dict:
+    """EPMoE under grad mode: loss = <out, gout> + aux; the gradients of x, the router and this
+    rank's experts (and biases) against float64 autograd of a plain reimplementation over every
     rank's tokens (the router is a replica: its gradient is this rank's own loss's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed * 100 + rank)
     layer = EPMoE(H, I, num_experts, K, score_func=score_func, renormalize=renormalize, aux_loss_coef=0.01,
-                  schedule="staged").sync_router_(src=0)
+                  schedule=schedule, activation=activation, bias=bias).sync_router_(src=0)
+    if bias:  # zero at initialisation: make them count
+        with torch.no_grad():
+            layer.b1.normal_()
+            layer.b2.normal_()
     xs = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 1000 + r)) for r, t in enumerate(tokens)]
     gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 77 + r)) for r, t in enumerate(tokens)]
     gathered = [None] * world
-    dist.all_gather_object(gathered, (layer.w1.detach(), layer.w2.detach()))
-    w1s, w2s = (list(ws) for ws in zip(*gathered))
+    dist.all_gather_object(gathered, [None if p is None else p.detach() for p in (layer.w1, layer.w2, layer.b1,
+                                                                                   layer.b2)])
+    w1s, w2s, b1s, b2s = (list(ws) for ws in zip(*gathered))
     x = xs[rank].clone().requires_grad_()
     out, aux = layer(x)
     ((out * gouts[rank]).sum() + aux).backward()
     got = {"x": x.grad, "router": layer.router_weight.grad, "w1": layer.w1.grad, "w2": layer.w2.grad}
+    if bias:
+        got.update(b1=layer.b1.grad, b2=layer.b2.grad)
 
     leaves_x = [t.to(torch.float64).requires_grad_() for t in xs]
     routers = [layer.router_weight.detach().to(torch.float64).requires_grad_() for _ in range(world)]
     leaves_w1 = [w.to(torch.float64).requires_grad_() for w in w1s]
     leaves_w2 = [w.to(torch.float64).requires_grad_() for w in w2s]
-    ref = _reference_forward(leaves_x, routers, leaves_w1, leaves_w2, score_func, renormalize, 0.01)
+    leaves_b1, leaves_b2 = ([b.to(torch.float64).requires_grad_() for b in bs] if bias else None for bs in (b1s, b2s))
+    ref = _reference_forward(leaves_x, routers, leaves_w1, leaves_w2, score_func, renormalize, 0.01, activation,
+                             leaves_b1, leaves_b2)
     sum((out_s * g.to(torch.float64)).sum() + aux_s for (out_s, aux_s), g in zip(ref, gouts)).backward()
     want = {"x": leaves_x[rank].grad, "router": routers[rank].grad, "w1": leaves_w1[rank].grad,
             "w2": leaves_w2[rank].grad}
+    if bias:
+        want.update(b1=leaves_b1[rank].grad, b2=leaves_b2[rank].grad)
     errors = {}
     for name, ref in want.items():
         ref = ref if ref is not None else torch.zeros_like(got[name], dtype=torch.float64)

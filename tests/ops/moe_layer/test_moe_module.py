@@ -78,12 +78,15 @@ def test_lone_bad_x_reaches_the_peers(emulated_cluster):
     assert r0["after"] and r1["after"]
 
 
-@pytest.mark.parametrize("W,tokens,E,score_func,renorm", [(2, [9, 6], 4, "softmax", False),
-                                                          (3, [7, 0, 5], 6, "sigmoid", True)],
-                         ids=["W2-softmax", "W3-empty-rank-sigmoid-renorm"])
-def test_staged_layer_trains(emulated_cluster, W, tokens, E, score_func, renorm):
-    """Gradients of x, the router and the experts of EPMoE(schedule="staged") against float64."""
-    for rank, rep in enumerate(emulated_cluster(W).run(fns.training_case, tokens, E, score_func, renorm, 2)):
+@pytest.mark.parametrize("W,tokens,E,score_func,renorm,activation,bias,schedule", [
+    (2, [9, 6], 4, "softmax", False, "swiglu", False, "staged"),
+    (3, [7, 0, 5], 6, "sigmoid", True, "swiglu", False, "staged"),
+    (2, [8, 5], 4, "softmax", False, "gelu", True, "overlap"),   # DeepSpeed-style experts, default schedule
+], ids=["W2-softmax", "W3-empty-rank-sigmoid-renorm", "W2-gelu-bias-overlap"])
+def test_layer_trains(emulated_cluster, W, tokens, E, score_func, renorm, activation, bias, schedule):
+    """Gradients of x, the router and the experts (and biases) of EPMoE against float64."""
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.training_case, tokens, E, score_func, renorm, 2,
+                                                       activation, bias, schedule)):
         for name, (err, ref) in rep["errors"].items():
             assert err <= 1e-5 * max(ref, 1.0), f"rank {rank} grad {name}: off float64 by {err} (max {ref})"
 

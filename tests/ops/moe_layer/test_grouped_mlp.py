@@ -1,6 +1,7 @@
-"""Grouped SwiGLU expert FFN under the Triton interpreter: float64 oracle, ragged experts (empty,
-one expert holding every row), gathered rows, rows past the last expert, grid-size independence,
-bad input, tile configs, and NVIDIA's default tiles compiling for sm_90."""
+"""Grouped expert MLPs under the Triton interpreter: float64 oracle, ragged experts (empty, one
+expert holding every row), gathered rows, rows past the last expert, grid-size independence,
+every activation with and without biases forward and backward, bad input, tile configs, and
+NVIDIA's default tiles compiling for sm_90."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,8 @@ import torch
 
 from ditron_ep.check import assert_close_to_oracle
 from ditron_ep.compiler.core_config import DEVICE_TYPES, GemmTileConfig, default_gemm_configs
-from ditron_ep.ops.moe_layer.grouped_ffn import grouped_swiglu_ffn, launch_grouped_down, launch_grouped_swiglu
+from ditron_ep.ops.moe_layer.experts import expert_activation, width_factor
+from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp, launch_grouped_down, launch_grouped_up
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 
@@ -24,7 +26,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def make_inputs(sizes: list[int], H: int, I: int, *, rows: int | None = None, n_x: int | None = None,
-                dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+                dtype: torch.dtype = torch.float32, seed: int = 0, activation: str = "swiglu") -> dict:
     """Expert-major rows: expert e owns `sizes[e]` rows; `rows` >= sum(sizes) is the output capacity.
     With `n_x`, rows are gathered from x [n_x, H] through a row_index with repeats."""
     g = torch.Generator().manual_seed(seed)
@@ -37,7 +39,7 @@ def make_inputs(sizes: list[int], H: int, I: int, *, rows: int | None = None, n_
         if rows:
             row_index[1::3] = row_index[0]  # repeats, within and across experts
     x = torch.randn(n_x if n_x is not None else rows, H, generator=g).to(dtype)
-    w1 = (torch.randn(E, H, 2 * I, generator=g) / H**0.5).to(dtype)
+    w1 = (torch.randn(E, H, width_factor(activation) * I, generator=g) / H**0.5).to(dtype)
     w2 = (torch.randn(E, I, H, generator=g) / I**0.5).to(dtype)
     return {"x": x, "expert_offsets": offsets, "w1": w1, "w2": w2, "row_index": row_index}
 
@@ -74,7 +76,7 @@ CASES = {  # id: (sizes, H, I, rows, n_x, dtype, config)
 @pytest.mark.parametrize("sizes,H,I,rows,n_x,dtype,config", CASES.values(), ids=CASES.keys())
 def test_matches_float64_oracle(sizes, H, I, rows, n_x, dtype, config):
     inp = make_inputs(sizes, H, I, rows=rows, n_x=n_x, dtype=dtype)
-    y = grouped_swiglu_ffn(**inp, config=config)
+    y = grouped_mlp(**inp, config=config)
     want = oracle(inp)
     assert y.dtype == dtype
     assert_close_to_oracle(y, want, dtype, f"grouped FFN {sizes}")
@@ -88,7 +90,7 @@ def test_unwritten_rows_poisoned_with_nan():
     h = torch.full((30, 24), float("nan"))
     y = torch.full((30, 48), float("nan"))
     off = inp["expert_offsets"]
-    launch_grouped_swiglu(inp["x"], inp["row_index"], inp["w1"], h, off, build_tile_map(off, gate_up.block_m),
+    launch_grouped_up(inp["x"], inp["row_index"], inp["w1"], h, off, build_tile_map(off, gate_up.block_m),
                           gate_up, 2, "ieee", 2)
     assert torch.isfinite(h[:19]).all(), "a row of an expert was not written"
     assert torch.isnan(h[19:]).all(), "rows past the last expert were written"
@@ -100,7 +102,7 @@ def test_unwritten_rows_poisoned_with_nan():
 def test_out_buffer_is_written_and_returned():
     inp = make_inputs([6, 0, 9], 48, 24, rows=20)
     out = torch.full((20, 48), float("nan"))
-    assert grouped_swiglu_ffn(**inp, out=out) is out
+    assert grouped_mlp(**inp, out=out) is out
     assert_close_to_oracle(out, oracle(inp), torch.float32, "out=")
 
 
@@ -110,7 +112,7 @@ def test_bad_offsets_never_write_outside_the_rows(offsets):
     """check=False uses the offsets as given; the kernels still clamp every tile to [0, rows)."""
     inp = {**make_inputs([10, 10], 16, 8), "expert_offsets": torch.tensor(offsets, dtype=torch.int32)}
     canvas = torch.full((26, 16), float("nan"))
-    grouped_swiglu_ffn(**inp, out=canvas[3:23], check=False)
+    grouped_mlp(**inp, out=canvas[3:23], check=False)
     assert torch.isnan(canvas[:3]).all() and torch.isnan(canvas[23:]).all()
 
 
@@ -118,7 +120,7 @@ def test_grid_size_and_tile_order_do_not_change_bits():
     """Grid sizes and tile orders (groups of 1 = M-tile major, 2 with a short last group, 3, all
     M-tiles in one group) give the same bits, and each equals the oracle."""
     inp = make_inputs([13, 0, 27, 1, 40], 48, 24, rows=90, n_x=23, seed=3)  # 7 M-tiles of 16 rows
-    runs = [grouped_swiglu_ffn(**inp, num_programs=p, group_rows=g) for p, g in
+    runs = [grouped_mlp(**inp, num_programs=p, group_rows=g) for p, g in
             ((1, 1), (3, 1), (1000, 1), (3, 2), (2, 3), (3, 7), (1, 100))]
     assert_close_to_oracle(runs[0], oracle(inp), torch.float32, "group_rows=1")
     for y in runs[1:]:
@@ -127,7 +129,7 @@ def test_grid_size_and_tile_order_do_not_change_bits():
 
 def test_no_rows():
     inp = make_inputs([0, 0], 16, 8, n_x=4)
-    assert grouped_swiglu_ffn(**inp).shape == (0, 16)
+    assert grouped_mlp(**inp).shape == (0, 16)
 
 
 def test_build_tile_map():
@@ -136,51 +138,80 @@ def test_build_tile_map():
     assert build_tile_map(off, 64).dtype == torch.int32
 
 
-def _float64_grads(inp: dict, grad_y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """float64 autograd through a plain per-expert loop (no code shared with the op)."""
+def _float64_mlp(inp: dict, activation: str, b1, b2, grad_y: torch.Tensor) -> tuple:
+    """float64 y and autograd gradients through a plain per-expert loop (no kernel code)."""
     x, w1, w2 = (inp[k].to(torch.float64).requires_grad_() for k in ("x", "w1", "w2"))
-    off, inter = inp["expert_offsets"].tolist(), w2.shape[1]
+    b1, b2 = (None if b is None else b.to(torch.float64).requires_grad_() for b in (b1, b2))
+    off = inp["expert_offsets"].tolist()
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
     for e in range(len(off) - 1):
-        gate_up = x[off[e]:off[e + 1]] @ w1[e]
-        rows = (torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]) @ w2[e]
+        z = x[off[e]:off[e + 1]] @ w1[e] + (0 if b1 is None else b1[e])
+        rows = expert_activation(z, activation) @ w2[e] + (0 if b2 is None else b2[e])
         y = y.index_add(0, torch.arange(off[e], off[e + 1]), rows)
     y.backward(grad_y.to(torch.float64))
-    return x.grad, w1.grad, w2.grad
+    return y.detach(), [t.grad if t is not None else None for t in (x, w1, w2, b1, b2)]
 
 
-GRAD_CASES = {  # id: (sizes, H, I, rows)
-    "empty-expert": ([13, 0, 27], 48, 24, None),
-    "capacity-past-last-expert": ([5, 11, 3], 48, 24, 30),   # rows past the last expert: zero gradient
-    "no-rows-routed": ([0, 0, 0], 48, 24, 8),
+GRAD_CASES = {  # id: (sizes, H, I, rows, activation, biases)
+    "swiglu-empty-expert": ([13, 0, 27], 48, 24, None, "swiglu", False),
+    "swiglu-capacity-bias": ([5, 11, 3], 48, 24, 30, "swiglu", True),  # rows past the last expert: zero gradient
+    "geglu-bias": ([13, 0, 27], 40, 24, None, "geglu", True),
+    "gelu-bias-one-expert": ([0, 40, 0], 48, 20, None, "gelu", True),
+    "gelu_tanh": ([7, 9, 4, 0, 12], 40, 24, 37, "gelu_tanh", False),
+    "relu-bias": ([13, 0, 27], 48, 24, None, "relu", True),
+    "silu-bias-E1": ([37], 40, 20, None, "silu", True),
+    "no-rows-routed": ([0, 0, 0], 48, 24, 8, "gelu", True),
 }
 
 
-@pytest.mark.parametrize("sizes,H,I,rows", GRAD_CASES.values(), ids=GRAD_CASES.keys())
-def test_gradients_match_float64_and_repeat_bitwise(sizes, H, I, rows):
-    inp = make_inputs(sizes, H, I, rows=rows, seed=3)
+@pytest.mark.parametrize("sizes,H,I,rows,activation,biases", GRAD_CASES.values(), ids=GRAD_CASES.keys())
+def test_activations_forward_and_gradients_match_float64(sizes, H, I, rows, activation, biases):
+    """Every expert MLP with and without biases: y and every gradient against float64 autograd with
+    a random upstream gradient; saved or recomputed pre-activation, any grid: the same bits."""
+    inp = make_inputs(sizes, H, I, rows=rows, seed=3, activation=activation)
+    g = torch.Generator().manual_seed(5)
+    width = inp["w1"].shape[2]
+    b1, b2 = (torch.randn(len(sizes), width, generator=g), torch.randn(len(sizes), H, generator=g)) if biases \
+        else (None, None)
     grad_y = torch.randn(inp["x"].shape[0], H, generator=torch.Generator().manual_seed(4))
+    names = ("x", "w1", "w2", "b1", "b2")
     runs = []
-    for _ in range(2):
-        leaves = {k: inp[k].clone().requires_grad_() for k in ("x", "w1", "w2")}
-        grouped_swiglu_ffn(**{**inp, **leaves}).backward(grad_y)
-        runs.append([leaves[k].grad for k in ("x", "w1", "w2")])
-    for name, got, want in zip(("x", "w1", "w2"), runs[0], _float64_grads(inp, grad_y)):
+    for save, programs in ((True, 1), (True, 1), (False, 3)):
+        leaves = [None if t is None else t.clone().requires_grad_() for t in (inp["x"], inp["w1"], inp["w2"], b1, b2)]
+        y = grouped_mlp(leaves[0], inp["expert_offsets"], leaves[1], leaves[2], b1=leaves[3], b2=leaves[4],
+                        activation=activation, save_preactivation=save, num_programs=programs)
+        y.backward(grad_y)
+        runs.append([y.detach()] + [None if t is None else t.grad for t in leaves])
+    y_ref, grads_ref = _float64_mlp(inp, activation, b1, b2, grad_y)
+    assert_close_to_oracle(runs[0][0], y_ref, torch.float32, f"{activation} forward")
+    for name, got, want in zip(names, runs[0][1:], grads_ref):
+        if want is None:
+            continue
         err, ref = float((got.double() - want).abs().max()), float(want.abs().max())
         assert err <= 1e-5 * max(ref, 1.0), f"grad {name}: off float64 by {err} (max {ref})"
-    assert all(torch.equal(a, b) for a, b in zip(*runs)), "two backward passes differ"
-    assert not runs[0][0][sum(sizes):].any(), "rows past the last expert got a gradient"
+    for other in runs[1:]:
+        assert all(a is None or torch.equal(a, b) for a, b in zip(runs[0], other)), "backward passes differ"
+    assert not runs[0][1][sum(sizes):].any(), "rows past the last expert got a gradient"
+
+
+def test_weight_gradients_in_float32_on_request():
+    inp = make_inputs([5, 9], 32, 16, seed=6)
+    w1 = inp["w1"].clone().requires_grad_()
+    grouped_mlp(inp["x"], inp["expert_offsets"], w1, inp["w2"], grad_dtype=torch.float32).sum().backward()
+    assert w1.grad.dtype == torch.float32
+    with pytest.raises(ValueError, match="grad_dtype must be None"):
+        grouped_mlp(**inp, grad_dtype=torch.float16)
 
 
 def test_gradients_refused_where_not_supported():
     inp = make_inputs([3, 4], 16, 8, n_x=5)
     with pytest.raises(NotImplementedError, match="row_index"):
-        grouped_swiglu_ffn(**{**inp, "w1": inp["w1"].requires_grad_()})
+        grouped_mlp(**{**inp, "w1": inp["w1"].requires_grad_()})
     inp = make_inputs([3, 4], 16, 8)
     with pytest.raises(ValueError, match="out= cannot be used"):
-        grouped_swiglu_ffn(**{**inp, "x": inp["x"].clone().requires_grad_()}, out=torch.empty(7, 16))
+        grouped_mlp(**{**inp, "x": inp["x"].clone().requires_grad_()}, out=torch.empty(7, 16))
     with torch.no_grad():
-        y = grouped_swiglu_ffn(**inp)
+        y = grouped_mlp(**inp)
     assert_close_to_oracle(y, oracle({**inp, "x": inp["x"].detach()}), torch.float32, "no_grad")
 
 
@@ -191,8 +222,11 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
         ("x-3d", {"x": base["x"][None]}, "x must be 2-D"),
         ("x-int", {"x": base["x"].long()}, "x must be bfloat16, float16 or float32"),
         ("w1-dtype", {"w1": base["w1"].double()}, "w1 has dtype torch.float64"),
-        ("w1-hidden", {"w1": torch.zeros(2, 15, 16)}, "w1 must have shape [E_local, H=16, 2I]"),
-        ("w1-odd", {"w1": torch.zeros(2, 16, 15)}, "2I even"),
+        ("w1-hidden", {"w1": torch.zeros(2, 15, 16)}, "w1 must have shape [E_local, H=16, 2I (gate ‖ up)]"),
+        ("w1-odd", {"w1": torch.zeros(2, 16, 15)}, "activation='swiglu'"),
+        ("activation", {"activation": "tanh"}, "activation='tanh' is not supported; supported: ('swiglu'"),
+        ("b1-shape", {"b1": torch.zeros(2, 8)}, "= [2, 16], got (2, 8)"),
+        ("b2-dtype", {"b2": torch.zeros(2, 16, dtype=torch.float64)}, "b2 has dtype torch.float64"),
         ("w2-shape", {"w2": torch.zeros(2, 16, 8)}, "w2 must have shape [E_local=2, I=8, H=16]"),
         ("w1-device", {"w1": base["w1"].to("meta")}, "w1 is on meta but x is on cpu"),
         ("offsets-int64", {"expert_offsets": base["expert_offsets"].long()}, "expert_offsets must be a 1-D int32"),
@@ -226,7 +260,7 @@ def test_bad_input(name, change, message):
     inp = {**make_inputs([3, 4], 16, 8, n_x=5), **change}
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
                        .replace(")", r"\)")):
-        grouped_swiglu_ffn(**inp)
+        grouped_mlp(**inp)
 
 
 def test_tile_config_validation():
@@ -263,7 +297,7 @@ from tools.portability import compile_registered
 from ditron_ep.ops.moe_layer import grouped_gemm_kernels as grouped_gemm
 for dtype in (torch.bfloat16, torch.float32):
     grouped_gemm.register_ffn_configs(dtype, *default_gemm_configs(dtype, "cuda"), label=f"cuda-default-{dtype}",
-                                      shape=(7168, 2048))
+                                      shape=(7168, 2048), backward=dtype == torch.bfloat16)
 results = compile_registered([GPUTarget("cuda", 90, 32)], modules={grouped_gemm.__name__})
 json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-default" in r.label], sys.stdout)
 """
@@ -271,14 +305,15 @@ json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-de
 
 def test_nvidia_default_configs_compile_for_sm90(tmp_path):
     """The portability check compiles every signature for gfx942 too, whose 64 KiB of LDS the
-    NVIDIA defaults (192 KiB) exceed: compile those for sm_90 alone here, shared memory checked."""
+    NVIDIA defaults (192 KiB) exceed: compile those (and the backward kernels with them) for sm_90
+    alone here, shared memory checked."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout)
-    assert len(results) == 4, results
+    assert len(results) == 7, results  # bf16: 2 forward + 3 backward kernels; fp32: 2 forward
     for label, ok, shared, error in results:
         assert ok, f"{label}: {error}"
     assert max(shared for _, _, shared, _ in results) == 196608  # 4 stages x 48 KiB: the K-loop is pipelined
@@ -287,7 +322,7 @@ def test_nvidia_default_configs_compile_for_sm90(tmp_path):
 def test_values_made_valid_without_host_sync():
     """GPU default (check=None): bad offsets / row_index are repaired on the device so every row
     is written once; valid ones pass unchanged (the same bits)."""
-    from ditron_ep.ops.moe_layer.grouped_ffn import _made_valid
+    from ditron_ep.ops.moe_layer.grouped_mlp import _made_valid
     good_off = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
     good_idx = torch.tensor([4, 0, 1, 2, 3, 0, 1], dtype=torch.int32)
     off, idx = _made_valid(good_off, good_idx, 7, 5)
@@ -299,5 +334,5 @@ def test_values_made_valid_without_host_sync():
     # the repaired offsets drive the kernels like valid ones: checked against the oracle
     inp = make_inputs([3, 4], 16, 8, n_x=5)
     off, _ = _made_valid(torch.tensor([0, 6, 3], dtype=torch.int32), None, 7, 5)
-    y = grouped_swiglu_ffn(**{**inp, "expert_offsets": off}, check=False)
+    y = grouped_mlp(**{**inp, "expert_offsets": off}, check=False)
     assert_close_to_oracle(y, oracle({**inp, "expert_offsets": off}), torch.float32, "repaired offsets")

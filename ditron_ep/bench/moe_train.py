@@ -1,0 +1,212 @@
+"""Registry entry "moe_train": one training step of the EP MoE layer — forward and backward — of
+`ditron_ep.ops.moe` against the torch-native pipeline under autograd, with each one's peak memory.
+
+Per token count T (per rank): tokens, routing and weights as in the "moe" entry (SwiGLU experts,
+w1 [E_local, H, 2I], w2 [E_local, I, H]); an upstream gradient drawn once. One iteration =
+out = layer(x, topk_idx, topk_weights, w1, w2), then torch.autograd.grad(out, (x, topk_weights,
+w1, w2), grad_out): every input's gradient, no accumulation into .grad. Rows:
+  moe <schedule>, fwd+bwd  for every schedule: "overlap" / "sequential" run the fused forward and
+                      recompute the staged layer in the backward (activation-checkpointing style);
+                      "staged" keeps what its backward needs (dispatch's rows, the pre-activation,
+                      the expert outputs) instead;
+  torch-native, fwd+bwd    `torch_moe.torch_native_moe(..., differentiable=True)`: NCCL
+                      all_to_all_single with autograd (torch.distributed.nn), torch._grouped_mm
+                      and its backward (a per-expert matmul loop where unsupported);
+  gate-up / down: dense, one expert's W  one torch.matmul of the busiest rank's rows against one
+                      expert's weights (the forward GEMMs' FLOPs at cuBLAS's dense rate);
+  floor: 3 x forward GEMMs  3 x (gate-up + down dense): a step's FLOPs are the forward's and twice
+                      them in the backward (dgrad and wgrad of both GEMMs); communication excluded.
+Checks, once per T before timing: every gradient of ours against torch-native's (max |diff| /
+max |ref| over every rank, per input, the worst of the four within the dtype's rtol); the fused
+schedules' gradients bit for bit equal to the staged schedule's. Peak memory: on GPUs, one
+step's peak allocation above what was allocated before it (torch.cuda.max_memory_allocated),
+the largest over the ranks; ditron_ep's persistent buffers (EP heaps, fused layers: allocated once per
+shape, not per step) are in the baseline and reported apart as "workspace".
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ditron_ep.bench.moe_layer import LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, gemm_flops, layer_case, probe_grouped_mm
+from ditron_ep.bench.ranks import Fatal, StageFailed, guarded, relative_errors
+from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
+from ditron_ep.bench.torch_moe import torch_native_moe
+from ditron_ep.check.tolerances import TOLERANCES
+from ditron_ep.ops import clear_cache, clear_layers, dispatch, moe
+from ditron_ep.ops.moe_layer.functional import SCHEDULES
+
+TORCH_NATIVE = "torch-native, fwd+bwd"
+FLOOR = "floor: 3 x forward GEMMs"
+DENSE = ("gate-up: dense, one expert's W", "down: dense, one expert's W")
+GRADS = ("x", "topk_weights", "w1", "w2")
+FLOP_RULE = ("FLOPs = 3 x (2*rows*H*2I + 2*rows*I*H): the forward's expert GEMMs and twice them in the backward, "
+             "rows = the (token, k) rows of the busiest rank; TFLOP/s = those FLOPs / median of the slowest "
+             "rank's step time, per GPU (activations, permutes and communication are not counted).")
+
+
+def ours_name(schedule: str) -> str:
+    return f"moe {schedule}, fwd+bwd"
+
+
+def run_moe_train(ctx: BenchContext, tokens: int) -> list[Measurement]:
+    case = layer_case(ctx, tokens)
+    clear_cache()
+    clear_layers()
+    group_ok = True
+    try:
+        return _run(ctx, case)
+    except Fatal:
+        group_ok = False
+        raise
+    finally:
+        if group_ok:
+            clear_cache()
+            clear_layers()
+
+
+def _step(layer: Callable, inp, wts, grad_out: torch.Tensor) -> Callable[[], tuple]:
+    """One training step of `layer(x, idx, w, w1, w2)`: the gradients of x, topk_weights, w1, w2."""
+    def step() -> tuple:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_() for t in (inp.x, inp.w, wts.w1, wts.w2)]
+            out = layer(leaves[0], inp.idx, leaves[1], leaves[2], leaves[3])
+            return torch.autograd.grad(out, leaves, grad_out)
+    return step
+
+
+def _peak_mib(ctx: BenchContext, fn: Callable[[], object]) -> float | None:
+    """Peak allocation of one call above the allocation before it, MiB (GPUs; None elsewhere)."""
+    if not ctx.on_cuda:
+        return None
+    torch.cuda.synchronize(ctx.device)
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    result = fn()
+    torch.cuda.synchronize(ctx.device)
+    peak = torch.cuda.max_memory_allocated(ctx.device) - base
+    del result
+    return peak / 2**20
+
+
+def _run(ctx: BenchContext, case) -> list[Measurement]:
+    s, inp, wts = ctx.shape, case.inp, case.wts
+    rtol = TOLERANCES[ctx.dtype][0]
+    flops = 3 * case.flops
+    grad_out = guarded(ctx, "upstream gradient", lambda: torch.randn(
+        inp.x.shape, generator=torch.Generator(device=ctx.device).manual_seed(1234 + ctx.rank), device=ctx.device,
+        dtype=torch.float32).to(ctx.dtype))
+
+    def first_dispatch() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            recv, handle = dispatch(inp.x, inp.idx, num_experts=s.experts, group=ctx.group)
+        return recv, handle.expert_offsets
+
+    recv_x, off = guarded(ctx, "dispatch (untimed)", first_dispatch)
+    grouped = probe_grouped_mm(ctx, recv_x, off[1:], wts) is None
+    steps = {ours_name(S): _step(lambda *a, S=S: moe(*a, group=ctx.group, schedule=S), inp, wts, grad_out)
+             for S in SCHEDULES}
+    steps[TORCH_NATIVE] = _step(lambda *a: torch_native_moe(*a, grouped, ctx.group, differentiable=True), inp, wts,
+                                grad_out)
+    # ---- checks: gradients against torch-native's; the fused schedules' bits against staged's
+    results: dict[str, tuple] = {}
+    errors: dict[str, str] = {}
+    for impl, fn in steps.items():
+        try:
+            results[impl] = guarded(ctx, f"{impl} (check)", fn)
+        except StageFailed as exc:
+            errors[impl] = str(exc)
+    checks: dict[str, tuple[str, bool]] = {}
+    ref = results.get(TORCH_NATIVE)
+    staged = results.get(ours_name("staged"))
+    for impl in steps:
+        if impl == TORCH_NATIVE or impl not in results or ref is None:
+            continue
+        rel = {g: relative_errors(ctx, r, {"ours": o})["ours"] for g, r, o in zip(GRADS, ref, results[impl])}
+        worst = max(rel, key=rel.get)
+        ok = rel[worst] <= rtol
+        text = f"{'ok' if ok else 'FAIL'}: grads vs {TORCH_NATIVE.split(',')[0]} <= {rel[worst]:.1e} ({worst})"
+        if impl != ours_name("staged") and staged is not None:
+            same = _all_true(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], staged)))
+            ok = ok and same
+            text += ", bitwise == staged" if same else ", FAIL: differs from staged"
+        checks[impl] = (text, ok)
+    del results, ref, staged
+    out = []
+    for impl, fn in steps.items():
+        if impl in errors:
+            out.append(Measurement(impl, work=flops, ok=False, error=errors[impl]))
+            continue
+        peak = guarded(ctx, f"{impl} (peak memory)", lambda fn=fn: _peak_mib(ctx, fn))
+        peak = _max_over_ranks(ctx, peak)
+        text, ok = checks.get(impl, ("reference", True))
+        details = {"peak_mib": peak, "workspace_mib": _workspace_mib(ctx)}
+        if peak is not None:
+            text += f"; peak {peak:,.0f} MiB"
+        out.append(ctx.measure(impl, fn, flops, text, ok, details=details))
+    out += _dense_and_floor(ctx, case)
+    return out
+
+
+def _all_true(ctx: BenchContext, mine: bool) -> bool:
+    vec = ctx.coll_tensor([0.0 if mine else 1.0])
+    torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+    return vec.item() == 0.0
+
+
+def _max_over_ranks(ctx: BenchContext, value: float | None) -> float | None:
+    if value is None:
+        return None
+    vec = ctx.coll_tensor([value])
+    torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
+    return vec.item()
+
+
+def _workspace_mib(ctx: BenchContext) -> float | None:
+    """ditron_ep's persistent buffers on this GPU now (EP heaps and fused layers), MiB."""
+    from ditron_ep.ops.ep.functional import _CACHE
+    from ditron_ep.ops.moe_layer.functional import _LAYERS
+
+    if not ctx.on_cuda:
+        return None
+    heaps = [b.heap for b in _CACHE.values()] + [layer.heap for layer in _LAYERS.values()]
+    return sum(getattr(h, "size_bytes", 0) for h in heaps) / 2**20
+
+
+def _dense_and_floor(ctx: BenchContext, case) -> list[Measurement]:
+    """The dense cuBLAS references of the forward GEMMs on the busiest rank's row count and the floor."""
+    s = ctx.shape
+    rows = case.rows_max
+    gu_flops, dn_flops = gemm_flops(rows, s.hidden, s.inter)
+    try:
+        a = guarded(ctx, "dense inputs", lambda: (torch.randn(rows, s.hidden, device=ctx.device).to(ctx.dtype),
+                                                 torch.randn(rows, s.inter, device=ctx.device).to(ctx.dtype)))
+    except StageFailed as exc:
+        return [Measurement(n, ok=False, error=str(exc)) for n in (*DENSE, FLOOR)]
+    w1, w2 = case.wts.w1[0], case.wts.w2[0]
+    gu = ctx.measure(DENSE[0], lambda: torch.matmul(a[0], w1), gu_flops, "reference", True)
+    dn = ctx.measure(DENSE[1], lambda: torch.matmul(a[1], w2), dn_flops, "reference", True)
+    meds = [sorted(m.times_us)[len(m.times_us) // 2] if m.times_us and m.error is None else None for m in (gu, dn)]
+    if None in meds:
+        fl = Measurement(FLOOR, ok=False, error="not derived: a dense reference failed")
+    else:
+        fl = Measurement(FLOOR, work=3 * case.flops, value_us=3 * sum(meds),
+                         check=f"3 x ({meds[0]:,.1f} + {meds[1]:,.1f}) µs")
+    return [gu, dn, fl]
+
+
+def plan_moe_train(req: BenchRequest, tokens: int, options, on_gpu: bool) -> tuple[Impl, ...]:
+    return (*(Impl(ours_name(S), against=(TORCH_NATIVE,)) for S in SCHEDULES), Impl(TORCH_NATIVE, "baseline"),
+            *(Impl(n, "reference") for n in DENSE), Impl(FLOOR, "reference", timed=False))
+
+
+MOE_TRAIN = Benchmark(
+    name="moe_train",
+    description="EP MoE layer training step (forward + backward of ditron_ep.ops.moe) vs torch-native autograd, "
+                "with peak memory and the floor",
+    metric="TFLOP/s", work_rule=FLOP_RULE,
+    check_rule=f"every gradient vs {TORCH_NATIVE}'s: max |diff| / max |ref| over every rank within the dtype's "
+               f"rtol; the fused schedules' gradients bit for bit equal to the staged schedule's",
+    shapes=LAYER_SHAPES, tokens={"emulated": (8, 32), "torch": (1024, 4096)},
+    plan=plan_moe_train, run=run_moe_train, default=False, options=(), dtypes=LAYER_DTYPES, routings=LAYER_ROUTINGS)

@@ -1,0 +1,398 @@
+"""Grouped expert MLPs over expert-major rows (the MoE experts of one rank), forward and backward.
+
+    z[r] = x_r @ W1[e] (+ b1[e]);  h[r] = act(gate) * up or act(z);  y[r] = h[r] @ W2[e] (+ b2[e])
+    for expert_offsets[e] <= r < expert_offsets[e+1]
+
+(experts.py: SwiGLU, GeGLU, GELU, GELU-tanh, ReLU, SiLU), where x_r = x[row_index[r]] (rows
+gathered in place, e.g. from a receive buffer) or x[r]. Two persistent launches
+(`grouped_gemm_kernels.py`): the first GEMM with the activation in its epilogue into h [rows, I]
+(x's dtype), then the second. Neither reads anything back to the host, so the op can be
+captured in a CUDA graph.
+
+Gradients (`_GroupedMLP`), three more launches, each output tile one fp32 dot over its whole
+reduction in a fixed order (no atomics, no split): dh = dy @ W2^T with the activation's
+backward fused (dz, and h recomputed from z), dx = dz @ W1^T, and per expert
+grad_W1 = x^T dz, grad_W2 = h^T dy (+ the bias gradients as column sums), the expert's rows
+in row order. The forward saves the pre-activation z (x's dtype, [rows, n*I]) unless
+save_preactivation=False, which recomputes it in the backward with the first GEMM.
+Gradients through `row_index` (gathered rows) are not supported: gather the rows first.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
+from ditron_ep.compiler.plan import is_positive_int
+from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
+from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
+    build_tile_map,
+    grouped_act_grad_kernel,
+    grouped_dgrad_kernel,
+    grouped_down_kernel,
+    grouped_up_kernel,
+    grouped_wgrad_kernel,
+    max_m_tiles,
+)
+from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
+
+__all__ = ["MAX_LOCAL_EXPERTS", "grouped_mlp", "launch_grouped_down", "launch_grouped_up"]
+
+MAX_LOCAL_EXPERTS = 256  # the tile map's expert search is one vector of next_pow2(E_local) lanes
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_PRECISIONS = ("ieee", "tf32")
+GRAD_DTYPES = (None, torch.float32)
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "swiglu",
+    row_index: torch.Tensor | None = None,
+    config: tuple[GemmTileConfig, GemmTileConfig] | None = None,
+    num_programs: int | None = None,
+    input_precision: str | None = None,
+    group_rows: int = 1,
+    out: torch.Tensor | None = None,
+    check: bool | None = None,
+    grad_dtype: torch.dtype | None = None,
+    save_preactivation: bool = True,
+) -> torch.Tensor:
+    """The MLP of every local expert over its rows; returns y [rows, H] in x's dtype.
+
+    Args:
+        x: [N, H] bfloat16 / float16 / float32 activations, contiguous.
+        expert_offsets: int32 [E_local + 1] on x's device, nondecreasing, expert_offsets[0] == 0:
+            rows expert_offsets[e]:expert_offsets[e+1] belong to local expert e. The total
+            expert_offsets[-1] may be below rows (a fixed-capacity buffer): rows past it are
+            returned as zeros. Values are checked as `check` says.
+        w1: [E_local, H, n*I] (n = 2 for gated activations: gate ‖ up), x's dtype, contiguous.
+        w2: [E_local, I, H], x's dtype, contiguous.
+        b1, b2: optional biases [E_local, n*I] and [E_local, H], x's dtype, contiguous.
+        activation: one of experts.ACTIVATIONS ("swiglu", "geglu", "gelu", "gelu_tanh", "relu",
+            "silu").
+        row_index: optional int32 [rows] on x's device: row r reads x[row_index[r]], values in
+            [0, N). Without it rows = N and row r reads x[r].
+        config: (first GEMM, second GEMM) tile configs; default `default_gemm_configs(x.dtype, device)`.
+        num_programs: persistent grid size; default the SM count on a GPU, 1 under the
+            interpreter. Results are bitwise identical for every grid size (no split-K).
+        input_precision: float32 inputs only: "tf32" (GPU default) or "ieee" (interpreter
+            default; needed for float32-exact results on a GPU).
+        group_rows: tile order, M-tiles (row tiles) a group (`grouped_tile`): within a group each
+            weight column block goes over the group's rows before the next. Default 1, M-tile
+            major: on this op's fixed program-to-tile grid it was the fastest on an H200 at the
+            MoE layer's shapes (groups of 2-16: gate-up up to 14 % slower, down 15-22 %;
+            bench/results/tile_order_H200_20261122_s9.log). Results are bitwise identical for
+            every order.
+        out: optional [rows, H] contiguous output buffer in x's dtype (written and returned).
+        check: how the VALUES of expert_offsets and row_index are checked (their shapes and dtypes
+            always are). True: on the host, ValueError if wrong (a device sync on a GPU). None
+            (default): on the host under the interpreter (no sync there); on a GPU, no sync:
+            the offsets are made valid on the device (clamped to [0, rows], nondecreasing, first
+            0) and row_index clamped to [0, N), so wrong values give wrong rows, each written
+            once — never stray reads or writes, never unwritten memory. Valid values pass
+            unchanged. False: used as given, for callers that built them (the library's own
+            dispatch handles); rows stay clamped to [0, rows), but a row_index value out of
+            [0, N) reads out of bounds.
+        grad_dtype: dtype of the weight and bias gradients: None (the weights' dtype) or
+            torch.float32 (for frameworks that keep fp32 main gradients).
+        save_preactivation: with gradients, keep z for the backward (memory: rows * n*I
+            elements) or recompute it there (one more first GEMM).
+
+    Accumulation is fp32; the activation h is rounded to x's dtype before the second GEMM.
+    """
+    rows, hidden, inter, num_local = _validate(x, expert_offsets, w1, w2, row_index, activation, b1, b2)
+    if check not in (None, True, False):
+        raise ValueError(f"check must be True, False or None, got {check!r}")
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got {grad_dtype!r}")
+    if check or (check is None and x.device.type == "cpu"):
+        _check_values(expert_offsets, row_index, rows, x.shape[0])
+    elif check is None:
+        expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
+    params = (x, w1, w2, b1, b2)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    if needs_grad and row_index is not None:
+        raise NotImplementedError("grouped_mlp: gradients through row_index (gathered rows) are not "
+                                  "implemented; gather the rows first (x[row_index]) and pass no row_index")
+    if needs_grad and out is not None:
+        raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
+    device_type = _device_type(x.device)
+    if config is None:
+        config = default_gemm_configs(x.dtype, device_type)
+    if not isinstance(config, (tuple, list)) or len(config) != 2 \
+            or not all(isinstance(cfg, GemmTileConfig) for cfg in config):
+        raise ValueError(f"config must be a pair of GemmTileConfig (gate_up_cfg, down_cfg), or None for the "
+                         f"defaults; got {config!r}")
+    if num_programs is None:
+        num_programs = 1 if device_type == "cpu" else torch.cuda.get_device_properties(x.device).multi_processor_count
+    elif not is_positive_int(num_programs):
+        raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
+    if not is_positive_int(group_rows):
+        raise ValueError(f"group_rows must be a positive int (row tiles a group of the tile order), got {group_rows!r}")
+    if input_precision is None:
+        input_precision = "ieee" if device_type == "cpu" else "tf32"
+    elif input_precision not in _PRECISIONS:
+        raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
+    run = _Launches(tuple(config), num_programs, input_precision, group_rows, activation_code(activation))
+    if needs_grad:
+        return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation))
+    return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
+
+
+class _Launches:
+    """The kernel launches of one grouped_mlp call on validated inputs (its settings bound)."""
+
+    def __init__(self, config, num_programs, input_precision, group_rows, act):
+        (self.up_cfg, self.down_cfg), self.num_programs = config, num_programs
+        self.input_precision, self.group_rows, self.act = input_precision, group_rows, act
+
+    def _maps(self, expert_offsets, *block_ms):
+        return {bm: build_tile_map(expert_offsets, bm) for bm in set(block_ms)}
+
+    def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out, z=None):
+        """y [rows, H] (into `out` when given); z: also write the pre-activation there."""
+        rows = x.shape[0] if row_index is None else row_index.shape[0]
+        hidden, inter = x.shape[1], w2.shape[1]
+        if out is None:
+            out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+        elif not isinstance(out, torch.Tensor) or out.shape != (rows, hidden) or out.dtype != x.dtype \
+                or out.device != x.device or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape [rows={rows}, H={hidden}] on "
+                             f"{x.device}, got {_describe(out)}")
+        if rows == 0:
+            return out
+        h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        maps = self._maps(expert_offsets, self.up_cfg.block_m, self.down_cfg.block_m)
+        launch_grouped_up(x, row_index, w1, h, expert_offsets, maps[self.up_cfg.block_m], self.up_cfg,
+                          self.num_programs, self.input_precision, self.group_rows, act=self.act, b1=b1, z=z)
+        launch_grouped_down(h, w2, out, expert_offsets, maps[self.down_cfg.block_m], self.down_cfg,
+                            self.num_programs, self.input_precision, self.group_rows, b2=b2)
+        return out
+
+    def backward(self, x, expert_offsets, w1, w2, z, grad_y, need_x, need_w, need_b1, need_b2, grad_dtype):
+        """(dx, dW1, dW2, db1, db2) for grad_y [rows, H] (None where not needed)."""
+        rows, hidden = x.shape
+        num_local, inter = w2.shape[0], w2.shape[1]
+        width = w1.shape[2]
+        dev, dt = x.device, x.dtype
+        wdt = grad_dtype or w1.dtype
+        dx = torch.zeros_like(x) if need_x else None
+        dw1 = torch.zeros(w1.shape, dtype=wdt, device=dev) if need_w else None
+        dw2 = torch.zeros(w2.shape, dtype=wdt, device=dev) if need_w else None
+        db1 = torch.zeros((num_local, width), dtype=wdt, device=dev) if need_b1 else None
+        db2 = torch.zeros((num_local, hidden), dtype=wdt, device=dev) if need_b2 else None
+        if rows == 0:
+            return dx, dw1, dw2, db1, db2
+        dy = grad_y.contiguous()
+        dz = torch.empty((rows, width), dtype=dt, device=dev)
+        h = torch.empty((rows, inter), dtype=dt, device=dev)
+        cfg = self.up_cfg  # [BM, BN] tiles over I (dh, dz) and over the weights (wgrad)
+        maps = self._maps(expert_offsets, cfg.block_m, self.down_cfg.block_m)
+        tiles = maps[cfg.block_m]
+        m_cap = max_m_tiles(rows, num_local, cfg.block_m)
+        block_e = triton.next_power_of_2(num_local)
+        grid = (min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
+        grouped_act_grad_kernel[grid](
+            dy, w2, z, dz, h, tiles, expert_offsets, rows, m_cap, hidden, inter, num_local,
+            min(self.group_rows, m_cap), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=block_e,
+            INPUT_PRECISION=self.input_precision, ACT=self.act, **cfg.launch_options())
+        if need_x:
+            dcfg = self.down_cfg
+            m_cap2 = max_m_tiles(rows, num_local, dcfg.block_m)
+            grouped_dgrad_kernel[(min(self.num_programs, m_cap2 * triton.cdiv(hidden, dcfg.block_n)),)](
+                dz, w1, dx, maps[dcfg.block_m], expert_offsets, rows, m_cap2, width, hidden, num_local,
+                min(self.group_rows, m_cap2), BM=dcfg.block_m, BN=dcfg.block_n, BK=dcfg.block_k,
+                BLOCK_E=block_e, INPUT_PRECISION=self.input_precision, **dcfg.launch_options())
+        for a, b, g, gb, need in ((x, dz, dw1, db1, need_w or need_b1), (h, dy, dw2, db2, need_w or need_b2)):
+            if not need:
+                continue
+            m_dim, n_dim = a.shape[1], b.shape[1]
+            g_out = g if g is not None else torch.empty((num_local, m_dim, n_dim), dtype=wdt, device=dev)
+            n_tiles = num_local * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
+            grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
+                a, b, g_out, gb if gb is not None else g_out, expert_offsets, rows, m_dim, n_dim, num_local,
+                BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
+                HAS_BIAS=gb is not None, **cfg.launch_options())
+        return dx, dw1, dw2, db1, db2
+
+
+class _GroupedMLP(torch.autograd.Function):
+    """Forward: the grouped MLP launches, saving z. Backward: `_Launches.backward`."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, save_z):
+        z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device) if save_z else None
+        y = run.forward(x, expert_offsets, w1, w2, b1, b2, None, None, z=z)
+        ctx.save_for_backward(x, w1, w2, b1, expert_offsets, z)
+        ctx.run, ctx.grad_dtype = run, grad_dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w1, w2, b1, expert_offsets, z = ctx.saved_tensors
+        need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
+        run = ctx.run
+        if z is None and x.shape[0]:  # recompute the pre-activation: the first GEMM again
+            z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
+            h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
+            cfg = run.up_cfg
+            launch_grouped_up(x, None, w1, h, expert_offsets, build_tile_map(expert_offsets, cfg.block_m), cfg,
+                              run.num_programs, run.input_precision, run.group_rows, act=run.act, b1=b1, z=z)
+        grads = run.backward(x, expert_offsets, w1, w2, z, grad_y, need_x, need_w1 or need_w2, need_b1, need_b2,
+                             ctx.grad_dtype)
+        dx, dw1, dw2, db1, db2 = grads
+        return (dx, dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2, None, None, None, None)
+
+
+def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,
+                      expert_offsets: torch.Tensor, tile_start: torch.Tensor, cfg: GemmTileConfig,
+                      num_programs: int, input_precision: str, group_rows: int, *, act: int = 0,
+                      b1: torch.Tensor | None = None, z: torch.Tensor | None = None) -> None:
+    """h[r] = act(x_r @ W1[e] (+ b1[e])) (gated: act(gate) * up) for the rows of every expert
+    (`grouped_up_kernel`), tiles in groups of group_rows M-tiles (`grouped_tile`); z: also write
+    the pre-activation [rows, n*I] there.
+
+    h: [rows, I]; rows of no expert are not written. tile_start = build_tile_map(expert_offsets,
+    cfg.block_m). Inputs as validated by `grouped_mlp`; this launcher checks nothing.
+    """
+    rows, inter = h.shape
+    num_local, hidden = w1.shape[0], w1.shape[1]
+    m_cap = max_m_tiles(rows, num_local, cfg.block_m)
+    grid = (min(num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
+    grouped_up_kernel[grid](
+        x, row_index if row_index is not None else expert_offsets, w1, b1 if b1 is not None else w1, h,
+        z if z is not None else h, tile_start, expert_offsets,
+        rows, m_cap, hidden, inter, num_local, min(group_rows, m_cap),  # no int32 overflow of group * N-tiles
+        HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, ACT=act,
+        HAS_B1=b1 is not None, SAVE_Z=z is not None, **cfg.launch_options())
+
+
+def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expert_offsets: torch.Tensor,
+                        tile_start: torch.Tensor, cfg: GemmTileConfig, num_programs: int,
+                        input_precision: str, group_rows: int, *, b2: torch.Tensor | None = None) -> None:
+    """y[r] = h[r] @ W2[e] (+ b2[e]) for the rows of every expert, zeros in rows of no expert past
+    the last (`grouped_down_kernel`). y: [rows, H]; tile_start = build_tile_map(expert_offsets,
+    cfg.block_m); tiles in groups of group_rows M-tiles (`grouped_tile`)."""
+    rows, hidden = y.shape
+    num_local, inter = w2.shape[0], w2.shape[1]
+    m_cap = max_m_tiles(rows, num_local, cfg.block_m)
+    grid = (min(num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)
+    grouped_down_kernel[grid](
+        h, w2, b2 if b2 is not None else w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local,
+        min(group_rows, m_cap), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, HAS_B2=b2 is not None,
+        **cfg.launch_options())
+
+
+def _describe(t: object) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
+
+
+def _device_type(device: torch.device) -> str:
+    """'cpu' (interpreter), 'cuda' or 'hip': the key of default_gemm_configs."""
+    if device.type == "cpu":
+        return "cpu"
+    return "hip" if torch.version.hip else "cuda"
+
+
+def _check_values(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, rows: int, n: int) -> None:
+    """ValueError unless expert_offsets starts at 0, never decreases and ends <= rows, and every
+    row_index value is in [0, n). Reads both to the host."""
+    off = expert_offsets.tolist()
+    if off[0] != 0 or any(b < a for a, b in zip(off, off[1:])) or off[-1] > rows:
+        raise ValueError(f"expert_offsets must start at 0, never decrease and end at most at rows={rows}, got "
+                         f"{off if len(off) <= 20 else off[:20] + ['...']}")
+    if row_index is not None and row_index.numel():
+        lo, hi = int(row_index.min()), int(row_index.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"row_index values must be in [0, N={n}) (rows of x), got values from {lo} to {hi}")
+
+
+def _made_valid(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, rows: int,
+                n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Device ops only (no host sync): offsets clamped to [0, rows], first 0, nondecreasing;
+    row_index clamped to [0, n). Valid inputs come back equal (so results do not change)."""
+    off = expert_offsets.clamp(0, rows)
+    off[0] = 0
+    off = torch.cummax(off, dim=0).values.to(torch.int32)
+    if row_index is not None:
+        row_index = row_index.clamp(0, max(n - 1, 0))
+    return off, row_index
+
+
+def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              row_index: torch.Tensor | None, activation: str, b1: torch.Tensor | None,
+              b2: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Raise ValueError saying what to fix; return (rows, H, I, E_local)."""
+    n = width_factor(check_activation(activation))
+    named = [("x", x), ("expert_offsets", expert_offsets), ("w1", w1), ("w2", w2)]
+    for name, t in (("row_index", row_index), ("b1", b1), ("b2", b2)):
+        if t is not None:
+            named.append((name, t))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}; cast it with x.to(...)")
+    for name, t in named[2:]:
+        if name != "row_index" and t.dtype != x.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast {name} to {x.dtype}")
+    for name, t in named[1:]:
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}; put every input on one device")
+    interpreted = kernels_interpreted()
+    if interpreted != (x.device.type == "cpu"):
+        raise ValueError(
+            f"x is on {x.device} but ditron_ep's kernels are {'interpreted' if interpreted else 'compiled'}: "
+            f"CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing ditron_ep), "
+            f"GPU tensors compiled kernels (leave TRITON_INTERPRET unset on a GPU machine)")
+    problem = gemm_dtype_problem(x.dtype)
+    if problem:
+        raise ValueError(problem)
+    if x.ndim != 2:
+        raise ValueError(f"x must be 2-D [N, H], got shape {tuple(x.shape)}")
+    hidden = x.shape[1]
+    if hidden == 0:
+        raise ValueError("x has hidden size 0")
+    cols = "2I (gate ‖ up)" if n == 2 else "I"
+    if w1.ndim != 3 or w1.shape[1] != hidden or w1.shape[2] == 0 or w1.shape[2] % n:
+        raise ValueError(f"w1 must have shape [E_local, H={hidden}, {cols}] with I > 0 for activation="
+                         f"{activation!r}, got {tuple(w1.shape)}")
+    num_local, inter = w1.shape[0], w1.shape[2] // n
+    if not 1 <= num_local <= MAX_LOCAL_EXPERTS:
+        raise ValueError(f"w1 holds {num_local} local experts; supported: 1..{MAX_LOCAL_EXPERTS}")
+    if tuple(w2.shape) != (num_local, inter, hidden):
+        raise ValueError(f"w2 must have shape [E_local={num_local}, I={inter}, H={hidden}] to match w1 "
+                         f"{tuple(w1.shape)}, got {tuple(w2.shape)}")
+    for name, t, shape in (("b1", b1, (num_local, n * inter)), ("b2", b2, (num_local, hidden))):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape [E_local, {'n*I' if name == 'b1' else 'H'}] = {list(shape)}, "
+                             f"got {tuple(t.shape)}")
+    if expert_offsets.dtype != torch.int32 or expert_offsets.ndim != 1:
+        raise ValueError(f"expert_offsets must be a 1-D int32 tensor [E_local + 1], got {expert_offsets.dtype} "
+                         f"of shape {tuple(expert_offsets.shape)}")
+    if expert_offsets.shape[0] != num_local + 1:
+        raise ValueError(f"expert_offsets has {expert_offsets.shape[0]} entries but w1 holds E_local={num_local} "
+                         f"experts: it needs E_local + 1 = {num_local + 1} (first row of each expert, then the end)")
+    if row_index is None:
+        rows = x.shape[0]
+    else:
+        if row_index.dtype != torch.int32 or row_index.ndim != 1:
+            raise ValueError(f"row_index must be a 1-D int32 tensor [rows], got {row_index.dtype} of shape "
+                             f"{tuple(row_index.shape)}")
+        rows = row_index.shape[0]
+        if rows and x.shape[0] == 0:
+            raise ValueError(f"row_index has {rows} rows to gather but x has none; pass an x with rows")
+    for name, t in named:
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
+    return rows, hidden, inter, num_local

@@ -1,0 +1,56 @@
+"""The staged MoE layer (dispatch, grouped expert MLP, combine as separate launches) and the
+autograd of the fused layer built on it.
+
+`staged_moe` is `moe(..., schedule="staged")` on checked arguments: autograd through each launch
+(dispatch's backward is a combine, the experts' `grouped_mlp` backward, combine's a dispatch plus
+grad_w[t, k] = <grad_out[t], y(t, k)>).
+
+`FusedForwardStagedBackward`: the forward is the fused megakernel (`FusedMoE`); the backward
+recomputes `staged_moe` on the saved inputs (activation-checkpointing style: one more dispatch,
+MLP and combine) and takes its autograd. The gradients are a function of the inputs alone, so
+"overlap" and "sequential" give the same gradient bits (those of schedule="staged").
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.ops.ep.functional import combine, dispatch
+from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp
+
+__all__ = ["FusedForwardStagedBackward", "staged_moe"]
+
+
+def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, group: dist.ProcessGroup | None, num_experts: int,
+               activation: str, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Dispatch, grouped MLP, combine as separate launches; autograd through each."""
+    recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
+    y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2, b1=b1, b2=b2, activation=activation,
+                    check=False, grad_dtype=grad_dtype)  # offsets built by dispatch
+    return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
+
+
+class FusedForwardStagedBackward(torch.autograd.Function):
+    """apply(layer, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype): `layer` is the FusedMoE
+    (its group, experts and activation); collective, like every call of the layer."""
+
+    @staticmethod
+    def forward(ctx, layer, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype):
+        ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, b1, b2)
+        ctx.layer, ctx.grad_dtype = layer, grad_dtype
+        return layer._forward(x, topk_idx, topk_weights, (w1, w2, b1, b2), True, False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved = ctx.saved_tensors
+        layer = ctx.layer
+        needs = ctx.needs_input_grad[1:8]  # x, topk_idx, topk_weights, w1, w2, b1, b2
+        with torch.enable_grad():
+            leaves = [t if t is None or i == 1 else t.detach().requires_grad_(need)
+                      for i, (t, need) in enumerate(zip(saved, needs))]
+            out = staged_moe(*leaves, group=layer.group, num_experts=layer.num_experts,
+                             activation=layer.activation, grad_dtype=ctx.grad_dtype)
+            wanted = [leaf for i, leaf in enumerate(leaves) if needs[i] and leaf is not None]
+            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+        return (None, *(next(grads) if needs[i] and leaf is not None else None for i, leaf in enumerate(leaves)),
+                None)
