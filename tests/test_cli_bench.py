@@ -157,9 +157,10 @@ def test_layer_entries_check_against_their_baselines(run: dict) -> None:
     assert floor["median_us"] >= fastest * (1 - 1e-9) and floor["details"]["compute_us"] == pytest.approx(fastest)
     assert moe["memory copy"]["details"]["bytes_per_s"] > 0
     train = _rows(doc, "moe_train", small)
-    assert train["moe overlap, fwd+bwd"]["check"].startswith("ok: grads vs torch-native <= ")
-    assert train["moe overlap, fwd+bwd"]["check"].endswith("bitwise == staged")
-    assert list(train["moe staged, fwd+bwd"]["speedups"]) == ["torch-native, fwd+bwd"]
+    assert train["moe overlap, fwd+bwd"]["check"].startswith("ok: grads vs fp32 <= ")
+    assert train["moe sequential, recompute"]["check"].endswith("bitwise == default")
+    assert train["torch-native, fwd+bwd"]["check"].startswith("reference: grads vs fp32 <= ")
+    assert list(train["moe overlap, recompute"]["speedups"]) == ["torch-native, fwd+bwd"]
     assert train["floor: 3 x forward GEMMs"]["median_us"] == pytest.approx(3 * sum(
         train[n]["median_us"] for n in ("gate-up: dense, one expert's W", "down: dense, one expert's W")))
     timeline = _rows(doc, "moe_timeline", small)

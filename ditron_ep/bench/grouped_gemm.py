@@ -35,7 +35,7 @@ from ditron_ep.bench.torch_moe import torch_down, torch_gate_up
 from ditron_ep.check import make_routing
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
-from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp, launch_grouped_down, launch_grouped_up
+from ditron_ep.ops.moe_layer.grouped import grouped_mlp, launch_grouped_down, launch_grouped_up
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 
 FLOP_RULE = ("FLOPs = 2*rows*H*2I (gate-up) + 2*rows*I*H (down), rows = this rank's routed rows (the slowest "

@@ -5,10 +5,12 @@ Per token count T (per rank): tokens, routing and weights as in the "moe" entry 
 w1 [E_local, H, 2I], w2 [E_local, I, H]); an upstream gradient drawn once. One iteration =
 out = layer(x, topk_idx, topk_weights, w1, w2), then torch.autograd.grad(out, (x, topk_weights,
 w1, w2), grad_out): every input's gradient, no accumulation into .grad. Rows:
-  moe <schedule>, fwd+bwd  for every schedule: "overlap" / "sequential" run the fused forward and
-                      recompute the staged layer in the backward (activation-checkpointing style);
-                      "staged" keeps what its backward needs (dispatch's rows, the pre-activation,
-                      the expert outputs) instead;
+  moe overlap, fwd+bwd     `moe`'s default with gradients: the staged launches run the forward and
+                      keep what their backward needs (dispatch's rows, the pre-activation, the
+                      expert outputs);
+  moe <schedule>, recompute  recompute=True (activation checkpointing) for "overlap" and
+                      "sequential": the fused forward keeps only the inputs and the backward
+                      recomputes the staged forward first;
   torch-native, fwd+bwd    `torch_moe.torch_native_moe(..., differentiable=True)`: NCCL
                       all_to_all_single with autograd (torch.distributed.nn), torch._grouped_mm
                       and its backward (a per-expert matmul loop where unsupported);
@@ -16,9 +18,11 @@ w1, w2), grad_out): every input's gradient, no accumulation into .grad. Rows:
                       expert's weights (the forward GEMMs' FLOPs at cuBLAS's dense rate);
   floor: 3 x forward GEMMs  3 x (gate-up + down dense): a step's FLOPs are the forward's and twice
                       them in the backward (dgrad and wgrad of both GEMMs); communication excluded.
-Checks, once per T before timing: every gradient of ours against torch-native's (max |diff| /
-max |ref| over every rank, per input, the worst of the four within the dtype's rtol); the fused
-schedules' gradients bit for bit equal to the staged schedule's. Peak memory: on GPUs, one
+Checks, once per T before timing: every gradient of ours and of torch-native against float32
+gradients (torch-native's pipeline in float32, per-expert matmuls, no TF32): max |diff| / max |ref|
+over every rank, per input; ours passes where each of its four is within the dtype's rtol or
+within 1.25x torch-native's own error on that input (two bf16 pipelines round differently: dz, h
+and the rows are bf16 in both); the recompute rows' gradients bit for bit equal to the default's. Peak memory: on GPUs, one
 step's peak allocation above what was allocated before it (torch.cuda.max_memory_allocated),
 the largest over the ranks; ditron_ep's persistent buffers (EP heaps, fused layers: allocated once per
 shape, not per step) are in the baseline and reported apart as "workspace".
@@ -35,7 +39,6 @@ from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Me
 from ditron_ep.bench.torch_moe import torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import clear_cache, clear_layers, dispatch, moe
-from ditron_ep.ops.moe_layer.functional import SCHEDULES
 
 TORCH_NATIVE = "torch-native, fwd+bwd"
 FLOOR = "floor: 3 x forward GEMMs"
@@ -46,8 +49,9 @@ FLOP_RULE = ("FLOPs = 3 x (2*rows*H*2I + 2*rows*I*H): the forward's expert GEMMs
              "rank's step time, per GPU (activations, permutes and communication are not counted).")
 
 
-def ours_name(schedule: str) -> str:
-    return f"moe {schedule}, fwd+bwd"
+DEFAULT = "moe overlap, fwd+bwd"
+OURS = {DEFAULT: ("overlap", False), "moe overlap, recompute": ("overlap", True),
+        "moe sequential, recompute": ("sequential", True)}   # name: (schedule, recompute)
 
 
 def run_moe_train(ctx: BenchContext, tokens: int) -> list[Measurement]:
@@ -105,11 +109,13 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
 
     recv_x, off = guarded(ctx, "dispatch (untimed)", first_dispatch)
     grouped = probe_grouped_mm(ctx, recv_x, off[1:], wts) is None
-    steps = {ours_name(S): _step(lambda *a, S=S: moe(*a, group=ctx.group, schedule=S), inp, wts, grad_out)
-             for S in SCHEDULES}
+    del recv_x, off
+    steps = {name: _step(lambda *a, S=S, rc=rc: moe(*a, group=ctx.group, schedule=S, recompute=rc), inp, wts,
+                         grad_out) for name, (S, rc) in OURS.items()}
     steps[TORCH_NATIVE] = _step(lambda *a: torch_native_moe(*a, grouped, ctx.group, differentiable=True), inp, wts,
                                 grad_out)
-    # ---- checks: gradients against torch-native's; the fused schedules' bits against staged's
+    # ---- checks: every gradient against float32 ones; the recompute rows' bits against the default's
+    ref = guarded(ctx, "float32 gradients (check)", lambda: _float32_grads(ctx, inp, wts, grad_out))
     results: dict[str, tuple] = {}
     errors: dict[str, str] = {}
     for impl, fn in steps.items():
@@ -117,22 +123,28 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
             results[impl] = guarded(ctx, f"{impl} (check)", fn)
         except StageFailed as exc:
             errors[impl] = str(exc)
+    rel = {impl: {g: relative_errors(ctx, r, {"got": o})["got"] for g, r, o in zip(GRADS, ref, got)}
+           for impl, got in results.items()}
+    del ref
+    theirs = rel.get(TORCH_NATIVE, {})
     checks: dict[str, tuple[str, bool]] = {}
-    ref = results.get(TORCH_NATIVE)
-    staged = results.get(ours_name("staged"))
     for impl in steps:
-        if impl == TORCH_NATIVE or impl not in results or ref is None:
+        if impl not in rel:
             continue
-        rel = {g: relative_errors(ctx, r, {"ours": o})["ours"] for g, r, o in zip(GRADS, ref, results[impl])}
-        worst = max(rel, key=rel.get)
-        ok = rel[worst] <= rtol
-        text = f"{'ok' if ok else 'FAIL'}: grads vs {TORCH_NATIVE.split(',')[0]} <= {rel[worst]:.1e} ({worst})"
-        if impl != ours_name("staged") and staged is not None:
-            same = _all_true(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], staged)))
+        mine = rel[impl]
+        worst = max(mine, key=mine.get)
+        if impl == TORCH_NATIVE:
+            checks[impl] = (f"reference: grads vs fp32 <= {mine[worst]:.1e} ({worst})", True)
+            continue
+        ok = all(mine[g] <= rtol or (g in theirs and mine[g] <= 1.25 * theirs[g]) for g in GRADS)
+        text = f"{'ok' if ok else 'FAIL'}: grads vs fp32 <= {mine[worst]:.1e} ({worst}"
+        text += f"; torch-native {theirs[worst]:.1e})" if worst in theirs else ")"
+        if impl != DEFAULT and DEFAULT in results:
+            same = _all_true(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], results[DEFAULT])))
             ok = ok and same
-            text += ", bitwise == staged" if same else ", FAIL: differs from staged"
+            text += ", bitwise == default" if same else ", FAIL: differs from the default's"
         checks[impl] = (text, ok)
-    del results, ref, staged
+    del results
     out = []
     for impl, fn in steps.items():
         if impl in errors:
@@ -140,13 +152,28 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
             continue
         peak = guarded(ctx, f"{impl} (peak memory)", lambda fn=fn: _peak_mib(ctx, fn))
         peak = _max_over_ranks(ctx, peak)
-        text, ok = checks.get(impl, ("reference", True))
+        text, ok = checks.get(impl, ("not checked", False))
         details = {"peak_mib": peak, "workspace_mib": _workspace_mib(ctx)}
         if peak is not None:
             text += f"; peak {peak:,.0f} MiB"
         out.append(ctx.measure(impl, fn, flops, text, ok, details=details))
     out += _dense_and_floor(ctx, case)
     return out
+
+
+def _float32_grads(ctx: BenchContext, inp, wts, grad_out: torch.Tensor) -> tuple:
+    """(dx, dw, dw1, dw2) of the torch-native pipeline in float32 (per-expert matmuls, no TF32)."""
+    f32 = torch.float32
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.enable_grad():
+            leaves = [t.detach().to(f32).requires_grad_() for t in (inp.x, inp.w, wts.w1, wts.w2)]
+            out = torch_native_moe(leaves[0], inp.idx, leaves[1], leaves[2], leaves[3], False, ctx.group,
+                                   differentiable=True)
+            return torch.autograd.grad(out, leaves, grad_out.to(f32))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def _all_true(ctx: BenchContext, mine: bool) -> bool:
@@ -197,7 +224,7 @@ def _dense_and_floor(ctx: BenchContext, case) -> list[Measurement]:
 
 
 def plan_moe_train(req: BenchRequest, tokens: int, options, on_gpu: bool) -> tuple[Impl, ...]:
-    return (*(Impl(ours_name(S), against=(TORCH_NATIVE,)) for S in SCHEDULES), Impl(TORCH_NATIVE, "baseline"),
+    return (*(Impl(name, against=(TORCH_NATIVE,)) for name in OURS), Impl(TORCH_NATIVE, "baseline"),
             *(Impl(n, "reference") for n in DENSE), Impl(FLOOR, "reference", timed=False))
 
 
@@ -206,7 +233,8 @@ MOE_TRAIN = Benchmark(
     description="EP MoE layer training step (forward + backward of ditron_ep.ops.moe) vs torch-native autograd, "
                 "with peak memory and the floor",
     metric="TFLOP/s", work_rule=FLOP_RULE,
-    check_rule=f"every gradient vs {TORCH_NATIVE}'s: max |diff| / max |ref| over every rank within the dtype's "
-               f"rtol; the fused schedules' gradients bit for bit equal to the staged schedule's",
+    check_rule="every gradient vs float32 gradients (torch-native's pipeline in fp32): max |diff| / max |ref| over "
+               "every rank within the dtype's rtol or 1.25x torch-native's own error; the recompute rows' gradients "
+               "bit for bit equal to the default's",
     shapes=LAYER_SHAPES, tokens={"emulated": (8, 32), "torch": (1024, 4096)},
     plan=plan_moe_train, run=run_moe_train, default=False, options=(), dtypes=LAYER_DTYPES, routings=LAYER_ROUTINGS)

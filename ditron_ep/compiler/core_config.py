@@ -23,7 +23,7 @@ import re
 
 import torch
 
-__all__ = ["DEVICE_TYPES", "GemmTileConfig", "default_gemm_configs"]
+__all__ = ["DEVICE_TYPES", "GemmTileConfig", "default_backward_configs", "default_gemm_configs"]
 
 DEVICE_TYPES = ("cpu", "cuda", "hip")
 
@@ -112,3 +112,18 @@ def default_gemm_configs(dtype: torch.dtype, device_type: str) -> tuple[GemmTile
         raise ValueError(f"device_type must be one of {DEVICE_TYPES}, got {device_type!r} "
                          f"(ROCm devices report torch device type 'cuda': pass 'hip' for them)")
     return _DEFAULTS[(device_type, dtype in _HALF)]
+
+
+def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, GemmTileConfig]:
+    """Tile configs of the expert MLP's backward kernels (grouped_gemm_kernels.py), by kernel:
+    "act_grad" (dh = dy @ W2^T, [rows, I] tiles over K = H, activation backward in the epilogue),
+    "dgrad" (dx = dz @ W1^T, [rows, H] tiles over K = n*I) and "wgrad" (per expert a^T @ b,
+    [a cols, b cols] tiles over the expert's rows). They start from the forward's: act_grad and
+    wgrad the first GEMM's tile, dgrad the second's; on NVIDIA, wgrad's half-precision tile is
+    BN=256 with 3 stages: 4 % less time for a whole forward + backward at the layer shape than the
+    first GEMM's tile (H200, rows=32768, E_local=32, H=7168, I=2048; BN 128 -> 256: 19.1 -> 18.3 ms;
+    act_grad and dgrad kept their starting tiles, others were slower;
+    bench/results/backward_tiles_H200_20261126_s16.log)."""
+    up, down = default_gemm_configs(dtype, device_type)
+    wgrad = GemmTileConfig(128, 256, 64, 8, 3) if (device_type, dtype in _HALF) == ("cuda", True) else up
+    return {"act_grad": up, "dgrad": down, "wgrad": wgrad}

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import ditron_ep  # noqa: F401
 from ditron_ep.check import make_routing
 from ditron_ep.ops.moe_layer.fused import FusedMoE
-from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp
+from ditron_ep.ops.moe_layer.grouped import grouped_mlp
 
 H, I, K = 1024, 512, 4
 MAX_T = 256      # tokens every layer is sized for (the prefill-sized ones: PREFILL_T)
@@ -374,7 +374,7 @@ def test_grouped_mlp_bad_values_repaired_on_device(dist_env):
     out-of-range row_index are repaired on the device, giving the result of the repaired inputs
     (no fault, no unwritten rows); valid inputs give the same bits as check=False; check=True
     raises."""
-    from ditron_ep.ops.moe_layer.grouped_mlp import _made_valid
+    from ditron_ep.ops.moe_layer.grouped import _made_valid
     dev = dist_env.device
     g = torch.Generator().manual_seed(12)
     n_x, E = 200, 3

@@ -1,8 +1,8 @@
 """Training through the MoE layer on CUDA ranks (bf16), under torchrun (tests/gpu/run_gpu_suite.sh).
 
 Every gradient (x, topk_weights, w1, w2, and b1, b2 where the experts have biases) of
-`moe(..., schedule=S)` for S in overlap / sequential / staged: bit for bit the same under every
-schedule, 100 repeated backward passes identical, and within bf16 tolerance of float64 autograd
+`moe(..., schedule=S)` for S in overlap / sequential / staged, keeping the activations or
+recomputing them: bit for bit the same under every schedule, 100 repeated backward passes identical, and within bf16 tolerance of float64 autograd
 over every rank's tokens. The layer shape is test_moe_gpu.py's (H=1024, I=512, K=4, E=4*W, 256
 tokens), so the SwiGLU megakernel binary is shared with it; the GELU-with-biases case compiles one
 more. Test bodies record problems and assert after their last collective (see conftest.py).
@@ -19,7 +19,8 @@ from ditron_ep.ops import clear_cache, clear_layers, moe
 from ditron_ep.ops.moe_layer.experts import expert_activation, width_factor
 
 H, I, K, T = 1024, 512, 4, 256
-SCHEDULES = ("staged", "overlap", "sequential")
+RUNS = {"staged": ("staged", False), "overlap": ("overlap", False), "overlap recompute": ("overlap", True),
+        "sequential recompute": ("sequential", True)}  # name: (schedule, recompute)
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -45,11 +46,11 @@ def _case(dev, activation: str, bias: bool, seed: int) -> dict:
     return {k: (v.to(dev) if v is not None else None) for k, v in mine.items()}
 
 
-def _grads(c: dict, activation: str, schedule: str) -> list[torch.Tensor]:
+def _grads(c: dict, activation: str, schedule: str, recompute: bool = False) -> list[torch.Tensor]:
     names = ["x", "w", "w1", "w2"] + (["b1", "b2"] if c["b1"] is not None else [])
     leaves = {n: c[n].detach().clone().requires_grad_() for n in names}
     out = moe(leaves["x"], c["idx"], leaves["w"], leaves["w1"], leaves["w2"], b1=leaves.get("b1"),
-              b2=leaves.get("b2"), activation=activation, schedule=schedule)
+              b2=leaves.get("b2"), activation=activation, schedule=schedule, recompute=recompute)
     return [out.detach(), *torch.autograd.grad(out, list(leaves.values()), c["gout"])]
 
 
@@ -97,14 +98,14 @@ def _oracle_grads(c: dict, activation: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("activation,bias", [("swiglu", False), ("gelu", True)], ids=["swiglu", "gelu-bias"])
 def test_moe_gradients_bitwise_across_schedules_and_close_to_float64(dist_env, activation, bias):
     c = _case(dist_env.device, activation, bias, seed=11)
-    runs = {S: _grads(c, activation, S) for S in SCHEDULES}
+    runs = {name: _grads(c, activation, *how) for name, how in RUNS.items()}
     want = _oracle_grads(c, activation)
     problems = []
     names = ["out", "x", "topk_weights", "w1", "w2", "b1", "b2"]
     for S, got in runs.items():
         if S != "staged" and not all(torch.equal(a, b) for a, b in zip(got[1:], runs["staged"][1:])):
             problems.append(f"{S}: gradients differ from staged's")
-    for S in ("overlap", "staged"):
+    for S in ("overlap recompute", "staged"):
         for name, g, ref in zip(names, runs[S], want):
             scale = float(ref.abs().max()) if ref.numel() else 0.0
             err = float((g.double() - ref).abs().max()) if ref.numel() else 0.0

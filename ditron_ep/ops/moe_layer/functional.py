@@ -14,7 +14,7 @@ from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES, CapacityError
 from ditron_ep.ops.ep.functional import group_id, key_fields, refuse_cached, refuse_through_match
 from ditron_ep.ops.moe_layer.experts import ACT_CODES, check_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE, validate_inputs
-from ditron_ep.ops.moe_layer.grouped_mlp import GRAD_DTYPES
+from ditron_ep.ops.moe_layer.grouped import GRAD_DTYPES
 from ditron_ep.ops.moe_layer.staged import staged_moe
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
@@ -28,7 +28,8 @@ _LAYERS: dict[tuple, FusedMoE] = {}
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
         w2: torch.Tensor, *, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
         activation: str = "swiglu", group: dist.ProcessGroup | None = None, schedule: str = "overlap",
-        sync: bool = True, check_errors: bool = False, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
+        sync: bool = True, check_errors: bool = False, grad_dtype: torch.dtype | None = None,
+        recompute: bool = False) -> torch.Tensor:
     """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * MLP_{e(t,k)}(x[t]).
 
     Args:
@@ -51,15 +52,23 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         check_errors: fused schedules with sync=True: also wait for the megakernel and raise a
             timeout inside it in this call (a second host read) instead of at the next call.
         grad_dtype: dtype of the weight and bias gradients: None (the weights') or torch.float32.
+        recompute: with gradients, what the forward keeps for the backward. False (default): the
+            staged launches run the forward (under every schedule) and keep what their backward
+            needs: the dispatched rows, the pre-activation, the expert outputs. True (activation
+            checkpointing): the schedule's own forward (fused for "overlap" / "sequential") keeps
+            only the inputs, and the backward recomputes the staged forward first (one more
+            dispatch, MLP and combine). Measured on 2xH100 (H=7168, I=2048, E=64, top-8, T=4096,
+            bf16): 26.1 ms a step without, 32.3 ms with (bench/results/HISTORY.md, session 16).
     Returns:
         [T, H] in x's dtype; top-k terms summed in k order in fp32, cast once.
 
     Gradients (for x, topk_weights, w1, w2, b1, b2): the staged schedule's autograd — dispatch's
-    backward is a combine, the experts' the grouped MLP backward kernels (grouped_mlp.py),
-    combine's a dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>. The fused schedules run their
-    forward fused and, in backward, recompute the staged forward on the saved inputs first (one
-    more dispatch, MLP and combine; staged.py); they need sync=True when gradients are asked for.
-    The same inputs give the same gradient bits under every schedule.
+    backward is a combine, the experts' the grouped MLP backward kernels (grouped.py),
+    combine's a dispatch plus grad_w[t, k] = <grad_out[t], y(t, k)>; see `recompute`. The same
+    inputs give the same gradient bits under every schedule and either `recompute`; with
+    gradients the forward's output is the staged launches' unless recompute=True (the fused
+    schedules' own bits, which the staged launches equal only to rounding). The fused schedules
+    need sync=True when gradients are asked for.
     """
     if schedule not in SCHEDULES:
         raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
@@ -87,7 +96,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         raise
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
-    if schedule == "staged":
+    if schedule == "staged" or (needs_grad and not recompute):
         return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, group=group, num_experts=num_experts,
                           activation=activation, grad_dtype=grad_dtype)
     return _fused(x, topk_idx, topk_weights, (w1, w2, b1, b2), group, schedule, sync, check_errors, num_experts,

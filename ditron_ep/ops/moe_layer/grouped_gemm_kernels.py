@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
+from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
 from ditron_ep.language.registry import register_device_function, register_kernel
 
 __all__ = ["act_fwd", "act_grad", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
@@ -457,10 +457,11 @@ _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
 def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: GemmTileConfig, *, label: str,
                          shape: tuple[int, int] | None = None, has_idx: bool = True,
                          input_precision: str = "tf32", num_local_experts: int = 16, activation: int = 0,
-                         biases: bool = False, backward: bool = False) -> None:
+                         biases: bool = False, backward: dict[str, GemmTileConfig] | None = None) -> None:
     """Register one compile signature of each FFN kernel (and, `backward`, of each backward
-    kernel) for the portability check. activation: an experts.ACT_CODES code; biases: b1 / b2
-    read (forward) and bias gradients written (wgrad); the forward saves z when `backward`.
+    kernel, with these tiles: core_config.default_backward_configs) for the portability check.
+    activation: an experts.ACT_CODES code; biases: b1 / b2 read (forward) and bias gradients
+    written (wgrad); the forward saves z when `backward`.
 
     shape=(H, I) compiles them as constants. Launches specialise H and I (multiples of 16 in real
     models) as divisible by 16, and without that knowledge Triton does not pipeline the K-loop:
@@ -483,34 +484,35 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
                     {"a_ptr": ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "b1_ptr": ptr, "h_ptr": ptr, "z_ptr": ptr,
                      **maps, **ints},
                     {**dims, "HAS_IDX": has_idx, **blocks(gate_up), **tiles, "ACT": activation, "HAS_B1": biases,
-                     "SAVE_Z": backward},
+                     "SAVE_Z": backward is not None},
                     label=f"{label}{'-gather' if has_idx else ''}{act} {gate_up}", options=gate_up.launch_options(),
                     multiples_of_16=mult16)
     register_kernel(grouped_down_kernel,
                     {"h_ptr": ptr, "w2_ptr": ptr, "b2_ptr": ptr, "y_ptr": ptr, **maps, **ints},
                     {**dims, **blocks(down), **tiles, "HAS_B2": biases},
                     label=f"{label}{act} {down}", options=down.launch_options(), multiples_of_16=mult16)
-    if not backward:
+    if backward is None:
         return
+    ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
     register_kernel(grouped_act_grad_kernel,
                     {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints},
-                    {**dims, **blocks(down), **tiles, "ACT": activation},
-                    label=f"{label}{act} act-grad {down}", options=down.launch_options(), multiples_of_16=mult16)
+                    {**dims, **blocks(ag), **tiles, "ACT": activation},
+                    label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=mult16)
     dgrad_ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
     register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints},
-                    {**blocks(down), **tiles},
-                    label=f"{label} dgrad {down}", options=down.launch_options(), multiples_of_16=["K", "N"])
+                    {**blocks(dg), **tiles},
+                    label=f"{label} dgrad {dg}", options=dg.launch_options(), multiples_of_16=["K", "N"])
     register_kernel(grouped_wgrad_kernel,
                     {"a_ptr": ptr, "b_ptr": ptr, "g_ptr": ptr, "gb_ptr": ptr, "expert_off_ptr": "*i32",
                      **{n: "i32" for n in ("rows_cap", "M", "N", "E_local")}},
-                    {**blocks(down), "INPUT_PRECISION": input_precision, "HAS_BIAS": biases},
-                    label=f"{label}{act} wgrad {down}", options=down.launch_options(), multiples_of_16=["M", "N"])
+                    {**blocks(wg), "INPUT_PRECISION": input_precision, "HAS_BIAS": biases},
+                    label=f"{label}{act} wgrad {wg}", options=wg.launch_options(), multiples_of_16=["M", "N"])
 
 
 # Every signature is compiled for sm_90 and gfx942, so these are AMD's defaults (64 KiB LDS);
-# tests/ops/test_grouped_mlp.py compiles NVIDIA's larger defaults for sm_90 alone.
+# tests/ops/test_grouped.py compiles NVIDIA's larger defaults for sm_90 alone.
 register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"), label="bf16",
-                     shape=(7168, 2048), backward=True)
+                     shape=(7168, 2048), backward=default_backward_configs(torch.bfloat16, "hip"))
 register_ffn_configs(torch.float32, *default_gemm_configs(torch.float32, "hip"), label="fp32-ieee",
                      has_idx=False, input_precision="ieee", num_local_experts=256, activation=3, biases=True,
-                     backward=True)
+                     backward=default_backward_configs(torch.float32, "hip"))

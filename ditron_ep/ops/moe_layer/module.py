@@ -6,8 +6,9 @@ a replica of the router and only its own E / W experts.
 
 Training: `moe`'s backward gives the gradients of x, the experts and, through the top-k weights
 and the aux loss, the router (a replica on every rank: average its gradient over the group, as
-data parallelism does). With the fused schedules the forward runs fused and the backward
-recomputes the staged schedule first (see `moe`); every schedule gives the same gradient bits.
+data parallelism does). With gradients the forward runs the staged launches and keeps their
+activations, or with recompute=True the schedule's own forward and a recomputation in the
+backward (see `moe`); every schedule gives the same gradient bits.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import nn
 from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES
 from ditron_ep.ops.moe_layer.functional import SCHEDULES, moe, refuse_moe
 from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
-from ditron_ep.ops.moe_layer.grouped_mlp import GRAD_DTYPES, MAX_LOCAL_EXPERTS
+from ditron_ep.ops.moe_layer.grouped import GRAD_DTYPES, MAX_LOCAL_EXPERTS
 from ditron_ep.runtime.errors import DitronConfigError
 
 __all__ = ["EPMoE", "SCORE_FUNCS"]
@@ -88,6 +89,8 @@ class EPMoE(nn.Module):
             "gelu", "gelu_tanh", "relu", "silu").
         bias: give both expert layers a bias (b1, b2).
         grad_dtype: dtype of the expert weight gradients: None (the weights') or torch.float32.
+        recompute: `moe`'s: with gradients, keep only the inputs and recompute the expert work in
+            the backward (activation checkpointing; slower), or keep the activations (default).
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, topk: int,
@@ -95,7 +98,7 @@ class EPMoE(nn.Module):
                  renormalize: bool = True, aux_loss_coef: float = 0.0,
                  router_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, schedule: str = "overlap", activation: str = "swiglu",
-                 bias: bool = False, grad_dtype: torch.dtype | None = None) -> None:
+                 bias: bool = False, grad_dtype: torch.dtype | None = None, recompute: bool = False) -> None:
         super().__init__()
         for name, value in (("hidden", hidden), ("ffn_hidden", ffn_hidden), ("num_experts", num_experts),
                             ("topk", topk)):
@@ -148,7 +151,9 @@ class EPMoE(nn.Module):
         self.num_local_experts = num_experts // world
         self.score_func, self.renormalize, self.aux_loss_coef = score_func, renormalize, float(aux_loss_coef)
         self.router_dtype, self.schedule = router_dtype, schedule
-        self.activation, self.grad_dtype = activation, grad_dtype
+        if not isinstance(recompute, bool):
+            raise DitronConfigError(f"recompute must be a bool, got {recompute!r}")
+        self.activation, self.grad_dtype, self.recompute = activation, grad_dtype, recompute
         e_local, width = self.num_local_experts, width_factor(activation) * ffn_hidden
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=router_dtype, device=device))
         self.w1 = nn.Parameter(torch.empty(e_local, hidden, width, dtype=dtype, device=device))
@@ -218,7 +223,8 @@ class EPMoE(nn.Module):
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)
         aux_loss = self.aux_loss_coef * _load_balancing_loss(probs, topk_idx, self.num_experts)
         out = moe(tokens, topk_idx, topk_weights.to(torch.float32), self.w1, self.w2, b1=self.b1, b2=self.b2,
-                  activation=self.activation, group=self.group, schedule=self.schedule, grad_dtype=self.grad_dtype)
+                  activation=self.activation, group=self.group, schedule=self.schedule, grad_dtype=self.grad_dtype,
+                  recompute=self.recompute)
         return out.reshape(x.shape), aux_loss
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.ep.functional import combine, dispatch
-from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp
+from ditron_ep.ops.moe_layer.grouped import grouped_mlp
 
 __all__ = ["FusedForwardStagedBackward", "staged_moe"]
 

@@ -64,13 +64,17 @@ def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str,
     exp = ep_moe_oracle(xs, idxs, ws, w1s, w2s)[rank]
     err = torch.stack([(o.to(torch.float64) - exp).abs().max() if o.numel() else torch.zeros((), dtype=torch.float64)
                        for o in outs.values()])
+    # with gradients: the staged launches keep their activations; with recompute=True, the fused forward
     grad_mode = moe(xs[rank].clone().requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank])
+    grad_mode_fused = moe(xs[rank].clone().requires_grad_(True), idxs[rank], ws[rank], w1s[rank], w2s[rank],
+                          recompute=True)
     clear_cache()
     clear_layers()
     bound = 1e-5 + 1e-5 * (float(exp.abs().max()) if exp.numel() else 0.0)
     return {"max_abs": float(err.max()), "ok": bool((err <= bound).all()),
             "bitwise": torch.equal(out, out2) and torch.equal(out, outs["sequential"]),
-            "grad_mode_bitwise": torch.equal(grad_mode.detach(), out)}
+            "grad_mode_bitwise": torch.equal(grad_mode.detach(), outs["staged"])
+            and torch.equal(grad_mode_fused.detach(), out)}
 
 
 def _oracle_grads(xs, idxs, ws, experts, gouts, rank: int, activation: str) -> dict:
@@ -105,8 +109,9 @@ def _oracle_grads(xs, idxs, ws, experts, gouts, rank: int, activation: str) -> d
 def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0,
                       activation: str = "swiglu", bias: bool = False) -> dict:
     """Gradients of moe for x, topk_weights and the expert weights (and biases) against the float64
-    oracle's; a dropped slot's weight gradient 0; staged twice, overlap, sequential and a FusedMoE
-    called directly: every backward bitwise equal."""
+    oracle's; a dropped slot's weight gradient 0; staged twice, overlap (keeping activations, and
+    recomputing them), sequential (recomputing) and a FusedMoE called directly: every backward
+    bitwise equal; the fused forwards equal each other, the default's equals staged's."""
     from ditron_ep.ops import clear_cache, clear_layers, moe
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -115,15 +120,17 @@ def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: s
     gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 31 + r)) for r, t in enumerate(tokens)]
     layer = FusedMoE(None, E, H, I, max(tokens), K, torch.float32, activation=activation)
     runs, outs = {}, {}
-    for name, schedule in (("staged", "staged"), ("staged again", "staged"), ("overlap", "overlap"),
-                           ("sequential", "sequential"), ("FusedMoE", None)):
+    for name, schedule, recompute in (("staged", "staged", False), ("staged again", "staged", False),
+                                      ("overlap", "overlap", False), ("overlap recompute", "overlap", True),
+                                      ("sequential recompute", "sequential", True), ("FusedMoE", None, True)):
         leaves = [None if t is None else t.clone().requires_grad_()
                   for t in (xs[rank], ws[rank], *experts[rank])]
         x, w, w1, w2, b1, b2 = leaves
         if schedule is None:
             out = layer(x, idxs[rank], w, w1, w2, b1, b2)
         else:
-            out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation=activation, schedule=schedule)
+            out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation=activation, schedule=schedule,
+                      recompute=recompute)
         out.backward(gouts[rank])
         runs[name] = [leaf.grad.clone() for leaf in leaves if leaf is not None]
         outs[name] = out.detach()
@@ -140,7 +147,9 @@ def moe_training_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: s
     dropped = idxs[rank] < 0
     return {"errors": errors,
             "bitwise": {name: all(torch.equal(a, b) for a, b in zip(run, runs["staged"])) for name, run in runs.items()},
-            "forward_bitwise": all(torch.equal(outs[n], outs["overlap"]) for n in ("sequential", "FusedMoE")),
+            "forward_bitwise": all(torch.equal(outs[n], outs["overlap recompute"])
+                                   for n in ("sequential recompute", "FusedMoE"))
+            and torch.equal(outs["overlap"], outs["staged"]),
             "dropped_weight_grads_zero": bool((runs["staged"][1][dropped] == 0).all())}
 
 

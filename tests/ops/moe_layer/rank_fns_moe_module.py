@@ -92,7 +92,9 @@ def forward_case(tokens: list[int], num_experts: int, score_func: str, renormali
     report["bitwise"] = torch.equal(out, out2) and torch.equal(aux, aux2)
     report["inference_mode_bitwise"] = torch.equal(out, out3) and torch.equal(aux, aux3)
 
-    out5, aux5 = layer(x)  # grad mode with trainable parameters: the same fused forward, with a graph
+    layer.recompute = True  # grad mode, trainable parameters, activation checkpointing: the fused forward
+    out5, aux5 = layer(x)
+    layer.recompute = False
     report["grad_mode_bitwise"] = torch.equal(out5.detach(), out) and out5.requires_grad
     layer.requires_grad_(False)  # frozen: grad mode is fine, nothing needs the experts' backward
     out4, _ = layer(x)

@@ -18,7 +18,7 @@ import torch
 from ditron_ep.check import assert_close_to_oracle
 from ditron_ep.compiler.core_config import DEVICE_TYPES, GemmTileConfig, default_gemm_configs
 from ditron_ep.ops.moe_layer.experts import expert_activation, width_factor
-from ditron_ep.ops.moe_layer.grouped_mlp import grouped_mlp, launch_grouped_down, launch_grouped_up
+from ditron_ep.ops.moe_layer.grouped import grouped_mlp, launch_grouped_down, launch_grouped_up
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 from ditron_ep.ops.moe_layer.naive import ep_moe_oracle
 
@@ -292,12 +292,13 @@ def test_tile_config_validation():
 _SM90_COMPILE = """
 import json, sys, torch
 from triton.backends.compiler import GPUTarget
-from ditron_ep.compiler.core_config import default_gemm_configs
+from ditron_ep.compiler.core_config import default_backward_configs, default_gemm_configs
 from tools.portability import compile_registered
 from ditron_ep.ops.moe_layer import grouped_gemm_kernels as grouped_gemm
 for dtype in (torch.bfloat16, torch.float32):
     grouped_gemm.register_ffn_configs(dtype, *default_gemm_configs(dtype, "cuda"), label=f"cuda-default-{dtype}",
-                                      shape=(7168, 2048), backward=dtype == torch.bfloat16)
+                                      shape=(7168, 2048),
+                                      backward=default_backward_configs(dtype, "cuda") if dtype == torch.bfloat16 else None)
 results = compile_registered([GPUTarget("cuda", 90, 32)], modules={grouped_gemm.__name__})
 json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-default" in r.label], sys.stdout)
 """
@@ -322,7 +323,7 @@ def test_nvidia_default_configs_compile_for_sm90(tmp_path):
 def test_values_made_valid_without_host_sync():
     """GPU default (check=None): bad offsets / row_index are repaired on the device so every row
     is written once; valid ones pass unchanged (the same bits)."""
-    from ditron_ep.ops.moe_layer.grouped_mlp import _made_valid
+    from ditron_ep.ops.moe_layer.grouped import _made_valid
     good_off = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
     good_idx = torch.tensor([4, 0, 1, 2, 3, 0, 1], dtype=torch.int32)
     off, idx = _made_valid(good_off, good_idx, 7, 5)

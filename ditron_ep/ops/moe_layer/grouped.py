@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
+from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
 from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
@@ -139,7 +139,8 @@ def grouped_mlp(
         input_precision = "ieee" if device_type == "cpu" else "tf32"
     elif input_precision not in _PRECISIONS:
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
-    run = _Launches(tuple(config), num_programs, input_precision, group_rows, activation_code(activation))
+    run = _Launches(tuple(config), num_programs, input_precision, group_rows, activation_code(activation),
+                    default_backward_configs(x.dtype, device_type))
     if needs_grad:
         return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation))
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
@@ -148,9 +149,10 @@ def grouped_mlp(
 class _Launches:
     """The kernel launches of one grouped_mlp call on validated inputs (its settings bound)."""
 
-    def __init__(self, config, num_programs, input_precision, group_rows, act):
+    def __init__(self, config, num_programs, input_precision, group_rows, act, backward_configs):
         (self.up_cfg, self.down_cfg), self.num_programs = config, num_programs
         self.input_precision, self.group_rows, self.act = input_precision, group_rows, act
+        self.bwd = backward_configs  # core_config.default_backward_configs
 
     def _maps(self, expert_offsets, *block_ms):
         return {bm: build_tile_map(expert_offsets, bm) for bm in set(block_ms)}
@@ -176,49 +178,61 @@ class _Launches:
         return out
 
     def backward(self, x, expert_offsets, w1, w2, z, grad_y, need_x, need_w, need_b1, need_b2, grad_dtype):
-        """(dx, dW1, dW2, db1, db2) for grad_y [rows, H] (None where not needed)."""
+        """(dx, dW1, dW2, db1, db2) for grad_y [rows, H] (None where not needed). z: a one-element
+        list holding the pre-activation, emptied once read (its memory is freed before the weight
+        gradients are allocated)."""
         rows, hidden = x.shape
         num_local, inter = w2.shape[0], w2.shape[1]
         width = w1.shape[2]
         dev, dt = x.device, x.dtype
         wdt = grad_dtype or w1.dtype
-        dx = torch.zeros_like(x) if need_x else None
-        dw1 = torch.zeros(w1.shape, dtype=wdt, device=dev) if need_w else None
-        dw2 = torch.zeros(w2.shape, dtype=wdt, device=dev) if need_w else None
-        db1 = torch.zeros((num_local, width), dtype=wdt, device=dev) if need_b1 else None
-        db2 = torch.zeros((num_local, hidden), dtype=wdt, device=dev) if need_b2 else None
+        # Outputs are allocated with torch.empty: the kernels write every element (rows past the
+        # experts zeroed, experts without rows get zero gradients), so no memset of the weight
+        # gradients (2.8 GB at the layer shape)
         if rows == 0:
-            return dx, dw1, dw2, db1, db2
+            z.clear()
+            return tuple(torch.zeros(shape, dtype=d, device=dev) if need else None for need, shape, d in (
+                (need_x, x.shape, dt), (need_w, w1.shape, wdt), (need_w, w2.shape, wdt),
+                (need_b1, (num_local, width), wdt), (need_b2, (num_local, hidden), wdt)))
         dy = grad_y.contiguous()
         dz = torch.empty((rows, width), dtype=dt, device=dev)
         h = torch.empty((rows, inter), dtype=dt, device=dev)
-        cfg = self.up_cfg  # [BM, BN] tiles over I (dh, dz) and over the weights (wgrad)
-        maps = self._maps(expert_offsets, cfg.block_m, self.down_cfg.block_m)
+        cfg, dcfg, wcfg = self.bwd["act_grad"], self.bwd["dgrad"], self.bwd["wgrad"]
+        maps = self._maps(expert_offsets, cfg.block_m, dcfg.block_m)
         tiles = maps[cfg.block_m]
         m_cap = max_m_tiles(rows, num_local, cfg.block_m)
         block_e = triton.next_power_of_2(num_local)
         grid = (min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
         grouped_act_grad_kernel[grid](
-            dy, w2, z, dz, h, tiles, expert_offsets, rows, m_cap, hidden, inter, num_local,
+            dy, w2, z[0], dz, h, tiles, expert_offsets, rows, m_cap, hidden, inter, num_local,
             min(self.group_rows, m_cap), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=block_e,
             INPUT_PRECISION=self.input_precision, ACT=self.act, **cfg.launch_options())
+        z.clear()
+
+        def wgrad(a, b, need_g, need_gb):
+            """(g [E_local, a cols, b cols], gb [E_local, b cols]) per expert over its rows."""
+            m_dim, n_dim = a.shape[1], b.shape[1]
+            g = torch.empty((num_local, m_dim, n_dim), dtype=wdt, device=dev)
+            gb = torch.empty((num_local, n_dim), dtype=wdt, device=dev) if need_gb else None
+            n_tiles = num_local * triton.cdiv(m_dim, wcfg.block_m) * triton.cdiv(n_dim, wcfg.block_n)
+            grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
+                a, b, g, gb if gb is not None else g, expert_offsets, rows, m_dim, n_dim, num_local,
+                BM=wcfg.block_m, BN=wcfg.block_n, BK=wcfg.block_k, INPUT_PRECISION=self.input_precision,
+                HAS_BIAS=need_gb, **wcfg.launch_options())
+            return g if need_g else None, gb
+
+        # W2's gradients first, so that h is freed before the larger ones are allocated
+        dw2, db2 = wgrad(h, dy, need_w, need_b2) if need_w or need_b2 else (None, None)
+        del h
+        dx = None
         if need_x:
-            dcfg = self.down_cfg
+            dx = torch.empty(x.shape, dtype=dt, device=dev)
             m_cap2 = max_m_tiles(rows, num_local, dcfg.block_m)
             grouped_dgrad_kernel[(min(self.num_programs, m_cap2 * triton.cdiv(hidden, dcfg.block_n)),)](
                 dz, w1, dx, maps[dcfg.block_m], expert_offsets, rows, m_cap2, width, hidden, num_local,
                 min(self.group_rows, m_cap2), BM=dcfg.block_m, BN=dcfg.block_n, BK=dcfg.block_k,
                 BLOCK_E=block_e, INPUT_PRECISION=self.input_precision, **dcfg.launch_options())
-        for a, b, g, gb, need in ((x, dz, dw1, db1, need_w or need_b1), (h, dy, dw2, db2, need_w or need_b2)):
-            if not need:
-                continue
-            m_dim, n_dim = a.shape[1], b.shape[1]
-            g_out = g if g is not None else torch.empty((num_local, m_dim, n_dim), dtype=wdt, device=dev)
-            n_tiles = num_local * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
-            grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
-                a, b, g_out, gb if gb is not None else g_out, expert_offsets, rows, m_dim, n_dim, num_local,
-                BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
-                HAS_BIAS=gb is not None, **cfg.launch_options())
+        dw1, db1 = wgrad(x, dz, need_w, need_b1) if need_w or need_b1 else (None, None)
         return dx, dw1, dw2, db1, db2
 
 
@@ -229,23 +243,30 @@ class _GroupedMLP(torch.autograd.Function):
     def forward(ctx, x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, save_z):
         z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device) if save_z else None
         y = run.forward(x, expert_offsets, w1, w2, b1, b2, None, None, z=z)
-        ctx.save_for_backward(x, w1, w2, b1, expert_offsets, z)
+        ctx.save_for_backward(x, w1, w2, b1, expert_offsets)
+        # z is an intermediate, not an input: held outside save_for_backward so that the backward
+        # can free it as soon as it is read (no double backward through this Function)
+        ctx.z = [z] if save_z else []
         ctx.run, ctx.grad_dtype = run, grad_dtype
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w1, w2, b1, expert_offsets, z = ctx.saved_tensors
+        x, w1, w2, b1, expert_offsets = ctx.saved_tensors
         need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
-        run = ctx.run
-        if z is None and x.shape[0]:  # recompute the pre-activation: the first GEMM again
+        run, z_box = ctx.run, ctx.z
+        ctx.z = []
+        if not z_box and x.shape[0]:  # recompute the pre-activation: the first GEMM again
             z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
             h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
             cfg = run.up_cfg
             launch_grouped_up(x, None, w1, h, expert_offsets, build_tile_map(expert_offsets, cfg.block_m), cfg,
                               run.num_programs, run.input_precision, run.group_rows, act=run.act, b1=b1, z=z)
-        grads = run.backward(x, expert_offsets, w1, w2, z, grad_y, need_x, need_w1 or need_w2, need_b1, need_b2,
-                             ctx.grad_dtype)
+            del h
+            z_box = [z]
+            del z
+        grads = run.backward(x, expert_offsets, w1, w2, z_box, grad_y, need_x, need_w1 or need_w2, need_b1,
+                             need_b2, ctx.grad_dtype)
         dx, dw1, dw2, db1, db2 = grads
         return (dx, dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2, None, None, None, None)
 
