@@ -510,7 +510,7 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
 
 
 # Every signature is compiled for sm_90 and gfx942, so these are AMD's defaults (64 KiB LDS);
-# tests/ops/test_grouped.py compiles NVIDIA's larger defaults for sm_90 alone.
+# tests/ops/test_grouped_mlp.py compiles NVIDIA's larger defaults for sm_90 alone.
 register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"), label="bf16",
                      shape=(7168, 2048), backward=default_backward_configs(torch.bfloat16, "hip"))
 register_ffn_configs(torch.float32, *default_gemm_configs(torch.float32, "hip"), label="fp32-ieee",
