@@ -6,8 +6,9 @@
   the bounded-wait timeout, the sequential reference against the float64 oracle, EP
   dispatch/combine (received rows vs the reference permutation bit for bit, combine vs the
   float64 oracle, run vs run bitwise) and the MoE layer (`moe` overlap vs sequential bitwise,
-  run vs run bitwise, vs the float64 oracle) for several routings. `--against MODULE:FN` checks
-  the user's own MoE forward instead (see ditron_ep/check/against.py for the contract).
+  run vs run bitwise, vs the float64 oracle; the same three for its gradients) for several
+  routings. `--against MODULE:FN` checks the user's own MoE function instead, its gradients too
+  with `--backward` (see ditron_ep/check/against.py for the contract).
   Prints a table, optionally writes it as JSON (`--json PATH`), exits 1 if any case failed.
 * `bench` — the benchmarks of `ditron_ep.bench`: dispatch, combine and moe by default, and
   dispatch_combine (every stage, eager and CUDA-graph replays, 0-token cost), moe_timeline (the
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--shape", type=_shape, default=None, metavar="T,H,I,E,K",
                        help="tokens (rank 0; rank r has T-3r), hidden, FFN width, experts, top-k "
                             "of the dispatch / moe / --against cases (default 16,32,16,8,2)")
+    check.add_argument("--backward", action="store_true", default=None,
+                       help="also check the gradients of the MoE cases (on by default without --against)")
     check.add_argument("--against", default=None, metavar="MODULE:FN",
                        help="check your own MoE forward instead of the built-in cases: "
                             "FN(x, topk_idx, topk_weights, w1, w2, *, group=None, "
@@ -277,7 +280,7 @@ def _plan_options(args: argparse.Namespace, world_size: int, backend: str) -> di
             raise DitronConfigError(f"--against on {backend} ranks runs in fp32 only (the Triton "
                                     f"interpreter's bf16 math is wrong); add fp32 to --dtypes")
     return dict(routings=args.routings, dtypes=dtypes, repeats=args.repeats, shape=shape,
-                against=args.against, backend=backend)
+                against=args.against, backend=backend, backward=args.backward)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

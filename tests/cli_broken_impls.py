@@ -10,6 +10,13 @@ the others is broken in one way that exactly one check of `--against` must catch
 * `index_add_combine_moe` — combine accumulates the (t, k) terms with `index_add_` in a random
                           order per call, in fp32: run vs run (needs K >= 3: with two terms
                           added to zero, a + b == b + a, so the order cannot show).
+
+Broken in their backward only (`check --backward`; the forward rows pass):
+
+* `grad_ulp_moe`        — one element of w1's gradient one ulp off in overlap mode: backward
+                          overlap vs sequential;
+* `atomic_wgrad_moe`    — weight gradients accumulated over the rows in a random order per call:
+                          backward run vs run.
 """
 from __future__ import annotations
 
@@ -73,3 +80,47 @@ def index_add_combine_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, sche
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     out.index_add_(0, token[order], terms[order])
     return out.to(x.dtype)
+
+
+class _NudgeGradInOverlap(torch.autograd.Function):
+    """Identity forward; in backward, one element of the gradient moves one ulp up."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        flat = grad.view(-1)
+        if flat.numel():
+            flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=grad.dtype))
+        return grad
+
+
+def grad_ulp_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, schedule="overlap"):
+    """Broken in backward only: in overlap mode, w1's gradient is off by one ulp in one element;
+    the forward is staged_moe's, bit for bit: backward overlap vs sequential."""
+    if schedule == "overlap" and torch.is_grad_enabled():
+        w1 = _NudgeGradInOverlap.apply(w1)
+    return staged_moe(x, topk_idx, topk_weights, w1, w2, group=group, schedule=schedule)
+
+
+def atomic_wgrad_moe(x, topk_idx, topk_weights, w1, w2, *, group=None, schedule="overlap"):
+    """Broken in backward only: the experts run row by row on weights gathered per row
+    (w1[expert of row]), the rows in a fresh random order per call, so each weight gradient is
+    accumulated over the rows in that order — what atomics do. Each row's forward is computed
+    alone, so the outputs do not depend on the order: backward run vs run (and overlap vs
+    sequential, two calls)."""
+    E = _num_experts(w1, group)
+    recv_x, handle = dispatch(x, topk_idx, num_experts=E, group=group)
+    counts = (handle.expert_offsets[1:] - handle.expert_offsets[:-1]).long()
+    rows = recv_x.shape[0]
+    expert = torch.repeat_interleave(torch.arange(w1.shape[0], device=x.device), counts, output_size=rows)
+    order = torch.randperm(rows, device=x.device)
+    inter = w2.shape[1]
+    z = torch.bmm(recv_x[order][:, None, :], w1[expert[order]])[:, 0]          # [rows, 2I]
+    h = torch.nn.functional.silu(z[:, :inter]) * z[:, inter:]
+    y_ordered = torch.bmm(h[:, None, :], w2[expert[order]])[:, 0]              # [rows, H]
+    y = torch.empty_like(y_ordered).index_copy(0, order, y_ordered)
+    return combine(y, handle, topk_weights, num_experts=E, group=group)

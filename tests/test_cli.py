@@ -266,6 +266,28 @@ def test_against(spec: str, failing: set[str], tmp_path: Path, capsys) -> None:
     assert ("FAIL" in out) is bool(failing)
 
 
+@pytest.mark.parametrize("spec, failing", [
+    ("ditron_ep.ops.moe_layer.functional:moe", set()),
+    ("cli_broken_impls:grad_ulp_moe", {"backward: overlap vs sequential"}),
+    ("cli_broken_impls:atomic_wgrad_moe", {"backward: run vs run", "backward: overlap vs sequential"}),
+], ids=["ditron-moe", "grad-ulp-in-overlap", "atomic-wgrad"])
+def test_against_backward(spec: str, failing: set[str], tmp_path: Path) -> None:
+    """--backward adds three gradient rows; each broken backward fails exactly its rows, and its
+    forward rows pass."""
+    path = tmp_path / "against.json"
+    status = cli.main([*AGAINST, "--against", spec, "--backward", "--json", str(path)])
+    doc = json.loads(path.read_text())
+    rows = {c["case"].split(": ", 1)[-1]: c for c in doc["cases"]}
+    assert set(rows) == {"overlap vs sequential", "run vs run", "vs oracle", "backward: overlap vs sequential",
+                         "backward: run vs run", "backward: vs oracle"}
+    assert status == (1 if failing else 0), doc
+    for name, row in rows.items():
+        assert row["ok"] is (name not in failing), row
+    assert "x, topk_weights, w1, w2 vs float64 autograd" in rows["backward: vs oracle"]["detail"]
+    if spec.endswith("grad_ulp_moe"):
+        assert "rank 0 grad w1: 1/" in rows["backward: overlap vs sequential"]["detail"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--against", "no_such_module_xyz:fn"], "cannot import module 'no_such_module_xyz'"),
     (["--against", "cli_broken_impls:nope"], "has no attribute 'nope'"),

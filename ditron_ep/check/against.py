@@ -22,6 +22,14 @@ one report row each:
 * vs oracle — the first output matches the float64 oracle (`ep_moe_oracle`) within the
   tolerance of its dtype (`tolerances.TOLERANCES`).
 
+With backward (`check --backward`; on by default for ditron_ep's own `moe`), the gradients of
+x, topk_weights, w1 and w2 for a seeded upstream gradient (torch.autograd.grad, grad mode on)
+are checked the same three ways: "backward: overlap vs sequential" and "backward: run vs run" bit
+for bit (an order-dependent accumulation, as atomics give, shows there), "backward: vs oracle"
+against float64 autograd (`ep_moe_oracle_grads`), norm-wise: max |err| <= 2 * rtol * max |ref| +
+atol per gradient (a backward rounds about twice as often as a forward). ditron_ep's own `moe` is
+called with recompute=True there, so that its overlap row runs the fused forward.
+
 `MODULE:FN` is imported on every rank: MODULE must be importable from sys.path there (the
 emulated launcher gives the ranks the parent's sys.path; under torchrun, the launched processes'
 own path), FN a module-level attribute (dots allowed: `pkg.mod:Class.method`).
@@ -42,6 +50,8 @@ from ditron_ep.runtime.errors import DitronConfigError
 DITRON_MOE = "ditron_ep.ops.moe_layer.functional:moe"
 ROW_SCHEDULES, ROW_RERUN, ROW_ORACLE = "overlap vs sequential", "run vs run", "vs oracle"
 ROWS = (ROW_SCHEDULES, ROW_RERUN, ROW_ORACLE)
+BACKWARD_ROWS = tuple(f"backward: {row}" for row in ROWS)
+GRAD_NAMES = ("x", "topk_weights", "w1", "w2")
 
 
 def load_moe_fn(spec: str) -> Callable[..., torch.Tensor]:
@@ -82,8 +92,9 @@ def load_moe_fn(spec: str) -> Callable[..., torch.Tensor]:
     return obj
 
 
-def rank_moe_runs(backend: str, spec: str, inputs: Any, repeats: int) -> dict[str, Any]:
-    """Rank side: `repeats` calls with schedule="overlap", one with "sequential" (CPU results)."""
+def rank_moe_runs(backend: str, spec: str, inputs: Any, repeats: int, backward: bool = False) -> dict[str, Any]:
+    """Rank side: `repeats` calls with schedule="overlap", one with "sequential" (CPU results);
+    with `backward`, the same calls again in grad mode and their gradients (GRAD_NAMES order)."""
     from ditron_ep.ops import clear_cache, clear_layers
 
     fn = load_moe_fn(spec)
@@ -91,20 +102,34 @@ def rank_moe_runs(backend: str, spec: str, inputs: Any, repeats: int) -> dict[st
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "torch" else torch.device("cpu")
     args = [t[rank].to(device) for t in (inputs.xs, inputs.topk_idxs, inputs.topk_weights,
                                          inputs.w1s, inputs.w2s)]
+    extra = {"recompute": True} if spec == DITRON_MOE else {}
+
+    def grads(schedule: str) -> list[torch.Tensor]:
+        with torch.enable_grad():
+            leaves = [t.detach().clone().requires_grad_() for t in (args[0], args[2], args[3], args[4])]
+            out = fn(leaves[0], args[1], leaves[1], leaves[2], leaves[3], group=None, schedule=schedule, **extra)
+            got = torch.autograd.grad(out, leaves, inputs.grad_outs[rank].to(device), allow_unused=True)
+        return [torch.zeros_like(leaf) if g is None else g.detach().cpu() for g, leaf in zip(got, leaves)]
+
     try:
         with torch.no_grad():
             overlap = [fn(*args, group=None, schedule="overlap").cpu() for _ in range(repeats)]
             sequential = fn(*args, group=None, schedule="sequential").cpu()
+        result = {"overlap": overlap, "sequential": sequential}
+        if backward:
+            result["grad_overlap"] = [grads("overlap") for _ in range(repeats)]
+            result["grad_sequential"] = grads("sequential")
     finally:  # free ditron_ep's cached heaps: the ranks live on for the next case
         clear_cache()
         clear_layers()
-    return {"overlap": overlap, "sequential": sequential}
+    return result
 
 
-def check_moe_rows(names: tuple[str, str, str], kind: str, runner: Callable[..., list], backend: str,
-                   spec: str, inputs: Any, dtype: torch.dtype, repeats: int) -> list:
-    """Driver side: run `spec` on every rank and judge it; three CaseResults (ROWS order)."""
-    per_rank = runner(rank_moe_runs, backend, spec, inputs, repeats)
+def check_moe_rows(names: tuple[str, ...], kind: str, runner: Callable[..., list], backend: str,
+                   spec: str, inputs: Any, dtype: torch.dtype, repeats: int, backward: bool = False) -> list:
+    """Driver side: run `spec` on every rank and judge it; three CaseResults (ROWS order), then
+    three more with `backward` (BACKWARD_ROWS)."""
+    per_rank = runner(rank_moe_runs, backend, spec, inputs, repeats, backward)
     expected = inputs.oracle()
     max_ref = max((float(e.abs().max()) for e in expected if e.numel()), default=0.0)
 
@@ -150,6 +175,46 @@ def check_moe_rows(names: tuple[str, str, str], kind: str, runner: Callable[...,
     rows.append(CaseResult(names[2], kind, max_abs, relative(max_abs, max_ref), None, not problems,
                            "; ".join(problems[:2]) if problems else
                            f"{_shape_text(inputs)}; rtol={rtol:g} atol={atol:g}"))
+    if backward:
+        rows += _backward_rows(names[3:], kind, per_rank, inputs, repeats, diff)
+    return rows
+
+
+def _backward_rows(names, kind, per_rank, inputs, repeats, diff) -> list:
+    """The three backward rows (BACKWARD_ROWS) from the ranks' gradients."""
+    def pairs(runs, against):  # (rank label, got, want) per gradient of every run
+        return [(f"{r} grad {g}", a, b) for r, res in enumerate(per_rank) for run in runs(res)
+                for g, a, b in zip(GRAD_NAMES, run, against(res))]
+
+    expected = inputs.oracle_grads()
+    max_ref = max((float(t.abs().max()) for ts in expected for t in ts if t.numel()), default=0.0)
+    err, problems = diff(pairs(lambda res: res["grad_overlap"][:1], lambda res: res["grad_sequential"]))
+    rows = [CaseResult(names[0], kind, err, relative(err, max_ref), not problems, not problems,
+                       "; ".join(problems[:3]) if problems else
+                       f"every gradient of overlap == sequential bit for bit, {len(per_rank)} ranks")]
+    err, problems = diff(pairs(lambda res: res["grad_overlap"][1:], lambda res: res["grad_overlap"][0]))
+    rows.append(CaseResult(names[1], kind, err, relative(err, max_ref), not problems, not problems,
+                           "; ".join(problems[:3]) if problems else
+                           f"{repeats} backward passes bitwise equal, {len(per_rank)} ranks"))
+    dtype = inputs.xs[0].dtype
+    rtol, atol = TOLERANCES[dtype]
+    worst, problems = 0.0, []
+    for rank, (res, want) in enumerate(zip(per_rank, expected)):
+        for name, got, ref in zip(GRAD_NAMES, res["grad_overlap"][0], want):
+            if got.shape != ref.shape:
+                problems.append(f"rank {rank} grad {name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+                continue
+            if not got.numel():
+                continue
+            err = max_abs_err(got, ref)
+            scale = float(ref.abs().max())
+            worst = max(worst, err)
+            if not err <= 2 * rtol * scale + atol:  # NaN fails
+                problems.append(f"rank {rank} grad {name}: max |err| {err:.3g} > 2*rtol*max|ref| + atol = "
+                                f"{2 * rtol * scale + atol:.3g}")
+    rows.append(CaseResult(names[2], kind, worst, relative(worst, max_ref), None, not problems,
+                           "; ".join(problems[:2]) if problems else
+                           f"x, topk_weights, w1, w2 vs float64 autograd; norm-wise 2*rtol={2 * rtol:g} atol={atol:g}"))
     return rows
 
 

@@ -21,13 +21,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ditron_ep.check.against import DITRON_MOE, ROWS, check_moe_rows
+from ditron_ep.check.against import BACKWARD_ROWS, DITRON_MOE, ROWS, check_moe_rows
 from ditron_ep.check.kernels import exchange_tiles, read_peer_bytes
 from ditron_ep.check.report import CaseResult, CheckReport, bitwise, max_abs_err, relative
 from ditron_ep.check.routing import make_routing
 from ditron_ep.check.tolerances import TOLERANCES, assert_close_to_oracle
 from ditron_ep.ops.ep.naive import naive_combine, naive_dispatch
-from ditron_ep.ops.moe_layer.naive import ep_moe_oracle, ep_moe_reference
+from ditron_ep.ops.moe_layer.naive import ep_moe_oracle, ep_moe_oracle_grads, ep_moe_reference
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.errors import DitronTimeoutError
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -91,26 +91,30 @@ def moe_dtypes(backend: str, dtypes: Sequence[str]) -> tuple[str, ...]:
 def plan_cases(world_size: int, *, quick: bool = False, routings: Sequence[str] | None = None,
                dtypes: Sequence[str] | None = None, repeats: int = 2,
                shape: tuple[int, int, int, int, int] = DEFAULT_SHAPE, against: str | None = None,
-               backend: str = "emulated") -> list[CheckCase]:
+               backend: str = "emulated", backward: bool | None = None) -> list[CheckCase]:
     """The cases of one check run, in running order.
 
     Without `against`: heap, signal and reference cases, then dispatch/combine and MoE-layer
     cases for every routing in `routings` (default CASE_ROUTINGS; quick: uniform) and dtype in
     `dtypes` (default `default_dtypes(backend)`; MoE cases on emulated ranks in fp32 only).
     With `against` ("MODULE:FN"): only that function's cases, one per routing and dtype.
+    backward: the MoE cases also check gradients (against.BACKWARD_ROWS); default: on for
+    ditron_ep's own `moe`, off for `against` (the user's function may have no backward).
     """
     if routings is None:
         routings = ("uniform",) if quick else CASE_ROUTINGS
     dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(backend)
-    params = dict(repeats=repeats, shape=tuple(shape))
+    params = dict(repeats=repeats, shape=tuple(shape), backward=against is None if backward is None else backward)
     if against is not None:
         return [_moe_case(f"{against} {routing} {dtype}", "against", against, routing, dtype, params)
                 for routing in routings for dtype in moe_dtypes(backend, dtypes)]
     cases = _plan_base(world_size, quick=quick)
+    dispatch_params = {k: v for k, v in params.items() if k != "backward"}
     for routing in routings:
         for dtype in dtypes:
             name = f"dispatch {routing} {dtype}"
-            cases.append(CheckCase(name, "dispatch", _check_dispatch, dict(routing=routing, dtype=dtype, **params),
+            cases.append(CheckCase(name, "dispatch", _check_dispatch, dict(routing=routing, dtype=dtype,
+                                                                              **dispatch_params),
                                    rows=tuple(f"{name}: {row}" for row in DISPATCH_ROWS)))
     for routing in routings:
         for dtype in moe_dtypes(backend, dtypes):
@@ -123,8 +127,9 @@ DISPATCH_ROWS = ("rows vs permutation", "combine vs oracle", "run vs run")
 
 def _moe_case(name: str, kind: str, spec: str | None, routing: str, dtype: str,
               params: dict[str, Any]) -> CheckCase:
+    rows = ROWS + (BACKWARD_ROWS if params["backward"] else ())
     return CheckCase(name, kind, _check_moe, dict(spec=spec or DITRON_MOE, routing=routing, dtype=dtype, **params),
-                     rows=tuple(f"{name}: {row}" for row in ROWS))
+                     rows=tuple(f"{name}: {row}" for row in rows))
 
 
 def _plan_base(world_size: int, *, quick: bool) -> list[CheckCase]:
@@ -304,9 +309,10 @@ def _case_inputs(world_size: int, routing: str, dtype: str, seed: int,
 
 def _check_moe(case: CheckCase, runner: RankRunner, backend: str, world_size: int, seed: int, *,
                spec: str, routing: str, dtype: str, repeats: int,
-               shape: tuple[int, int, int, int, int]) -> list[CaseResult]:
+               shape: tuple[int, int, int, int, int], backward: bool = False) -> list[CaseResult]:
     inputs = _case_inputs(world_size, routing, dtype, seed, shape)
-    return check_moe_rows(case.row_names, case.kind, runner, backend, spec, inputs, DTYPES[dtype], repeats)
+    return check_moe_rows(case.row_names, case.kind, runner, backend, spec, inputs, DTYPES[dtype], repeats,
+                          backward)
 
 
 def expert_scale(expert: int) -> float:
@@ -387,10 +393,16 @@ class MoEInputs:
     w1s: list[torch.Tensor]
     w2s: list[torch.Tensor]
     num_experts: int
+    grad_outs: list[torch.Tensor]   # upstream gradient of every rank's output (backward checks)
 
     def oracle(self) -> list[torch.Tensor]:
         """float64 output of every rank (the independent single-process oracle)."""
         return ep_moe_oracle(self.xs, self.topk_idxs, self.topk_weights, self.w1s, self.w2s)
+
+    def oracle_grads(self) -> list[tuple[torch.Tensor, ...]]:
+        """float64 (x, topk_weights, w1, w2) gradients of every rank for `grad_outs`."""
+        return ep_moe_oracle_grads(self.xs, self.topk_idxs, self.topk_weights, self.w1s, self.w2s,
+                                   self.grad_outs)
 
 
 def make_moe_inputs(world_size: int, routing: str, dtype: torch.dtype, *, seed: int = 0,
@@ -419,7 +431,8 @@ def make_moe_inputs(world_size: int, routing: str, dtype: torch.dtype, *, seed: 
         weights.append(w)
         w1s.append((torch.randn(num_local, hidden, 2 * inter, generator=gen) / hidden ** 0.5).to(dtype))
         w2s.append((torch.randn(num_local, inter, hidden, generator=gen) / inter ** 0.5).to(dtype))
-    return MoEInputs(xs, idxs, weights, w1s, w2s, num_experts)
+    grad_outs = [torch.randn(n, hidden, generator=gen).to(dtype) for n in tokens]
+    return MoEInputs(xs, idxs, weights, w1s, w2s, num_experts, grad_outs)
 
 
 def _tile(seed: int, src: int, call: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:

@@ -325,3 +325,35 @@ def ep_moe_oracle(
                 out[t] += float(topk_weights[r][t, k]) * (act @ down[owner][local])
         outs.append(out)
     return outs
+
+
+def ep_moe_oracle_grads(xs: list[torch.Tensor], topk_idxs: list[torch.Tensor], topk_weights: list[torch.Tensor],
+                        w1s: list[torch.Tensor], w2s: list[torch.Tensor],
+                        grad_outs: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """float64 gradients of sum_r <out_r, grad_outs[r]> (outs as in `ep_moe_oracle`, SwiGLU
+    experts) with respect to every rank's (x, topk_weights, w1, w2): W tuples of four float64
+    tensors. torch autograd through a per-expert loop over every rank's tokens in one process; a
+    dropped slot's weight gets gradient 0."""
+    num_local = w1s[0].shape[0]
+    inter = w1s[0].shape[2] // 2
+    f64 = torch.float64
+    x64 = [x.to(f64).requires_grad_() for x in xs]
+    w64 = [w.to(f64).requires_grad_() for w in topk_weights]
+    g1 = [w.to(f64).requires_grad_() for w in w1s]
+    g2 = [w.to(f64).requires_grad_() for w in w2s]
+    loss = torch.zeros((), dtype=f64)
+    for r, idx in enumerate(topk_idxs):
+        out = torch.zeros(x64[r].shape, dtype=f64)
+        for e in idx.unique().tolist():
+            if e < 0:
+                continue
+            owner, local = divmod(e, num_local)
+            t, k = (idx == e).nonzero(as_tuple=True)
+            z = x64[r][t] @ g1[owner][local]
+            y = (torch.nn.functional.silu(z[:, :inter]) * z[:, inter:]) @ g2[owner][local]
+            out = out.index_add(0, t, w64[r][t, k][:, None] * y)
+        loss = loss + (out * grad_outs[r].to(f64)).sum()
+    leaves = [t for r in range(len(xs)) for t in (x64[r], w64[r], g1[r], g2[r])]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+    return [tuple(grads[4 * r:4 * r + 4]) for r in range(len(xs))]

@@ -38,7 +38,7 @@ def make_inputs(tokens: list[int], hidden: int, inter: int, num_experts: int, to
                    .to(dtype))
         w2s.append((torch.randn(num_local, inter, hidden, generator=gen) / inter ** 0.5)
                    .to(dtype))
-    return MoEInputs(xs, idxs, weights, w1s, w2s, num_experts)
+    return MoEInputs(xs, idxs, weights, w1s, w2s, num_experts, [torch.zeros_like(x) for x in xs])
 
 
 # ----------------------------------------------------------------------------- rank functions
