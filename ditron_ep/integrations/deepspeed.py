@@ -1,0 +1,180 @@
+"""DeepSpeed's MoE layer with ditron_ep's data path: `replace_moe(model)`.
+
+`deepspeed.moe.layer.MoE` keeps everything DeepSpeed owns — its gate (`TopKGate`: logits, top-k,
+capacity drops, `l_aux`, `exp_counts`), its process groups, its expert modules and their
+parameters (the same `Parameter` objects, names and tags, so `state_dict` keys, optimizer groups,
+ZeRO partitioning and checkpoints do not change). What `replace_moe` replaces is the forward of
+its `MOELayer` (`moe.deepspeed_moe`): instead of scattering tokens into an [E, capacity, H]
+buffer, two all-to-alls and a per-expert loop, the gate's routes go to `ditron_ep.ops.moe`
+(dispatch, grouped expert MLP, combine; autograd through all of it, deterministic).
+
+    import deepspeed
+    from ditron_ep.integrations.deepspeed import replace_moe
+    model = MyModel(...)                 # with deepspeed.moe.layer.MoE blocks
+    replace_moe(model)                   # before or after deepspeed.initialize
+    engine, *_ = deepspeed.initialize(model=model, ...)
+
+Supported experts (each one is checked against its own forward on random input when replaced,
+on every rank, in fp32; anything else raises DitronConfigError naming the module):
+* `nn.Sequential(Linear(H, I), act, Linear(I, H))` with act one of nn.GELU (exact or tanh),
+  nn.ReLU, nn.SiLU, biases or not (DeepSpeed's examples);
+* a module whose only children are Linear `gate_proj`, `up_proj` (H -> I) and `down_proj`
+  (I -> H), computing down(silu(gate(x)) * up(x)) (Llama / Mixtral style SwiGLU).
+Not supported (raise): Tutel, tensor-parallel experts, `noisy_gate_policy` other than None is
+DeepSpeed's own gate and stays supported.
+
+Expert weights are stacked into [E_local, H, n*I] / [E_local, I, H] on every call (a copy with
+autograd: gradients reach the experts' own parameters), so ZeRO re-pointing `param.data` is seen.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditron_ep.ops.moe_layer.experts import expert_activation
+from ditron_ep.runtime.errors import DitronConfigError
+
+__all__ = ["SUPPORTED_VERSIONS", "replace_moe"]
+
+SUPPORTED_VERSIONS = ("0.19.8",)
+
+
+def _deepspeed():
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise DitronConfigError("ditron_ep.integrations.deepspeed needs DeepSpeed: pip install 'ditron_ep[deepspeed]' "
+                                f"(deepspeed=={SUPPORTED_VERSIONS[0]})") from exc
+    if deepspeed.__version__ not in SUPPORTED_VERSIONS:
+        raise DitronConfigError(f"DeepSpeed {deepspeed.__version__} is not supported by ditron_ep.integrations."
+                                f"deepspeed; supported: {', '.join(SUPPORTED_VERSIONS)}")
+    return deepspeed
+
+
+def _activation_of(act: nn.Module) -> str | None:
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    if isinstance(act, nn.ReLU):
+        return "relu"
+    if isinstance(act, nn.SiLU):
+        return "silu"
+    return None
+
+
+def expert_layout(expert: nn.Module) -> tuple[str, list[nn.Linear]]:
+    """(activation, [first Linear(s)..., last Linear]) of a supported expert, else DitronConfigError.
+    Plain: [fc1, fc2]; gated (swiglu): [gate_proj, up_proj, down_proj]."""
+    children = dict(expert.named_children())
+    if isinstance(expert, nn.Sequential) and len(expert) == 3 and isinstance(expert[0], nn.Linear) \
+            and isinstance(expert[2], nn.Linear) and _activation_of(expert[1]) is not None:
+        return _activation_of(expert[1]), [expert[0], expert[2]]
+    if set(children) == {"gate_proj", "up_proj", "down_proj"} and all(
+            isinstance(m, nn.Linear) for m in children.values()):
+        return "swiglu", [children["gate_proj"], children["up_proj"], children["down_proj"]]
+    raise DitronConfigError(
+        f"expert {type(expert).__name__} is not supported by replace_moe: use nn.Sequential(nn.Linear(H, I), "
+        f"nn.GELU() | nn.ReLU() | nn.SiLU(), nn.Linear(I, H)) or a module of Linear gate_proj, up_proj, down_proj "
+        f"(SwiGLU); got children {list(children)}")
+
+
+def _stacked(experts: list[nn.Module], activation: str) -> tuple[torch.Tensor, ...]:
+    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable copies."""
+    layers = [expert_layout(e)[1] for e in experts]
+    if activation == "swiglu":
+        w1 = torch.stack([torch.cat([g.weight, u.weight]).t() for g, u, _ in layers])
+        b1 = None if layers[0][0].bias is None else torch.stack([torch.cat([g.bias, u.bias]) for g, u, _ in layers])
+    else:
+        w1 = torch.stack([fc1.weight.t() for fc1, _ in layers])
+        b1 = None if layers[0][0].bias is None else torch.stack([fc1.bias for fc1, _ in layers])
+    w2 = torch.stack([ls[-1].weight.t() for ls in layers])
+    b2 = None if layers[0][-1].bias is None else torch.stack([ls[-1].bias for ls in layers])
+    return w1.contiguous(), w2.contiguous(), b1, b2
+
+
+def _verify(expert: nn.Module, activation: str, name: str) -> None:
+    """The expert's own forward against the stacked formula on random fp32 input (torch only)."""
+    layers = expert_layout(expert)[1]
+    hidden = layers[0].in_features
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(7, hidden, generator=gen)
+    with torch.no_grad():
+        copy = _fp32_copy(expert)
+        want = copy(x)
+        if isinstance(want, tuple):
+            want = want[0]
+        w1, w2, b1, b2 = _stacked([copy], activation)
+        z = x @ w1[0] + (0 if b1 is None else b1[0])
+        got = expert_activation(z, activation) @ w2[0] + (0 if b2 is None else b2[0])
+    if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise DitronConfigError(f"replace_moe: expert {name} ({type(expert).__name__}) does not compute "
+                                f"{activation} MLP of its Linear layers (a custom forward, dropout or extra "
+                                f"layers?): its output differs from the formula on random input")
+
+
+def _fp32_copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    clone = copy.deepcopy(module).to("cpu", torch.float32)
+    clone.eval()
+    return clone
+
+
+def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """MOELayer.forward with ditron_ep's dispatch, experts and combine (DeepSpeed's gate kept)."""
+    from ditron_ep.ops import moe
+
+    x = inputs[0]
+    used_token = inputs[1] if len(inputs) > 1 else None
+    d_model = x.shape[-1]
+    tokens = x.reshape(-1, d_model)
+    # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
+    self.l_aux, _capacity, _num_experts, indices, _locations, gates, self.exp_counts = self.gate(
+        tokens, used_token, True, False)
+    experts = list(self.experts.deepspeed_experts)
+    w1, w2, b1, b2 = _stacked(experts, self._ditron_activation)
+    out = moe(tokens.contiguous(), indices.t().contiguous(), gates.t().to(torch.float32).contiguous(), w1, w2,
+              b1=b1, b2=b2, activation=self._ditron_activation, group=self.ep_group,
+              schedule=self._ditron_schedule)
+    return out.reshape(x.shape)
+
+
+def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
+    """Give every `deepspeed.moe.layer.MoE` in `model` (the model itself included) ditron_ep's
+    data path; returns how many were replaced. Collective only in the sense that every rank must
+    make the same call (no communication here). Raises DitronConfigError, naming the layer, for
+    an unsupported expert or option; nothing is changed then."""
+    deepspeed = _deepspeed()
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.sharded_moe import MOELayer
+
+    found = [(name or type(model).__name__, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    plans = []
+    for name, layer in found:
+        inner = layer.deepspeed_moe
+        if not isinstance(inner, MOELayer):
+            raise DitronConfigError(f"{name}: deepspeed_moe is a {type(inner).__name__}, not DeepSpeed's MOELayer")
+        if inner.use_tutel:
+            raise DitronConfigError(f"{name}: use_tutel=True is not supported by replace_moe; build the MoE "
+                                    f"without Tutel")
+        if layer.enable_expert_tensor_parallelism:
+            raise DitronConfigError(f"{name}: tensor-parallel experts are not supported by replace_moe")
+        experts = list(inner.experts.deepspeed_experts)
+        activation = None
+        for i, expert in enumerate(experts):
+            try:
+                act, _ = expert_layout(expert)
+            except DitronConfigError as exc:
+                raise DitronConfigError(f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}: {exc}") from None
+            if activation not in (None, act):
+                raise DitronConfigError(f"{name}: experts mix activations ({activation}, {act})")
+            activation = act
+            _verify(expert, act, f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}")
+        plans.append((inner, activation))
+    for inner, activation in plans:
+        inner._ditron_activation = activation
+        inner._ditron_schedule = schedule
+        inner.forward = _ditron_moe_forward.__get__(inner, type(inner))
+    del deepspeed
+    return len(plans)

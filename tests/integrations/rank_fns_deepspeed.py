@@ -1,0 +1,103 @@
+"""Rank side of the DeepSpeed integration tests (emulated gloo ranks, the real DeepSpeed package)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+H, I = 32, 16
+ACTS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU, "silu": nn.SiLU}
+
+
+class SwiGLUExpert(nn.Module):
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=bias)
+        self.up_proj = nn.Linear(H, I, bias=bias)
+        self.down_proj = nn.Linear(I, H, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _init_deepspeed():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return deepspeed
+
+
+def _layer(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_tokens: bool, activation: str,
+           bias: bool, seed: int):
+    """A DeepSpeed MoE whose gate is the same on every rank and whose experts are distinct (each
+    drawn from its global id)."""
+    from deepspeed.moe.layer import MoE
+
+    torch.manual_seed(seed)
+    expert = SwiGLUExpert(bias) if activation == "swiglu" else nn.Sequential(
+        nn.Linear(H, I, bias=bias), ACTS[activation](), nn.Linear(I, H, bias=bias))
+    layer = MoE(H, expert, num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
+                eval_capacity_factor=capacity_factor, min_capacity=1, drop_tokens=drop_tokens, use_rts=False,
+                top2_2nd_expert_sampling=False)
+    layer.set_deepspeed_parallelism()
+    ep_rank = dist.get_rank(layer.deepspeed_moe.ep_group)
+    with torch.no_grad():
+        for i, ex in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            gen = torch.Generator().manual_seed(seed * 1000 + ep_rank * layer.num_local_experts + i)
+            for p in ex.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
+    return layer
+
+
+def compare_case(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_tokens: bool,
+                 activation: str, bias: bool, tokens: int, seed: int) -> dict:
+    """DeepSpeed's own layer and a replaced copy (same parameters) on the same input and upstream
+    gradient: output, l_aux, exp_counts and every gradient; the replaced layer twice (bitwise)."""
+    _init_deepspeed()
+    from ditron_ep.integrations.deepspeed import replace_moe
+
+    rank = dist.get_rank()
+    ref, ours = (_layer(num_experts, ep_size, k, capacity_factor, drop_tokens, activation, bias, seed)
+                 for _ in range(2))
+    names = [n for n, _ in ref.named_parameters()]
+    replaced = replace_moe(ours)
+    same_params = [n for n, _ in ours.named_parameters()] == names
+    gen = torch.Generator().manual_seed(seed * 77 + rank)
+    x = torch.randn(2, tokens // 2, H, generator=gen)
+    gout = torch.randn(x.shape, generator=gen)
+    results = {}
+    for label, layer in (("ref", ref), ("ours", ours), ("ours again", ours)):
+        layer.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out, l_aux, counts = layer(leaf)
+        ((out * gout).sum() + l_aux).backward()
+        grads = {"x": leaf.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+        results[label] = (out.detach(), l_aux.detach(), counts.clone(), grads)
+    errors = {}
+    out_r, aux_r, cnt_r, g_r = results["ref"]
+    out_o, aux_o, cnt_o, g_o = results["ours"]
+    errors["out"] = float((out_o - out_r).abs().max()) / max(float(out_r.abs().max()), 1e-30)
+    for n, g in g_r.items():
+        go = g_o.get(n)
+        if g is None and go is None:
+            continue
+        if g is None or go is None:
+            errors[f"grad {n}"] = float("inf") if (g if g is not None else go).abs().max() > 0 else 0.0
+            continue
+        errors[f"grad {n}"] = float((go - g).abs().max()) / max(float(g.abs().max()), 1e-30)
+    with torch.no_grad():  # how many routes the capacity dropped (the gate's sparse routes)
+        routes = ref.deepspeed_moe.gate(x.reshape(-1, H), None, True, False)[3]
+    again = results["ours again"]
+    bitwise = torch.equal(again[0], out_o) and all(
+        (a is None and b is None) or torch.equal(a, b) for a, b in zip(again[3].values(), g_o.values()))
+    return {"replaced": replaced, "same_params": same_params, "errors": errors,
+            "aux_equal": torch.equal(aux_o, aux_r), "counts_equal": torch.equal(cnt_o, cnt_r),
+            "dropped": int((routes < 0).sum()), "bitwise": bitwise}
+
+
+def compare_cases(cases: list[tuple]) -> list[dict]:
+    """compare_case for every argument tuple of `cases`, in one DeepSpeed initialisation."""
+    return [compare_case(*case) for case in cases]

@@ -1,0 +1,87 @@
+"""`replace_moe` against DeepSpeed's own MoE layer (the real package, deepspeed==0.19.8) on
+emulated gloo ranks: outputs, l_aux, exp_counts and every gradient (input, gate, each expert's
+parameters) within fp32 tolerance of DeepSpeed's, bitwise run to run; capacity drops on and off,
+k = 1 and 2, distinct experts, every supported expert type; expert- x data-parallel groups."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("deepspeed")
+
+from tests.integrations import rank_fns_deepspeed as fns  # noqa: E402
+
+# (num_experts, ep_size, k, capacity_factor, drop_tokens, activation, bias, tokens, seed)
+CASES_W2 = [
+    (4, 2, 2, 1.0, True, "gelu", True, 16, 3),
+    (4, 2, 1, 0.5, True, "relu", False, 22, 4),        # capacity drops
+    (4, 2, 2, 0.5, True, "swiglu", True, 18, 5),       # drops, gated experts with biases
+    (6, 2, 2, 1.0, False, "gelu_tanh", False, 14, 6),  # no drops (infinite capacity)
+    (2, 2, 1, 1.0, True, "silu", True, 10, 7),
+]
+CASES_W4 = [(4, 2, 2, 1.0, True, "gelu", True, 12, 8)]  # two expert-parallel groups of 2, data-parallel across
+
+
+def _check(reports: list[dict], cases: list[tuple]) -> None:
+    for case, rep in zip(cases, reports):
+        assert rep["replaced"] == 1 and rep["same_params"], (case, rep)
+        assert rep["aux_equal"] and rep["counts_equal"], (case, rep)
+        assert rep["bitwise"], (case, "two calls of the replaced layer differ")
+        for name, err in rep["errors"].items():
+            assert err <= 1e-5, (case, name, err)
+
+
+def test_replaced_layer_equals_deepspeeds(emulated_cluster):
+    results = emulated_cluster(2).run(fns.compare_cases, CASES_W2)
+    for reports in results:
+        _check(reports, CASES_W2)
+    assert results[0][1]["dropped"] > 0 and results[0][2]["dropped"] > 0, "the capacity dropped no route"
+
+
+def test_expert_and_data_parallel_groups(emulated_cluster):
+    for reports in emulated_cluster(4).run(fns.compare_cases, CASES_W4):
+        _check(reports, CASES_W4)
+
+
+class _CustomForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 8)
+
+    def forward(self, x):  # not SwiGLU: GELU
+        return self.down_proj(nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("expert, message", [
+    (nn.Sequential(nn.Linear(8, 4), nn.GELU(), nn.Dropout(0.1), nn.Linear(4, 8)), "is not supported by replace_moe"),
+    (nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 8)), "is not supported by replace_moe"),
+    (_CustomForward(), "does not compute swiglu MLP"),
+])
+def test_unsupported_experts_raise_naming_the_module(expert, message):
+    from ditron_ep.integrations.deepspeed import _verify, expert_layout
+    from ditron_ep.runtime.errors import DitronConfigError
+
+    with pytest.raises(DitronConfigError, match=message):
+        _verify(expert, expert_layout(expert)[0], "layer.experts.0")
+
+
+def test_importing_ditron_ep_imports_no_framework():
+    code = "import sys, ditron_ep, ditron_ep.ops, ditron_ep.integrations; print('deepspeed' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_unsupported_version_raises(monkeypatch):
+    import deepspeed
+
+    from ditron_ep.integrations import deepspeed as integration
+    from ditron_ep.runtime.errors import DitronConfigError
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.14.0")
+    with pytest.raises(DitronConfigError, match="DeepSpeed 0.14.0 is not supported.*supported: 0.19.8"):
+        integration.replace_moe(nn.Linear(2, 2))
+    assert torch.nn.Linear  # the model was not touched
