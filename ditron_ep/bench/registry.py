@@ -2,6 +2,7 @@
 (spec.py) in a module of its own, listed here."""
 from __future__ import annotations
 
+from ditron_ep.bench.deepspeed_moe import DEEPSPEED_MOE
 from ditron_ep.bench.dispatch_combine import COMBINE, DISPATCH, DISPATCH_COMBINE
 from ditron_ep.bench.grouped_gemm import GROUPED_GEMM
 from ditron_ep.bench.moe_layer import MOE
@@ -10,4 +11,5 @@ from ditron_ep.bench.moe_train import MOE_TRAIN
 from ditron_ep.bench.spec import Benchmark
 
 BENCHMARKS: dict[str, Benchmark] = {
-    b.name: b for b in (DISPATCH, COMBINE, MOE, MOE_TRAIN, DISPATCH_COMBINE, MOE_TIMELINE, GROUPED_GEMM)}
+    b.name: b for b in (DISPATCH, COMBINE, MOE, MOE_TRAIN, DISPATCH_COMBINE, MOE_TIMELINE, GROUPED_GEMM,
+                       DEEPSPEED_MOE)}

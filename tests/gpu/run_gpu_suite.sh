@@ -9,7 +9,9 @@
 #
 # Environment:
 #     NPROC                            ranks (default: GPUs listed by `nvidia-smi -L`)
-#     PYTHON                           interpreter with torch, triton, pytest, ditron_ep importable
+#     PYTHON                           interpreter with torch, triton, pytest, ditron_ep and deepspeed==0.19.8
+#                                      importable (deepspeed: the test extra; where nothing can be installed,
+#                                      carry its wheels and put them on PYTHONPATH)
 #                                      (default: python, else python3, on PATH)
 #     DITRON_GPU_SUITE_TIMEOUT_S       limit for the whole torchrun job (default 540: the summary still
 #                                      prints inside a 10-minute call)

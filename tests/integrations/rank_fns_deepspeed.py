@@ -24,6 +24,7 @@ class SwiGLUExpert(nn.Module):
 
 def _init_deepspeed():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # what torchrun would set (one host)
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
@@ -31,9 +32,10 @@ def _init_deepspeed():
 
 
 def _layer(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_tokens: bool, activation: str,
-           bias: bool, seed: int):
+           bias: bool, seed: int, groups: bool = True):
     """A DeepSpeed MoE whose gate is the same on every rank and whose experts are distinct (each
-    drawn from its global id)."""
+    drawn from its global id); `groups`: create its process groups (deepspeed.initialize does
+    otherwise)."""
     from deepspeed.moe.layer import MoE
 
     torch.manual_seed(seed)
@@ -42,8 +44,9 @@ def _layer(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_
     layer = MoE(H, expert, num_experts=num_experts, ep_size=ep_size, k=k, capacity_factor=capacity_factor,
                 eval_capacity_factor=capacity_factor, min_capacity=1, drop_tokens=drop_tokens, use_rts=False,
                 top2_2nd_expert_sampling=False)
-    layer.set_deepspeed_parallelism()
-    ep_rank = dist.get_rank(layer.deepspeed_moe.ep_group)
+    if groups:
+        layer.set_deepspeed_parallelism()
+    ep_rank = dist.get_rank() % ep_size  # DeepSpeed's default: consecutive ranks form an expert group
     with torch.no_grad():
         for i, ex in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             gen = torch.Generator().manual_seed(seed * 1000 + ep_rank * layer.num_local_experts + i)
@@ -65,6 +68,9 @@ def compare_case(num_experts: int, ep_size: int, k: int, capacity_factor: float,
     names = [n for n, _ in ref.named_parameters()]
     replaced = replace_moe(ours)
     same_params = [n for n, _ in ours.named_parameters()] == names
+    # checkpoints: DeepSpeed's state loads into the replaced layer and back, strictly
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    ref.load_state_dict(ours.state_dict(), strict=True)
     gen = torch.Generator().manual_seed(seed * 77 + rank)
     x = torch.randn(2, tokens // 2, H, generator=gen)
     gout = torch.randn(x.shape, generator=gen)
@@ -101,3 +107,52 @@ def compare_case(num_experts: int, ep_size: int, k: int, capacity_factor: float,
 def compare_cases(cases: list[tuple]) -> list[dict]:
     """compare_case for every argument tuple of `cases`, in one DeepSpeed initialisation."""
     return [compare_case(*case) for case in cases]
+
+
+class TinyMoEModel(nn.Module):
+    """Linear -> DeepSpeed MoE (k=2, ep_size=world) -> Linear, the loss its caller's."""
+
+    def __init__(self, num_experts: int, ep_size: int, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(H, H)
+        self.moe = _layer(num_experts, ep_size, 2, 1.0, True, "gelu", True, seed, groups=False)
+        self.out = nn.Linear(H, H)
+
+    def forward(self, x):
+        y, l_aux, _ = self.moe(self.inp(x))
+        return self.out(y), l_aux
+
+
+def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
+    """`steps` SGD steps of TinyMoEModel under deepspeed.initialize (ZeRO `zero_stage`), with
+    DeepSpeed's own MoE and with replace_moe: this rank's losses of both runs."""
+    deepspeed = _init_deepspeed()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from ditron_ep.integrations.deepspeed import replace_moe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(seed * 31 + rank)
+    data = [(torch.randn(12, H, generator=gen), torch.randn(12, H, generator=gen)) for _ in range(steps)]
+    config = {"train_micro_batch_size_per_gpu": 12, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9}
+    runs = {}
+    for label in ("deepspeed", "ditron_ep"):
+        model = TinyMoEModel(2 * world, world, seed)
+        if label == "ditron_ep":
+            assert replace_moe(model) == 1
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"})
+        optimizer = torch.optim.SGD(groups, lr=0.1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        losses = []
+        for x, target in data:
+            y, l_aux = engine(x)
+            loss = ((y - target) ** 2).mean() + 0.01 * l_aux
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+        runs[label] = losses
+    return runs
