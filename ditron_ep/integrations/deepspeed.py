@@ -23,8 +23,9 @@ on every rank, in fp32; anything else raises DitronConfigError naming the module
 Not supported (raise): Tutel, tensor-parallel experts, `noisy_gate_policy` other than None is
 DeepSpeed's own gate and stays supported.
 
-Expert weights are stacked into [E_local, H, n*I] / [E_local, I, H] on every call (a copy with
-autograd: gradients reach the experts' own parameters), so ZeRO re-pointing `param.data` is seen.
+Expert weights are stacked on every call in nn.Linear's own layout (one contiguous copy with
+autograd: gradients reach the experts' own parameters; the kernels read the transposed views), so
+ZeRO re-pointing `param.data` is seen. Reading each expert's weights in place (no copy) is not done.
 """
 from __future__ import annotations
 
@@ -80,17 +81,19 @@ def expert_layout(expert: nn.Module) -> tuple[str, list[nn.Linear]]:
 
 
 def _stacked(experts: list[nn.Module], activation: str) -> tuple[torch.Tensor, ...]:
-    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable copies."""
+    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable. The
+    Linear weights ([out, in]) are stacked as they are (a contiguous copy) and handed over as
+    transposed views: the kernels read any strides, so no transposing copy is made."""
     layers = [expert_layout(e)[1] for e in experts]
     if activation == "swiglu":
-        w1 = torch.stack([torch.cat([g.weight, u.weight]).t() for g, u, _ in layers])
+        w1 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
         b1 = None if layers[0][0].bias is None else torch.stack([torch.cat([g.bias, u.bias]) for g, u, _ in layers])
     else:
-        w1 = torch.stack([fc1.weight.t() for fc1, _ in layers])
+        w1 = torch.stack([fc1.weight for fc1, _ in layers])
         b1 = None if layers[0][0].bias is None else torch.stack([fc1.bias for fc1, _ in layers])
-    w2 = torch.stack([ls[-1].weight.t() for ls in layers])
+    w2 = torch.stack([ls[-1].weight for ls in layers])
     b2 = None if layers[0][-1].bias is None else torch.stack([ls[-1].bias for ls in layers])
-    return w1.contiguous(), w2.contiguous(), b1, b2
+    return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
 
 
 def _verify(expert: nn.Module, activation: str, name: str) -> None:

@@ -64,7 +64,7 @@ def _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device,
                                        (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * I))),
                            ("w2", w2, (("E_local", El), ("ffn_hidden", I), ("hidden", H)))):
         check_tensor(name, t, shape=shape, dtypes=(dtype,), dtype_hint="cast the weights to the layer's dtype",
-                     **layer)
+                     contiguous=False, **layer)  # weights: any strides
 
 
 def _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, hidden, topk, w1_shape, w2_shape, device) -> bool:
@@ -78,7 +78,12 @@ def _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, hidden, topk, w1_shap
             and topk_weights.dtype in FLOAT_DTYPES and x.dim() == 2 and x.shape[1] == hidden
             and topk_idx.shape == (x.shape[0], topk) and topk_weights.shape == topk_idx.shape
             and w1.shape == w1_shape and w2.shape == w2_shape
-            and all(t.device == device and t.is_contiguous() for t in ts))
+            and all(t.device == device for t in ts) and all(t.is_contiguous() for t in ts[:3]))
+
+
+def _strides3(w: torch.Tensor) -> tuple[int, int, int]:
+    """A weight's (expert, row, column) strides; the 1-D placeholders of a refused call: (0, 0, 1)."""
+    return tuple(w.stride()) if w.dim() == 3 else (0, 0, 1)
 
 
 def _ran_tasks(tm: torch.Tensor, t0: float, stage) -> torch.Tensor:
@@ -367,7 +372,7 @@ class FusedMoE:
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2,
             b1 if b1 is not None else w1, b2 if b2 is not None else w2, out, trace_buf, timer_buf,
             self._clock, recv.src_info, int(refuse_flagged), *self._plan_args, x.shape[0], *self._shape_args,
-            self.heap.wait_budget, TRACE=trace, DEVICE_TIMER=timer, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
+            self.heap.wait_budget, *_strides3(w1), *_strides3(w2), TRACE=trace, DEVICE_TIMER=timer, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
             **self._constexprs)
         if trace:
             self.last_trace = trace_buf

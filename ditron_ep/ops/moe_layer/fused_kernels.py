@@ -170,8 +170,8 @@ def moe_fused_kernel(
     src_off_ptr,      # int32 (W, E_local)
     tokens_from_ptr,  # int32 (W,)
     tile_start_ptr,   # int32 (E_local + 1,) first row tile of each local expert
-    w1_ptr,           # (E_local, H, n*I): gate ‖ up (gated activations) or z's weights
-    w2_ptr,           # (E_local, I, H)
+    w1_ptr,           # (E_local, H, n*I): gate ‖ up (gated activations) or z's weights; any strides
+    w2_ptr,           # (E_local, I, H); any strides
     b1_ptr,           # (E_local, n*I) (read when HAS_B1)
     b2_ptr,           # (E_local, H) (read when HAS_B2)
     out_ptr,          # out (T, H)
@@ -189,6 +189,7 @@ def moe_fused_kernel(
     done_send, done_recv, done_gu, done_down, bar_recv, bar_down,  # sequential-only words
     T, H, I, rank, world, E_local, MAXT, n_chunks, n_rt, n_t1, n_t2,
     F1, F2, F3, F4, NT, budget,
+    s1e, s1k, s1n, s2e, s2k, s2n,  # the expert weights' strides (elements)
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, REVERSE_RING: tl.constexpr,
@@ -325,7 +326,7 @@ def moe_fused_kernel(
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
-                        up_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I,
+                        up_tile(p_xs, p_rows_all, w1_ptr, p_h, e, row0, n_rows, i_n * BN1, H, I, s1e, s1k, s1n,
                                 True, BM, BN1, BK1, INPUT_PRECISION, 4, ACT, b1_ptr, p_h, HAS_B1, False)
                         notify_add(p_sig + sig_gu + i_m, 1)
                 if SEQUENTIAL:
@@ -338,7 +339,7 @@ def moe_fused_kernel(
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_gu + i_m, n_t1, my_ctrl, rank, STAGE_MOE_GATE_UP, sig_gu + i_m, budget):
-                        acc = down_acc(p_h, w2_ptr, e, row0, n_rows, i_n * BN2, I, H,
+                        acc = down_acc(p_h, w2_ptr, e, row0, n_rows, i_n * BN2, I, H, s2e, s2k, s2n,
                                        BM, BN2, BK2, INPUT_PRECISION, b2_ptr, HAS_B2)  # [BM, BN2] fp32
                         o_m = tl.arange(0, BM)
                         m_m = o_m < n_rows
@@ -412,11 +413,12 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
         **{n: "i64" for n in ("xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")},
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
-                              "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget")}}
-_CONST = {"K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
+                              "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget",
+                              "s1e", "s1k", "s2e", "s2k")}}
+_CONST = {"s1n": 1, "s2n": 1, "K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
           "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}
-_MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off")
+_MULT16 = ("H", "I", "xs_off", "meta_off", "tiles_off", "rows_off", "h_off", "land_off", "s1e", "s1k", "s2e", "s2k")
 register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multiples_of_16=_MULT16)
 # Small T plans one token per combine task (lowering.default_block_t): BLOCK_T=1 tiles.
 register_kernel(moe_fused_kernel, _SIG, {**_CONST, "BLOCK_T": 1}, label="bf16-K8-overlap-combine-t1",

@@ -71,8 +71,9 @@ def grouped_mlp(
             rows expert_offsets[e]:expert_offsets[e+1] belong to local expert e. The total
             expert_offsets[-1] may be below rows (a fixed-capacity buffer): rows past it are
             returned as zeros. Values are checked as `check` says.
-        w1: [E_local, H, n*I] (n = 2 for gated activations: gate ‖ up), x's dtype, contiguous.
-        w2: [E_local, I, H], x's dtype, contiguous.
+        w1: [E_local, H, n*I] (n = 2 for gated activations: gate ‖ up), x's dtype, any strides
+            (e.g. nn.Linear weights [E_local, n*I, H] stacked and transposed: a view, no copy).
+        w2: [E_local, I, H], x's dtype, any strides.
         b1, b2: optional biases [E_local, n*I] and [E_local, H], x's dtype, contiguous.
         activation: one of experts.ACTIVATIONS ("swiglu", "geglu", "gelu", "gelu_tanh", "relu",
             "silu").
@@ -205,7 +206,7 @@ class _Launches:
         grid = (min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
         grouped_act_grad_kernel[grid](
             dy, w2, z[0], dz, h, tiles, expert_offsets, rows, m_cap, hidden, inter, num_local,
-            min(self.group_rows, m_cap), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=block_e,
+            min(self.group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=block_e,
             INPUT_PRECISION=self.input_precision, ACT=self.act, **cfg.launch_options())
         z.clear()
 
@@ -230,7 +231,7 @@ class _Launches:
             m_cap2 = max_m_tiles(rows, num_local, dcfg.block_m)
             grouped_dgrad_kernel[(min(self.num_programs, m_cap2 * triton.cdiv(hidden, dcfg.block_n)),)](
                 dz, w1, dx, maps[dcfg.block_m], expert_offsets, rows, m_cap2, width, hidden, num_local,
-                min(self.group_rows, m_cap2), BM=dcfg.block_m, BN=dcfg.block_n, BK=dcfg.block_k,
+                min(self.group_rows, m_cap2), *w1.stride(), BM=dcfg.block_m, BN=dcfg.block_n, BK=dcfg.block_k,
                 BLOCK_E=block_e, INPUT_PRECISION=self.input_precision, **dcfg.launch_options())
         dw1, db1 = wgrad(x, dz, need_w, need_b1) if need_w or need_b1 else (None, None)
         return dx, dw1, dw2, db1, db2
@@ -290,7 +291,7 @@ def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch
         x, row_index if row_index is not None else expert_offsets, w1, b1 if b1 is not None else w1, h,
         z if z is not None else h, tile_start, expert_offsets,
         rows, m_cap, hidden, inter, num_local, min(group_rows, m_cap),  # no int32 overflow of group * N-tiles
-        HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        *w1.stride(), HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, ACT=act,
         HAS_B1=b1 is not None, SAVE_Z=z is not None, **cfg.launch_options())
 
@@ -307,7 +308,7 @@ def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expe
     grid = (min(num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)
     grouped_down_kernel[grid](
         h, w2, b2 if b2 is not None else w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local,
-        min(group_rows, m_cap), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+        min(group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, HAS_B2=b2 is not None,
         **cfg.launch_options())
 
@@ -414,6 +415,6 @@ def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w
         if rows and x.shape[0] == 0:
             raise ValueError(f"row_index has {rows} rows to gather but x has none; pass an x with rows")
     for name, t in named:
-        if not t.is_contiguous():
+        if name not in ("w1", "w2") and not t.is_contiguous():  # weights: any strides (a transposed view too)
             raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
     return rows, hidden, inter, num_local

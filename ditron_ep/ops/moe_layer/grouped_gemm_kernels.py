@@ -124,9 +124,10 @@ def act_grad(g, ACT: tl.constexpr):
 def up_tile(
     a_ptr,      # (N, H) activations
     a_idx_ptr,  # int32 (rows,) row of a for each row (read when HAS_IDX)
-    w1_ptr,     # (E_local, H, NJ*I): gate ‖ up (gated, NJ = 2) or z's weights (plain, NJ = 1)
+    w1_ptr,     # (E_local, H, NJ*I): gate ‖ up (gated, NJ = 2) or z's weights (plain, NJ = 1), any strides
     h_ptr,      # out (rows, I), a's dtype
     e, row0, n_rows, n0, H, I,
+    s1e, s1k, s1n,  # w1's strides (elements): expert, H, NJ*I (a stride of 1 specialises to a constant)
     HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, IDX_STRIDE: tl.constexpr = 1, ACT: tl.constexpr = 0,
     b1_ptr=None,  # (E_local, NJ*I) bias (HAS_B1)
@@ -153,7 +154,7 @@ def up_tile(
     else:
         i_a = (row0 + o_m).to(tl.int64)
     p_a = a_ptr + i_a[:, None] * H + o_k[None, :]  # [BM, BK]
-    p_w = w1_ptr + e.to(tl.int64) * H * (NJ * I) + o_k[:, None] * (NJ * I) + col[None, :]  # [BK, NJ*BN]
+    p_w = w1_ptr + e.to(tl.int64) * s1e + o_k[:, None] * s1k + col[None, :] * s1n  # [BK, NJ*BN]
     acc = tl.zeros((BM, NJ * BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
         m_k = o_k < H - k0
@@ -161,7 +162,7 @@ def up_tile(
         b_w = tl.load(p_w, mask=m_k[:, None] & m_j[None, :], other=0.0)  # [BK, NJ*BN]
         acc = tl.dot(b_a, b_w, acc, input_precision=INPUT_PRECISION)
         p_a += BK
-        p_w += BK * (NJ * I)
+        p_w += BK * s1k
     if HAS_B1:
         acc += tl.load(b1_ptr + e.to(tl.int64) * (NJ * I) + col, mask=m_j, other=0.0).to(tl.float32)[None, :]
     r = (row0 + o_m).to(tl.int64)
@@ -182,13 +183,13 @@ def up_tile(
 @triton.jit
 def rows_gemm_acc(
     a_ptr,  # (rows, K) row-major
-    b_ptr,  # (K, N) row-major, or (TRANS_B) (N, K) row-major: B is its transpose
-    row0, n_rows, n0, K, N,
+    b_ptr,  # B (K, N): element [k, n] at b_ptr + k * stride_bk + n * stride_bn
+    row0, n_rows, n0, K, N, stride_bk, stride_bn,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TRANS_B: tl.constexpr = False,
 ):
     """fp32 [BM, BN] tile a[row0 + i, :K] @ B[:, n0:n0+BN] (rows i >= n_rows are zero): one fp32
-    dot over the whole K, K-blocks in order."""
+    dot over the whole K, K-blocks in order. B may be any strided view (a transposed weight:
+    stride_bk = 1), a stride of 1 specialising to a constant."""
     o_m = tl.arange(0, BM)
     o_n = n0 + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
@@ -196,10 +197,7 @@ def rows_gemm_acc(
     m_n = o_n < N
     r = (row0 + o_m).to(tl.int64)
     p_a = a_ptr + r[:, None] * K + o_k[None, :]  # [BM, BK]
-    if TRANS_B:
-        p_b = b_ptr + o_n[None, :].to(tl.int64) * K + o_k[:, None]  # [BK, BN]
-    else:
-        p_b = b_ptr + o_k[:, None] * N + o_n[None, :]  # [BK, BN]
+    p_b = b_ptr + o_k[:, None] * stride_bk + o_n[None, :].to(tl.int64) * stride_bn  # [BK, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         m_k = o_k < K - k0
@@ -207,10 +205,7 @@ def rows_gemm_acc(
         b_b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)  # [BK, BN]
         acc = tl.dot(b_a, b_b, acc, input_precision=INPUT_PRECISION)
         p_a += BK
-        if TRANS_B:
-            p_b += BK
-        else:
-            p_b += BK * N
+        p_b += BK * stride_bk
     return acc
 
 
@@ -218,14 +213,15 @@ def rows_gemm_acc(
 @triton.jit
 def down_acc(
     h_ptr,   # (rows, I)
-    w2_ptr,  # (E_local, I, H)
+    w2_ptr,  # (E_local, I, H), any strides
     e, row0, n_rows, n0, I, H,
+    s2e, s2k, s2n,  # w2's strides (elements): expert, I, H
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     b2_ptr=None, HAS_B2: tl.constexpr = False,  # (E_local, H) bias
 ):
     """fp32 [BM, BN] tile h[row0 + i] @ W2[e][:, n0:n0+BN] (+ b2[e]); rows i >= n_rows are not
     meaningful (zero before the bias)."""
-    acc = rows_gemm_acc(h_ptr, w2_ptr + e.to(tl.int64) * I * H, row0, n_rows, n0, I, H, BM, BN, BK,
+    acc = rows_gemm_acc(h_ptr, w2_ptr + e.to(tl.int64) * s2e, row0, n_rows, n0, I, H, s2k, s2n, BM, BN, BK,
                         INPUT_PRECISION)
     if HAS_B2:
         o_n = n0 + tl.arange(0, BN)
@@ -237,14 +233,15 @@ def down_acc(
 @triton.jit
 def down_tile(
     h_ptr,   # (rows, I)
-    w2_ptr,  # (E_local, I, H)
+    w2_ptr,  # (E_local, I, H), any strides
     y_ptr,   # out (rows, H)
-    e, row0, n_rows, n0, I, H,
+    e, row0, n_rows, n0, I, H, s2e, s2k, s2n,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     b2_ptr=None, HAS_B2: tl.constexpr = False,
 ):
     """y[row0 + i, n0:n0+BN] = h[row0 + i] @ W2[e][:, n0:n0+BN] (+ b2[e]) for i < n_rows; fp32, cast once."""
-    acc = down_acc(h_ptr, w2_ptr, e, row0, n_rows, n0, I, H, BM, BN, BK, INPUT_PRECISION, b2_ptr, HAS_B2)
+    acc = down_acc(h_ptr, w2_ptr, e, row0, n_rows, n0, I, H, s2e, s2k, s2n, BM, BN, BK, INPUT_PRECISION, b2_ptr,
+                   HAS_B2)
     o_m = tl.arange(0, BM)
     o_n = n0 + tl.arange(0, BN)
     r = (row0 + o_m).to(tl.int64)
@@ -276,6 +273,7 @@ def grouped_up_kernel(
     expert_off_ptr,  # int32 (E_local + 1,)
     rows_cap, m_tiles_cap, H, I, E_local,
     group_rows,      # M-tiles a group of the tile order (grouped_tile)
+    s1e, s1k, s1n,   # w1's strides
     HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0, HAS_B1: tl.constexpr = False,
     SAVE_Z: tl.constexpr = False,
@@ -285,7 +283,7 @@ def grouped_up_kernel(
     for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
         t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
         e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
-        up_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, t_n * BN, H, I,
+        up_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, t_n * BN, H, I, s1e, s1k, s1n,
                 HAS_IDX, BM, BN, BK, INPUT_PRECISION, 1, ACT, b1_ptr, z_ptr, HAS_B1, SAVE_Z)
 
 
@@ -299,6 +297,7 @@ def grouped_down_kernel(
     expert_off_ptr,  # int32 (E_local + 1,)
     rows_cap, m_tiles_cap, I, H, E_local,
     group_rows,      # M-tiles a group of the tile order (grouped_tile)
+    s2e, s2k, s2n,   # w2's strides
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, HAS_B2: tl.constexpr = False,
 ):
@@ -309,8 +308,8 @@ def grouped_down_kernel(
     for t in range(pid, n_m * n_n, n_prog):
         t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
         e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
-        down_tile(h_ptr, w2_ptr, y_ptr, e, row0, n_rows, t_n * BN, I, H, BM, BN, BK, INPUT_PRECISION,
-                  b2_ptr, HAS_B2)
+        down_tile(h_ptr, w2_ptr, y_ptr, e, row0, n_rows, t_n * BN, I, H, s2e, s2k, s2n, BM, BN, BK,
+                  INPUT_PRECISION, b2_ptr, HAS_B2)
     # Rows past the last expert belong to no expert: zero them (a separate loop keeps the branch
     # out of the pipelined one above).
     _zero_rows_past_experts(y_ptr, expert_off_ptr, rows_cap, H, E_local, BM, BN)
@@ -342,6 +341,7 @@ def grouped_act_grad_kernel(
     tile_start_ptr, expert_off_ptr,
     rows_cap, m_tiles_cap, H, I, E_local,
     group_rows,
+    s2e, s2k, s2n,   # w2's strides
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0,
 ):
@@ -354,8 +354,8 @@ def grouped_act_grad_kernel(
         t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
         e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
         n0 = t_n * BN
-        dh = rows_gemm_acc(dy_ptr, w2_ptr + e.to(tl.int64) * I * H, row0, n_rows, n0, H, I, BM, BN, BK,
-                           INPUT_PRECISION, True)  # [BM, BN] fp32
+        dh = rows_gemm_acc(dy_ptr, w2_ptr + e.to(tl.int64) * s2e, row0, n_rows, n0, H, I, s2n, s2k, BM, BN, BK,
+                           INPUT_PRECISION)  # [BM, BN] fp32: W2[e] read transposed
         o_m = tl.arange(0, BM)
         o_n = n0 + tl.arange(0, BN)
         r = (row0 + o_m).to(tl.int64)
@@ -383,6 +383,7 @@ def grouped_dgrad_kernel(
     tile_start_ptr, expert_off_ptr,
     rows_cap, m_tiles_cap, K, N, E_local,
     group_rows,
+    s1e, s1k, s1n,   # W1's strides (its [N, K] element [n, k] at e*s1e + n*s1k + k*s1n)
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
@@ -393,8 +394,8 @@ def grouped_dgrad_kernel(
         t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
         e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
         n0 = t_n * BN
-        acc = rows_gemm_acc(dz_ptr, w_ptr + e.to(tl.int64) * N * K, row0, n_rows, n0, K, N, BM, BN, BK,
-                            INPUT_PRECISION, True)
+        acc = rows_gemm_acc(dz_ptr, w_ptr + e.to(tl.int64) * s1e, row0, n_rows, n0, K, N, s1n, s1k, BM, BN, BK,
+                            INPUT_PRECISION)
         o_m = tl.arange(0, BM)
         o_n = n0 + tl.arange(0, BN)
         r = (row0 + o_m).to(tl.int64)
@@ -442,7 +443,8 @@ def grouped_wgrad_kernel(
             b_b = tl.load(b_ptr + r[:, None] * N + j[None, :], mask=m_r[:, None] & m_j[None, :], other=0.0)  # [BK, BN]
             acc = tl.dot(tl.trans(b_a), b_b, acc, input_precision=INPUT_PRECISION)
             if HAS_BIAS:
-                b_sum += tl.sum(b_b.to(tl.float32), axis=0)
+                if t_m == 0:  # one row of tiles sums the bias gradient (uniform branch)
+                    b_sum += tl.sum(b_b.to(tl.float32), axis=0)
         e64 = e.to(tl.int64)
         tl.store(g_ptr + e64 * M * N + i.to(tl.int64)[:, None] * N + j[None, :], acc.to(g_ptr.dtype.element_ty),
                  mask=m_i[:, None] & m_j[None, :])
@@ -471,8 +473,11 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     dims = {} if shape is None else {"H": shape[0], "I": shape[1]}
     ints = {name: "i32" for name in ("rows_cap", "m_tiles_cap", "E_local", "H", "I") if name not in dims}
     ints["group_rows"] = "i32"
+    w1s = {"s1e": "i32", "s1k": "i32"}   # s1n = 1 (contiguous weights): a constant, as launches specialise it
+    w2s = {"s2e": "i32", "s2k": "i32"}
     block_e = triton.next_power_of_2(num_local_experts)
     mult16 = [n for n in ("H", "I") if n not in dims]  # real hidden sizes are multiples of 16
+    w1_16, w2_16 = [*mult16, "s1e", "s1k"], [*mult16, "s2e", "s2k"]  # so are the weights' strides
     maps = {"tile_start_ptr": "*i32", "expert_off_ptr": "*i32"}
     tiles = {"BLOCK_E": block_e, "INPUT_PRECISION": input_precision}
     act = f"-act{activation}{'-bias' if biases else ''}"
@@ -482,26 +487,27 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
 
     register_kernel(grouped_up_kernel,
                     {"a_ptr": ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "b1_ptr": ptr, "h_ptr": ptr, "z_ptr": ptr,
-                     **maps, **ints},
-                    {**dims, "HAS_IDX": has_idx, **blocks(gate_up), **tiles, "ACT": activation, "HAS_B1": biases,
+                     **maps, **ints, **w1s},
+                    {**dims, "s1n": 1, "HAS_IDX": has_idx, **blocks(gate_up), **tiles, "ACT": activation, "HAS_B1": biases,
                      "SAVE_Z": backward is not None},
                     label=f"{label}{'-gather' if has_idx else ''}{act} {gate_up}", options=gate_up.launch_options(),
-                    multiples_of_16=mult16)
+                    multiples_of_16=w1_16)
     register_kernel(grouped_down_kernel,
-                    {"h_ptr": ptr, "w2_ptr": ptr, "b2_ptr": ptr, "y_ptr": ptr, **maps, **ints},
-                    {**dims, **blocks(down), **tiles, "HAS_B2": biases},
-                    label=f"{label}{act} {down}", options=down.launch_options(), multiples_of_16=mult16)
+                    {"h_ptr": ptr, "w2_ptr": ptr, "b2_ptr": ptr, "y_ptr": ptr, **maps, **ints, **w2s},
+                    {**dims, "s2n": 1, **blocks(down), **tiles, "HAS_B2": biases},
+                    label=f"{label}{act} {down}", options=down.launch_options(), multiples_of_16=w2_16)
     if backward is None:
         return
     ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
     register_kernel(grouped_act_grad_kernel,
-                    {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints},
-                    {**dims, **blocks(ag), **tiles, "ACT": activation},
-                    label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=mult16)
+                    {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints, **w2s},
+                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation},
+                    label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=w2_16)
     dgrad_ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
-    register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints},
-                    {**blocks(dg), **tiles},
-                    label=f"{label} dgrad {dg}", options=dg.launch_options(), multiples_of_16=["K", "N"])
+    register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints, **w1s},
+                    {"s1n": 1, **blocks(dg), **tiles},
+                    label=f"{label} dgrad {dg}", options=dg.launch_options(),
+                    multiples_of_16=["K", "N", "s1e", "s1k"])
     register_kernel(grouped_wgrad_kernel,
                     {"a_ptr": ptr, "b_ptr": ptr, "g_ptr": ptr, "gb_ptr": ptr, "expert_off_ptr": "*i32",
                      **{n: "i32" for n in ("rows_cap", "M", "N", "E_local")}},
