@@ -241,15 +241,15 @@ def measure_layer(ctx: BenchContext, impl: str, inp: Inputs, wts: Weights, flops
 
 
 # ============================================================================ the entry
-def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
-    case = layer_case(ctx, tokens)
-    # A buffer and fused layers sized for this T, as a layer of this T would have.
+def on_fresh_caches(run: Callable[[], list[Measurement]]) -> list[Measurement]:
+    """`run()` with ditron_ep's cached buffers and layers cleared before and after: a buffer and
+    fused layers sized for this T, as a layer of this T would have (not after a Fatal: the ranks
+    can no longer agree on the collective free)."""
     clear_cache()
     clear_layers()
     group_ok = True
     try:
-        with torch.no_grad():
-            return _run_moe(ctx, tokens, case.inp, case.wts, case.rows_max, case.flops, TOLERANCES[ctx.dtype][0])
+        return run()
     except Fatal:
         group_ok = False
         raise
@@ -257,6 +257,15 @@ def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
         if group_ok:
             clear_cache()
             clear_layers()
+
+
+def run_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
+    case = layer_case(ctx, tokens)
+
+    def run() -> list[Measurement]:
+        with torch.no_grad():
+            return _run_moe(ctx, tokens, case.inp, case.wts, case.rows_max, case.flops, TOLERANCES[ctx.dtype][0])
+    return on_fresh_caches(run)
 
 
 def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max: int, flops: float,

@@ -33,12 +33,13 @@ from typing import Callable
 
 import torch
 
-from ditron_ep.bench.moe_layer import LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, gemm_flops, layer_case, probe_grouped_mm
-from ditron_ep.bench.ranks import Fatal, StageFailed, guarded, relative_errors
+from ditron_ep.bench.moe_layer import (LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, gemm_flops, layer_case,
+                                       on_fresh_caches, probe_grouped_mm)
+from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
 from ditron_ep.bench.torch_moe import torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
-from ditron_ep.ops import clear_cache, clear_layers, dispatch, moe
+from ditron_ep.ops import dispatch, moe
 
 TORCH_NATIVE = "torch-native, fwd+bwd"
 FLOOR = "floor: 3 x forward GEMMs"
@@ -56,18 +57,7 @@ OURS = {DEFAULT: ("overlap", False), "moe overlap, recompute": ("overlap", True)
 
 def run_moe_train(ctx: BenchContext, tokens: int) -> list[Measurement]:
     case = layer_case(ctx, tokens)
-    clear_cache()
-    clear_layers()
-    group_ok = True
-    try:
-        return _run(ctx, case)
-    except Fatal:
-        group_ok = False
-        raise
-    finally:
-        if group_ok:
-            clear_cache()
-            clear_layers()
+    return on_fresh_caches(lambda: _run(ctx, case))
 
 
 def _step(layer: Callable, inp, wts, grad_out: torch.Tensor) -> Callable[[], tuple]:

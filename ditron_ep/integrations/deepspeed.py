@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditron_ep.integrations import import_framework
 from ditron_ep.ops.moe_layer.experts import expert_activation
 from ditron_ep.runtime.errors import DitronConfigError
 
@@ -43,15 +44,7 @@ SUPPORTED_VERSIONS = ("0.19.8",)
 
 
 def _deepspeed():
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise DitronConfigError("ditron_ep.integrations.deepspeed needs DeepSpeed: pip install 'ditron_ep[deepspeed]' "
-                                f"(deepspeed=={SUPPORTED_VERSIONS[0]})") from exc
-    if deepspeed.__version__ not in SUPPORTED_VERSIONS:
-        raise DitronConfigError(f"DeepSpeed {deepspeed.__version__} is not supported by ditron_ep.integrations."
-                                f"deepspeed; supported: {', '.join(SUPPORTED_VERSIONS)}")
-    return deepspeed
+    return import_framework("deepspeed", "DeepSpeed", "deepspeed", SUPPORTED_VERSIONS)
 
 
 def _activation_of(act: nn.Module) -> str | None:

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from ditron_ep.integrations import import_framework
 from ditron_ep.runtime.errors import DitronConfigError
 
 __all__ = ["SUPPORTED_VERSIONS", "DitronTokenDispatcher", "use_ditron_dispatcher"]
@@ -33,15 +34,9 @@ SUPPORTED_VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _megatron():
-    try:
-        import megatron.core as mcore
-        from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
-    except ImportError as exc:
-        raise DitronConfigError("ditron_ep.integrations.megatron needs megatron-core: pip install "
-                                f"'ditron_ep[megatron]' (megatron-core {' or '.join(SUPPORTED_VERSIONS)})") from exc
-    if mcore.__version__ not in SUPPORTED_VERSIONS:
-        raise DitronConfigError(f"megatron-core {mcore.__version__} is not supported by ditron_ep.integrations."
-                                f"megatron; supported: {', '.join(SUPPORTED_VERSIONS)}")
+    import_framework("megatron.core", "megatron-core", "megatron", SUPPORTED_VERSIONS)
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
     return MoETokenDispatcher
 
 
