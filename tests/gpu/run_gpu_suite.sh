@@ -11,7 +11,12 @@
 #     NPROC                            ranks (default: GPUs listed by `nvidia-smi -L`)
 #     PYTHON                           interpreter with torch, triton, pytest, ditron_ep and deepspeed==0.19.8
 #                                      importable (deepspeed: the test extra; where nothing can be installed,
-#                                      carry its wheels and put them on PYTHONPATH)
+#                                      carry its wheels and put them on PYTHONPATH: here
+#                                      `DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl` and
+#                                      `pip download --no-deps --only-binary=:all: --python-version 3.12
+#                                      --platform manylinux2014_x86_64 -d .whl hjson pydantic pydantic_core
+#                                      annotated-types typing-inspection`; there `pip install --no-index
+#                                      --no-deps --target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site)
 #                                      (default: python, else python3, on PATH)
 #     DITRON_GPU_SUITE_TIMEOUT_S       limit for the whole torchrun job (default 540: the summary still
 #                                      prints inside a 10-minute call)
