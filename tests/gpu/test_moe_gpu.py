@@ -448,7 +448,7 @@ def test_epmoe_builds_on_gpu_and_equals_moe(dist_env):
 
 def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
     """`moe` on one rank with arguments that cannot key a cached layer (1-D topk_weights) or
-    that ask for gradients: that rank refuses through the group's only cached layer, so its peers
+    that it rejects itself (a bias of the wrong shape): that rank refuses through the group's only cached layer, so its peers
     (replaying the call from a captured graph) raise DitronConfigError naming it, not a timeout;
     the next call is bitwise the first."""
     from ditron_ep.ops import clear_layers, moe
@@ -462,16 +462,19 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
     with torch.no_grad():
         first = moe(x, idx, w, w1, w2)
         moe(x, idx, w, w1, w2)  # the second call captures the signature: the calls below replay it
-    for name, bad_args, bad_exc in (
-            ("1-D topk_weights", (x, idx, w[:, 0], w1, w2), DitronConfigError),
-            ("non-contiguous w1", (x, idx, w, w1.transpose(1, 2).contiguous().transpose(1, 2), w2),
-             DitronConfigError)):
+    bad_b1 = torch.zeros(w1.shape[0], 3, dtype=w1.dtype, device=dev)  # a bias of the wrong shape
+    for name, bad_args, bad_kwargs, bad_exc in (
+            ("1-D topk_weights", (x, idx, w[:, 0], w1, w2), {}, DitronConfigError),
+            ("b1 of the wrong shape", (x, idx, w, w1, w2), {"b1": bad_b1}, DitronConfigError)):
         want_exc = bad_exc if rank == bad_rank else DitronConfigError
         t0 = time.monotonic()
         got = "no error"
         try:
             with torch.no_grad():
-                moe(*(bad_args if rank == bad_rank else (x, idx, w, w1, w2)))
+                if rank == bad_rank:
+                    moe(*bad_args, **bad_kwargs)
+                else:
+                    moe(x, idx, w, w1, w2)
         except (DitronConfigError, NotImplementedError) as err:
             got = f"{type(err).__name__}: {err}"
         if not got.startswith(want_exc.__name__) or (rank != bad_rank and f"(ranks {bad_rank})" not in got):

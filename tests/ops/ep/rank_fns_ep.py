@@ -380,8 +380,8 @@ def unkeyed_refusal_case() -> dict:
         with torch.no_grad():
             ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the layer / buffer
             timed(f"{schedule}_1d", lambda: moe(x, idx, w[:, 0] if rank == 1 else w, w1, w2, schedule=schedule))
-        w1_local = w1.transpose(1, 2).contiguous().transpose(1, 2) if rank == 1 else w1  # same shape, strided
-        timed(f"{schedule}_strided", lambda: moe(x, idx, w, w1_local, w2, schedule=schedule), DitronConfigError)
+        b1_local = torch.zeros(w1.shape[0], 3) if rank == 1 else None  # a bias of the wrong shape: the key is intact
+        timed(f"{schedule}_bias", lambda: moe(x, idx, w, w1, w2, b1=b1_local, schedule=schedule), DitronConfigError)
         with torch.no_grad():
             res[f"{schedule}_after"] = torch.equal(moe(x, idx, w, w1, w2, schedule=schedule), ref)
     clear_layers()
@@ -391,7 +391,7 @@ def unkeyed_refusal_case() -> dict:
 
 def refusal_never_guesses_past_an_exact_key_case() -> dict:
     """A layer / buffer is cached (top-2); every rank then calls at a new shape (top-1), rank 1
-    with an argument the exact key still names (a non-contiguous w1; topk_weights of the
+    with an argument the exact key still names (a bias of the wrong shape; topk_weights of the
     wrong length in staged): rank 1 must not refuse through the cached one (its peers are
     sizing the new one, which times out: the key comes from rejected arguments, so rank 1 does
     not refuse that sizing either), and the cached one stays in step for the next call."""
@@ -408,9 +408,9 @@ def refusal_never_guesses_past_an_exact_key_case() -> dict:
                 ref = moe(x, idx, w, w1, w2, schedule=schedule)  # caches the top-2 layer / buffer
             x1, idx1, w_1 = x, idx[:, :1].contiguous(), w[:, :1].contiguous()
             if schedule == "overlap":
-                strided = w1.transpose(1, 2).contiguous().transpose(1, 2) if rank == 1 else w1
+                bad_b1 = torch.zeros(w1.shape[0], 3) if rank == 1 else None
                 with torch.no_grad():
-                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, w_1, strided, w2, schedule=schedule),
+                    catch(f"{schedule}_new_shape", lambda: moe(x1, idx1, w_1, w1, w2, b1=bad_b1, schedule=schedule),
                           DitronConfigError)
             else:
                 bad_w = w_1[:-1] if rank == 1 else w_1

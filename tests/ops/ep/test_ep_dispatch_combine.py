@@ -138,11 +138,11 @@ def test_functional_mismatched_cache_key_raises_without_hanging(emulated_cluster
 
 def test_unkeyed_bad_arguments_refuse_through_the_only_cached_buffer(emulated_cluster):
     r0, r1 = emulated_cluster(2).run(fns.unkeyed_refusal_case)
-    for key in ("dispatch_1d", "overlap_1d", "staged_1d", "overlap_strided", "staged_strided"):
+    for key in ("dispatch_1d", "overlap_1d", "staged_1d", "overlap_bias", "staged_bias"):
         assert r0[key].startswith("DitronConfigError") and re.search(r"\branks? 1\b", r0[key]), (key, r0[key])
         assert r0[key + "_s"] < 10, f"{key}: rank 0 waited {r0[key + '_s']:.1f} s (a timeout, not a refusal)"
         assert r1[key].startswith("DitronConfigError"), r1[key]
-        assert not key.endswith("strided") or "contiguous" in r1[key], r1[key]
+        assert not key.endswith("bias") or "b1 must have shape" in r1[key], r1[key]
     for r in (r0, r1):
         assert r["dispatch_after"] and r["overlap_after"] and r["staged_after"], r
 
@@ -157,7 +157,7 @@ def test_two_ranks_refusing_one_combine_are_both_counted(emulated_cluster):
 
 def test_refusal_never_guesses_a_buffer_past_an_exact_key(emulated_cluster):
     r0, r1 = emulated_cluster(2).run(fns.refusal_never_guesses_past_an_exact_key_case)
-    assert r1["overlap_new_shape"].startswith("DitronConfigError") and "contiguous" in r1["overlap_new_shape"], r1
+    assert r1["overlap_new_shape"].startswith("DitronConfigError") and "b1 must have shape" in r1["overlap_new_shape"], r1
     assert r1["staged_new_shape"].startswith("DitronConfigError"), r1
     for key in ("overlap_new_shape", "staged_new_shape"):
         assert r0[key].startswith("DitronConfigError") and "rank(s) 1 did not join the sizing" in r0[key], r0[key]
