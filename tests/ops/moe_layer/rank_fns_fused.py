@@ -307,3 +307,51 @@ def fused_lone_rank_times_out() -> dict:
     res["recovers"] = bool(torch.equal(layer(*args), first))
     layer.free()
     return res
+
+
+def two_layer_training_case(tokens: list[int], H: int, I: int, E: int, K: int, seed: int, recompute: bool) -> dict:
+    """Two moe layers in a row sharing the cached buffer (same shapes), different routings and
+    experts, then one backward: every gradient against float64 autograd of the composition over
+    every rank (a layer's backward must not read state the next layer's forward overwrote)."""
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idx_a, w_a = make_inputs(W, tokens, H, E, K, torch.float32, "uniform", seed, drop_prob=0.1)
+    _, idx_b, w_b = make_inputs(W, tokens, H, E, K, torch.float32, "zipf", seed + 1, drop_prob=0.1)
+    ex_a = make_experts(W, E // W, H, I, seed, "swiglu", False)
+    ex_b = make_experts(W, E // W, H, I, seed + 5, "swiglu", False)
+    gouts = [torch.randn(t, H, generator=torch.Generator().manual_seed(seed * 13 + r)) for r, t in enumerate(tokens)]
+    leaves = [t.clone().requires_grad_() for t in (xs[rank], ex_a[rank][0], ex_a[rank][1], ex_b[rank][0],
+                                                    ex_b[rank][1])]
+    x, w1a, w2a, w1b, w2b = leaves
+    h = moe(x, idx_a[rank], w_a[rank], w1a, w2a, recompute=recompute)
+    out = moe(h, idx_b[rank], w_b[rank], w1b, w2b, recompute=recompute)
+    out.backward(gouts[rank])
+    got = [t.grad for t in leaves]
+    clear_cache()
+    clear_layers()
+    # float64 over every rank: layer a on every rank's tokens, then layer b on its outputs
+    f64 = torch.float64
+    X = [t.to(f64).requires_grad_() for t in xs]
+    A = [[w.to(f64).requires_grad_() for w in e[:2]] for e in ex_a]
+    B = [[w.to(f64).requires_grad_() for w in e[:2]] for e in ex_b]
+
+    def layer(inputs, idxs, ws, experts):
+        outs = []
+        for r, (xr, ir, wr) in enumerate(zip(inputs, idxs, ws)):
+            o = torch.zeros(xr.shape, dtype=f64)
+            for e in ir.unique().tolist():
+                if e < 0:
+                    continue
+                owner, local = divmod(e, E // W)
+                t, k = (ir == e).nonzero(as_tuple=True)
+                z = xr[t] @ experts[owner][0][local]
+                y = expert_activation(z, "swiglu") @ experts[owner][1][local]
+                o = o.index_add(0, t, wr[t, k].to(f64)[:, None] * y)
+            outs.append(o)
+        return outs
+
+    outs = layer(layer(X, idx_a, w_a, A), idx_b, w_b, B)
+    sum((o * g.to(f64)).sum() for o, g in zip(outs, gouts)).backward()
+    want = [X[rank].grad, A[rank][0].grad, A[rank][1].grad, B[rank][0].grad, B[rank][1].grad]
+    return {"errors": [float((g.double() - w).abs().max() / max(float(w.abs().max()), 1.0)) for g, w in zip(got, want)]}

@@ -180,7 +180,7 @@ def training_case(tokens: list[int], num_experts: int, score_func: str, renormal
         errors[name] = (float((g.to(torch.float64) - ref).abs().max()) if ref.numel() else 0.0,
                         float(ref.abs().max()) if ref.numel() else 0.0)
     clear_cache()
-    return {"errors": errors}
+    return {"errors": errors, "state_dict_keys": sorted(layer.state_dict())}
 
 
 def training_loop_case(tokens: list[int], num_experts: int, steps: int, repeat_steps: int, seed: int) -> dict:

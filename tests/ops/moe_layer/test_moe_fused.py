@@ -117,3 +117,12 @@ def test_moe_trains_under_every_schedule(emulated_cluster, W, tokens, E, K, kind
         assert all(rep["bitwise"].values()), f"rank {rank}: backward passes differ {rep['bitwise']}"
         assert rep["forward_bitwise"], f"rank {rank}: overlap, sequential and FusedMoE forwards differ"
         assert rep["dropped_weight_grads_zero"], f"rank {rank}: a dropped slot got a weight gradient"
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep-activations", "recompute"])
+def test_two_layers_sharing_the_buffer_train(emulated_cluster, recompute):
+    """Two moe calls in a row on the same cached buffer and one backward through both: every
+    gradient within fp32 tolerance of float64 autograd of the composition."""
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.two_layer_training_case, [11, 8], 24, 16, 4, 2, 3,
+                                                       recompute)):
+        assert max(rep["errors"]) <= 1e-5, (rank, rep)

@@ -84,9 +84,11 @@ def test_lone_bad_x_reaches_the_peers(emulated_cluster):
     (2, [8, 5], 4, "softmax", False, "gelu", True, "overlap"),   # DeepSpeed-style experts, default schedule
 ], ids=["W2-softmax", "W3-empty-rank-sigmoid-renorm", "W2-gelu-bias-overlap"])
 def test_layer_trains(emulated_cluster, W, tokens, E, score_func, renorm, activation, bias, schedule):
-    """Gradients of x, the router and the experts (and biases) of EPMoE against float64."""
+    """Gradients of x, the router and the experts (and biases) of EPMoE against float64; the
+    state_dict keys are the parameters' names (stable across versions: checkpoints depend on them)."""
     for rank, rep in enumerate(emulated_cluster(W).run(fns.training_case, tokens, E, score_func, renorm, 2,
                                                        activation, bias, schedule)):
+        assert rep["state_dict_keys"] == (["b1", "b2"] if bias else []) + ["router_weight", "w1", "w2"], rep
         for name, (err, ref) in rep["errors"].items():
             assert err <= 1e-5 * max(ref, 1.0), f"rank {rank} grad {name}: off float64 by {err} (max {ref})"
 
