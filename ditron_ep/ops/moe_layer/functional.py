@@ -48,7 +48,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             on every rank and nothing moves; so does a timeout inside an earlier launch); the
             megakernel runs on asynchronously. False = no host synchronisation
             (CUDA-graph capturable; needs the cached layer to exist at a sufficient size: call
-            once with sync=True).
+            once with sync=True). With gradients (recompute=False), False runs the staged
+            launches in graph mode, forward and backward without a host read (capacity-sized
+            rows; the cached buffer must exist: call once with sync=True).
         check_errors: fused schedules with sync=True: also wait for the megakernel and raise a
             timeout inside it in this call (a second host read) instead of at the next call.
         grad_dtype: dtype of the weight and bias gradients: None (the weights') or torch.float32.
@@ -83,10 +85,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                                     f"{grad_dtype!r}")
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
-        if needs_grad and schedule != "staged" and not sync:
-            raise NotImplementedError("gradients through the fused schedules need sync=True (their backward "
-                                      "recomputes the layer with the staged schedule, which reads the host); "
-                                      "capture the forward alone, or train with sync=True")
+        if needs_grad and recompute and schedule != "staged" and not sync:
+            raise NotImplementedError("recompute=True with sync=False: the backward's recomputation reads the host; "
+                                      "capture with recompute=False (the default), or train with sync=True")
         _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation)
     except (DitronConfigError, NotImplementedError) as err:
         if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
@@ -97,8 +98,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     world = dist.get_world_size(group)
     num_experts = w1.shape[0] * world
     if schedule == "staged" or (needs_grad and not recompute):
+        # with gradients, sync=False runs the staged launches in graph mode (forward and backward capturable)
         return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, group=group, num_experts=num_experts,
-                          activation=activation, grad_dtype=grad_dtype)
+                          activation=activation, grad_dtype=grad_dtype, sync=sync or not needs_grad)
     return _fused(x, topk_idx, topk_weights, (w1, w2, b1, b2), group, schedule, sync, check_errors, num_experts,
                   activation, grad_dtype)
 

@@ -22,9 +22,11 @@ __all__ = ["FusedForwardStagedBackward", "staged_moe"]
 
 
 def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, group: dist.ProcessGroup | None, num_experts: int,
-               activation: str, grad_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Dispatch, grouped MLP, combine as separate launches; autograd through each."""
-    recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group)
+               activation: str, grad_dtype: torch.dtype | None = None, sync: bool = True) -> torch.Tensor:
+    """Dispatch, grouped MLP, combine as separate launches; autograd through each. sync=False:
+    graph mode, no host read forward or backward (the rows are the buffer's capacity; rows past
+    the received ones are zero and get no gradient), so forward + backward can be captured."""
+    recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group, sync=sync)
     y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2, b1=b1, b2=b2, activation=activation,
                     check=False, grad_dtype=grad_dtype)  # offsets built by dispatch
     return combine(y, handle, topk_weights, num_experts=num_experts, group=group)

@@ -355,3 +355,24 @@ def two_layer_training_case(tokens: list[int], H: int, I: int, E: int, K: int, s
     sum((o * g.to(f64)).sum() for o, g in zip(outs, gouts)).backward()
     want = [X[rank].grad, A[rank][0].grad, A[rank][1].grad, B[rank][0].grad, B[rank][1].grad]
     return {"errors": [float((g.double() - w).abs().max() / max(float(w.abs().max()), 1.0)) for g, w in zip(got, want)]}
+
+
+def graph_mode_training_case(tokens: list[int], H: int, I: int, E: int, K: int, seed: int) -> dict:
+    """moe with gradients and sync=False (no host read forward or backward: CUDA-graph
+    capturable) against the same call with sync=True: the same output and gradient bits."""
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, "zipf", seed, drop_prob=0.2)
+    experts = make_experts(W, E // W, H, I, seed, "gelu", True)
+    gout = torch.randn(tokens[rank], H, generator=torch.Generator().manual_seed(seed + rank))
+    runs = []
+    for sync in (True, False, False):
+        leaves = [t.clone().requires_grad_() for t in (xs[rank], ws[rank], *experts[rank])]
+        x, w, w1, w2, b1, b2 = leaves
+        out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation="gelu", sync=sync)
+        out.backward(gout)
+        runs.append([out.detach()] + [t.grad for t in leaves])
+    clear_cache()
+    clear_layers()
+    return {"bitwise": [all(torch.equal(a, b) for a, b in zip(r, runs[0])) for r in runs[1:]]}

@@ -126,3 +126,10 @@ def test_two_layers_sharing_the_buffer_train(emulated_cluster, recompute):
     for rank, rep in enumerate(emulated_cluster(2).run(fns.two_layer_training_case, [11, 8], 24, 16, 4, 2, 3,
                                                        recompute)):
         assert max(rep["errors"]) <= 1e-5, (rank, rep)
+
+
+def test_graph_mode_training_equals_default_mode(emulated_cluster):
+    """Gradients with sync=False (graph mode: no host read forward or backward) equal sync=True's
+    bit for bit, with drops, GELU experts and biases, twice."""
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.graph_mode_training_case, [10, 7], 24, 16, 4, 2, 6)):
+        assert all(rep["bitwise"]), (rank, rep)
