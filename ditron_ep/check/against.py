@@ -109,7 +109,7 @@ def rank_moe_runs(backend: str, spec: str, inputs: Any, repeats: int, backward: 
             leaves = [t.detach().clone().requires_grad_() for t in (args[0], args[2], args[3], args[4])]
             out = fn(leaves[0], args[1], leaves[1], leaves[2], leaves[3], group=None, schedule=schedule, **extra)
             got = torch.autograd.grad(out, leaves, inputs.grad_outs[rank].to(device), allow_unused=True)
-        return [torch.zeros_like(leaf) if g is None else g.detach().cpu() for g, leaf in zip(got, leaves)]
+        return [torch.zeros_like(leaf).cpu() if g is None else g.detach().cpu() for g, leaf in zip(got, leaves)]
 
     try:
         with torch.no_grad():

@@ -17,7 +17,7 @@ Supported: expert parallelism over `pg_collection.ep` (any size), dropless routi
 capacity factor without padding. Not supported (raise DitronConfigError): expert tensor
 parallelism (expt_tp size > 1), `moe_pad_expert_input_to_capacity`, shared-expert overlap
 (`moe_shared_expert_overlap`: run shared experts outside the dispatcher), router padding for
-quantization.
+quantization, CUDA-graph capture of the MoE layer (`cuda_graph_scope` with moe parts).
 """
 from __future__ import annotations
 
@@ -57,6 +57,11 @@ def _dispatcher_class():
                 problems.append("moe_pad_expert_input_to_capacity")
             if getattr(config, "moe_router_padding_for_quantization", False):
                 problems.append("moe_router_padding_for_quantization")
+            if getattr(config, "moe_shared_expert_overlap", False):
+                # MoELayer hands its shared experts to the dispatcher then: they would be skipped
+                problems.append("moe_shared_expert_overlap (run the shared experts outside the dispatcher)")
+            if getattr(config, "cuda_graph_impl", "none") != "none" and _graphs_moe(config):
+                problems.append("CUDA-graph capture of the MoE layer, router or preprocessing (cuda_graph_scope)")
             if problems:
                 raise DitronConfigError(f"DitronTokenDispatcher does not support {', '.join(problems)}")
             self.num_local_experts, self.local_expert_indices = num_local_experts, list(local_expert_indices)
@@ -114,6 +119,15 @@ def __getattr__(name: str):
     if name == "DitronTokenDispatcher":  # built on first use: importing this module imports no framework
         return _dispatcher_class()
     raise AttributeError(name)
+
+
+def _graphs_moe(config) -> bool:
+    """Whether config.cuda_graph_scope captures any part of the MoE layer (a replay would reuse
+    the routing the dispatcher kept from the captured call)."""
+    scope = config.cuda_graph_scope
+    scopes = scope if isinstance(scope, (list, tuple)) else [scope]
+    names = [getattr(s, "name", str(s)) for s in scopes]
+    return not names or any(n in ("full", "full_iteration") or n.startswith("moe") for n in names)
 
 
 def use_ditron_dispatcher(model: torch.nn.Module) -> int:

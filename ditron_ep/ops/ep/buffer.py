@@ -592,6 +592,16 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _alive_for_backward(buffer: EPBuffer) -> None:
+    """A backward needs the buffer its forward used (the handle's layout lives in it)."""
+    if buffer.heap.freed:
+        raise DitronConfigError(
+            "the EP buffer this layer's forward used was freed before its backward (ditron_ep.ops.dispatch / "
+            "moe regrow the cached buffer when a call has more tokens than it holds, e.g. a later layer or "
+            "micro-batch with a larger T): build an EPBuffer sized for the largest T, or call every layer once "
+            "with the largest T before training")
+
+
 class _Dispatch(torch.autograd.Function):
     """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine)."""
 
@@ -605,6 +615,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_recv_x, _grad_handle):
         if grad_recv_x is None:
             return None, None, None, None, None
+        _alive_for_backward(ctx.buffer)
         grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None)
         return grad_x, None, None, None, None
 
@@ -625,6 +636,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         (w,) = ctx.saved_tensors
         buffer, handle = ctx.buffer, ctx.handle
+        _alive_for_backward(buffer)
         grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.landed is not None and ctx.needs_input_grad[1]:

@@ -53,7 +53,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
             rows; the cached buffer must exist: call once with sync=True).
         check_errors: fused schedules with sync=True: also wait for the megakernel and raise a
             timeout inside it in this call (a second host read) instead of at the next call.
-        grad_dtype: dtype of the weight and bias gradients: None (the weights') or torch.float32.
+        grad_dtype: None, or torch.float32 with bf16 / fp16 weights: their gradients are computed
+            in fp32 and added to each weight's `main_grad` (created when missing) instead of
+            `.grad` (`grouped_mlp`).
         recompute: with gradients, what the forward keeps for the backward. False (default): the
             staged launches run the forward (under every schedule) and keep what their backward
             needs: the dispatched rows, the pre-activation, the expert outputs. True (activation
@@ -85,7 +87,10 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                                     f"{grad_dtype!r}")
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
-        if needs_grad and recompute and schedule != "staged" and not sync:
+        if recompute and schedule == "staged":
+            raise DitronConfigError("recompute=True recomputes the staged launches after a fused forward: use it "
+                                    "with schedule='overlap' or 'sequential' (schedule='staged' keeps its activations)")
+        if needs_grad and recompute and not sync:
             raise NotImplementedError("recompute=True with sync=False: the backward's recomputation reads the host; "
                                       "capture with recompute=False (the default), or train with sync=True")
         _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation)

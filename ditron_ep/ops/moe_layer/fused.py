@@ -301,7 +301,7 @@ class FusedMoE:
         """forward on validated inputs; experts = (w1, w2, b1, b2)."""
         if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, self.heap.wait_budget,
-                   *(t.data_ptr() if t is not None else None for t in experts))
+                   *((t.data_ptr(), t.stride()) if t is not None else None for t in experts))  # launches bake both in
             captured = self._graphs.lookup_or_give_up(
                 key, lambda: self._capture_call(x, topk_idx, topk_weights, experts), "FusedMoE")
             if captured is not None:

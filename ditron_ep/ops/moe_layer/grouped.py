@@ -100,8 +100,11 @@ def grouped_mlp(
             unchanged. False: used as given, for callers that built them (the library's own
             dispatch handles); rows stay clamped to [0, rows), but a row_index value out of
             [0, N) reads out of bounds.
-        grad_dtype: dtype of the weight and bias gradients: None (the weights' dtype) or
-            torch.float32 (for frameworks that keep fp32 main gradients).
+        grad_dtype: None: the weight and bias gradients go to `.grad` in the weights' dtype.
+            torch.float32 with bf16 / fp16 weights (frameworks that keep fp32 main gradients):
+            they are computed in fp32 and added to each weight's `main_grad` (an fp32 tensor of
+            its shape, created as zeros when missing), and `.grad` gets none (autograd would cast
+            them to the weights' dtype). The weights must then be leaf tensors (Parameters).
         save_preactivation: with gradients, keep z for the backward (memory: rows * n*I
             elements) or recompute it there (one more first GEMM).
 
@@ -142,6 +145,15 @@ def grouped_mlp(
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
     run = _Launches(tuple(config), num_programs, input_precision, group_rows, activation_code(activation),
                     default_backward_configs(x.dtype, device_type))
+    if grad_dtype is not None and w1.dtype == grad_dtype:
+        grad_dtype = None  # fp32 weights: their .grad is fp32 already
+    if needs_grad and grad_dtype is not None:
+        stray = [n for n, t in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2))
+                 if t is not None and t.requires_grad and not t.is_leaf]
+        if stray:
+            raise ValueError(f"grad_dtype=torch.float32 adds the gradients to the weights' .main_grad, so "
+                             f"{', '.join(stray)} must be leaf tensors (Parameters), not results of other ops; "
+                             f"pass the parameters themselves, or leave grad_dtype None")
     if needs_grad:
         return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation))
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
@@ -249,6 +261,7 @@ class _GroupedMLP(torch.autograd.Function):
         # can free it as soon as it is read (no double backward through this Function)
         ctx.z = [z] if save_z else []
         ctx.run, ctx.grad_dtype = run, grad_dtype
+        ctx.params = (w1, w2, b1, b2) if grad_dtype is not None else None  # for their main_grad
         return y
 
     @staticmethod
@@ -269,7 +282,21 @@ class _GroupedMLP(torch.autograd.Function):
         grads = run.backward(x, expert_offsets, w1, w2, z_box, grad_y, need_x, need_w1 or need_w2, need_b1,
                              need_b2, ctx.grad_dtype)
         dx, dw1, dw2, db1, db2 = grads
-        return (dx, dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2, None, None, None, None)
+        weight_grads = [dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2]
+        if ctx.params is not None:  # fp32 gradients of low-precision weights: into main_grad
+            for param, g in zip(ctx.params, weight_grads):
+                if g is not None:
+                    add_main_grad(param, g)
+            weight_grads = [None] * 4
+        return (dx, *weight_grads, None, None, None, None)
+
+
+def add_main_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.main_grad += grad (fp32; created as zeros of param's shape when missing)."""
+    main = getattr(param, "main_grad", None)
+    if main is None:
+        main = param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    main.add_(grad.view(main.shape) if grad.shape == main.shape else grad.reshape(main.shape))
 
 
 def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,

@@ -88,7 +88,8 @@ class EPMoE(nn.Module):
         activation: the experts' activation, one of experts.ACTIVATIONS ("swiglu", "geglu",
             "gelu", "gelu_tanh", "relu", "silu").
         bias: give both expert layers a bias (b1, b2).
-        grad_dtype: dtype of the expert weight gradients: None (the weights') or torch.float32.
+        grad_dtype: None, or torch.float32 for bf16 / fp16 experts: their gradients are computed
+            in fp32 and added to `w1.main_grad` etc. (created when missing), not to `.grad`.
         recompute: `moe`'s: with gradients, keep only the inputs and recompute the expert work in
             the backward (activation checkpointing; slower), or keep the activations (default).
     """

@@ -40,6 +40,7 @@ class FusedForwardStagedBackward(torch.autograd.Function):
     def forward(ctx, layer, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype):
         ctx.save_for_backward(x, topk_idx, topk_weights, w1, w2, b1, b2)
         ctx.layer, ctx.grad_dtype = layer, grad_dtype
+        ctx.weights = (w1, w2, b1, b2) if grad_dtype is not None else None
         return layer._forward(x, topk_idx, topk_weights, (w1, w2, b1, b2), True, False)
 
     @staticmethod
@@ -50,9 +51,17 @@ class FusedForwardStagedBackward(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [t if t is None or i == 1 else t.detach().requires_grad_(need)
                       for i, (t, need) in enumerate(zip(saved, needs))]
+            if ctx.grad_dtype is not None and saved[3].dtype != ctx.grad_dtype:
+                # fp32 weight gradients go to main_grad: let the recomputation's leaves share the
+                # originals' (created here when missing)
+                for orig, leaf in zip(ctx.weights, leaves[3:]):
+                    if orig is not None and leaf is not None and leaf.requires_grad:
+                        if getattr(orig, "main_grad", None) is None:
+                            orig.main_grad = torch.zeros(orig.shape, dtype=torch.float32, device=orig.device)
+                        leaf.main_grad = orig.main_grad
             out = staged_moe(*leaves, group=layer.group, num_experts=layer.num_experts,
                              activation=layer.activation, grad_dtype=ctx.grad_dtype)
             wanted = [leaf for i, leaf in enumerate(leaves) if needs[i] and leaf is not None]
-            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))
+            grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))  # None: into main_grad
         return (None, *(next(grads) if needs[i] and leaf is not None else None for i, leaf in enumerate(leaves)),
                 None)

@@ -376,3 +376,30 @@ def graph_mode_training_case(tokens: list[int], H: int, I: int, E: int, K: int, 
     clear_cache()
     clear_layers()
     return {"bitwise": [all(torch.equal(a, b) for a, b in zip(r, runs[0])) for r in runs[1:]]}
+
+
+def main_grad_case(tokens: list[int], H: int, I: int, E: int, K: int, seed: int) -> dict:
+    """moe with fp16 experts and grad_dtype=float32: keeping activations and recomputing them give
+    the same main_grad bits (the recomputation's leaves share the parameters' main_grad), .grad
+    stays None, and main_grad is within fp16 tolerance of the float64 gradient."""
+    from ditron_ep.ops import clear_cache, clear_layers, moe
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float16, "uniform", seed, drop_prob=0.1)
+    experts = [[w.half() for w in e[:2]] for e in make_experts(W, E // W, H, I, seed, "swiglu", False)]
+    gout = torch.randn(tokens[rank], H, generator=torch.Generator().manual_seed(seed + rank)).half()
+    mains = []
+    for recompute in (False, True):
+        w1, w2 = (t.clone().requires_grad_() for t in experts[rank])
+        moe(xs[rank], idxs[rank], ws[rank], w1, w2, recompute=recompute, grad_dtype=torch.float32).backward(gout)
+        mains.append((w1.grad, w2.grad, w1.main_grad, w2.main_grad))
+    clear_cache()
+    clear_layers()
+    want, _ = _oracle_grads([x.float() for x in xs], idxs, ws, [[w.float() for w in e] + [None, None] for e in experts],
+                            [torch.randn(t, H, generator=torch.Generator().manual_seed(seed + r)).half().float()
+                             for r, t in enumerate(tokens)], rank, "swiglu")
+    err = max(float((g.double() - want[n]).abs().max() / want[n].abs().max()) for g, n in
+              ((mains[0][2], "w1"), (mains[0][3], "w2")))
+    return {"grads_none": all(m[0] is None and m[1] is None for m in mains),
+            "same_bits": torch.equal(mains[0][2], mains[1][2]) and torch.equal(mains[0][3], mains[1][3]),
+            "err": err}

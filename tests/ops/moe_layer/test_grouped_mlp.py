@@ -217,10 +217,21 @@ def test_strided_weights_give_the_bits_of_contiguous_ones(activation):
 
 
 def test_weight_gradients_in_float32_on_request():
-    inp = make_inputs([5, 9], 32, 16, seed=6)
-    w1 = inp["w1"].clone().requires_grad_()
-    grouped_mlp(inp["x"], inp["expert_offsets"], w1, inp["w2"], grad_dtype=torch.float32).sum().backward()
-    assert w1.grad.dtype == torch.float32
+    """grad_dtype=float32 with fp16 weights: the fp32 gradients accumulate into main_grad (two
+    backward passes: twice the one), .grad gets none; non-leaf weights are refused."""
+    inp = make_inputs([5, 9], 32, 16, seed=6, dtype=torch.float16)
+    w1, w2 = inp["w1"].clone().requires_grad_(), inp["w2"].clone().requires_grad_()
+    grad_y = torch.randn(14, 32, generator=torch.Generator().manual_seed(2)).half()
+    for _ in range(2):
+        grouped_mlp(inp["x"], inp["expert_offsets"], w1, w2, grad_dtype=torch.float32).backward(grad_y)
+    assert w1.grad is None and w2.grad is None
+    assert w1.main_grad.dtype == torch.float32 and w1.main_grad.shape == w1.shape
+    _, want = _float64_mlp(inp, "swiglu", None, None, grad_y.float())
+    for got, ref in ((w1.main_grad, want[1]), (w2.main_grad, want[2])):
+        err = float((got.double() / 2 - ref).abs().max())
+        assert err <= 2e-3 * float(ref.abs().max()), err
+    with pytest.raises(ValueError, match="must be leaf tensors"):
+        grouped_mlp(inp["x"], inp["expert_offsets"], w1 * 1, w2, grad_dtype=torch.float32)
     with pytest.raises(ValueError, match="grad_dtype must be None"):
         grouped_mlp(**inp, grad_dtype=torch.float16)
 

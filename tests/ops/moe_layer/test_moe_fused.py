@@ -133,3 +133,10 @@ def test_graph_mode_training_equals_default_mode(emulated_cluster):
     bit for bit, with drops, GELU experts and biases, twice."""
     for rank, rep in enumerate(emulated_cluster(2).run(fns.graph_mode_training_case, [10, 7], 24, 16, 4, 2, 6)):
         assert all(rep["bitwise"]), (rank, rep)
+
+
+def test_float32_main_grad_for_fp16_experts(emulated_cluster):
+    """grad_dtype=float32 with fp16 experts: gradients land in main_grad (not .grad), the same bits
+    whether the activations are kept or recomputed, within fp16 tolerance of float64."""
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.main_grad_case, [9, 6], 32, 16, 4, 2, 4)):
+        assert rep["grads_none"] and rep["same_bits"] and rep["err"] <= 3e-3, (rank, rep)
