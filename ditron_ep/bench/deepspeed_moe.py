@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
+from ditron_ep.bench.moe_layer import DENSE, on_fresh_caches, training_floor
+from ditron_ep.bench.moe_layer import TRAINING_FLOOR as FLOOR
+from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Shape
 
 OURS, THEIRS = "replace_moe, fwd+bwd", "DeepSpeed MoE, fwd+bwd"
-DENSE = ("gate-up: dense, one expert's W", "down: dense, one expert's W")
-FLOOR = "floor: 3 x forward GEMMs"
 TOPK, CAPACITY_FACTOR = 2, 1.0
 FLOP_RULE = ("FLOPs = 3 x (2*rows*H*I + 2*rows*I*H): the experts' forward GEMMs and twice them in the backward, "
              "rows = the routed (token, k) rows the busiest rank's experts keep; TFLOP/s = those FLOPs / median "
@@ -81,9 +81,12 @@ def _step(block: nn.Module, x: torch.Tensor, grad_out: torch.Tensor) -> Callable
 
 
 def run_deepspeed_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
+    return on_fresh_caches(lambda: _run(ctx, tokens))
+
+
+def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     from ditron_ep.check.tolerances import TOLERANCES
     from ditron_ep.integrations.deepspeed import replace_moe
-    from ditron_ep.ops import clear_cache, clear_layers
 
     s = ctx.shape
     names = (OURS, THEIRS, *DENSE, FLOOR)
@@ -111,16 +114,13 @@ def run_deepspeed_moe(ctx: BenchContext, tokens: int) -> list[Measurement]:
     rel = {lab: relative_errors(ctx, w, {"g": g})["g"] for lab, g, w in zip(labels, got, want)
            if g is not None and w is not None}
     worst_grad = max((lab for lab in rel if lab not in ("out", "l_aux")), key=rel.get)
-    same = _all_true(ctx, all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again)))
+    same = all_ranks(ctx, all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again)))
     ok = rel["out"] <= rtol and rel["l_aux"] <= rtol and rel[worst_grad] <= 2 * rtol and same
     check = (f"{'ok' if ok else 'FAIL'}: out {rel['out']:.1e}, grads <= {rel[worst_grad]:.1e} ({worst_grad}) vs "
              f"DeepSpeed's{', bitwise run to run' if same else ', FAIL: two runs differ'}")
     del got, again, want
-    out = [ctx.measure(OURS, steps[OURS], flops, check, ok), ctx.measure(THEIRS, steps[THEIRS], flops, "reference", True)]
-    clear_cache()
-    clear_layers()
-    out += _dense_and_floor(ctx, rows_max, flops)
-    return out
+    return [ctx.measure(OURS, steps[OURS], flops, check, ok),
+            ctx.measure(THEIRS, steps[THEIRS], flops, "reference", True), *training_floor(ctx, rows_max, s.inter)]
 
 
 def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
@@ -133,30 +133,6 @@ def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
     vec = ctx.coll_tensor(per_rank.tolist())
     dist.all_reduce(vec, group=ctx.group)
     return int(vec.max().item())
-
-
-def _all_true(ctx: BenchContext, mine: bool) -> bool:
-    vec = ctx.coll_tensor([0.0 if mine else 1.0])
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=ctx.group)
-    return vec.item() == 0.0
-
-
-def _dense_and_floor(ctx: BenchContext, rows: int, flops: float) -> list[Measurement]:
-    s = ctx.shape
-    try:
-        a, h, w1, w2 = guarded(ctx, "dense inputs", lambda: tuple(
-            torch.randn(*shape, device=ctx.device).to(ctx.dtype)
-            for shape in ((rows, s.hidden), (rows, s.inter), (s.hidden, s.inter), (s.inter, s.hidden))))
-    except StageFailed as exc:
-        return [Measurement(n, ok=False, error=str(exc)) for n in (*DENSE, FLOOR)]
-    gu_flops, dn_flops = 2.0 * rows * s.hidden * s.inter, 2.0 * rows * s.inter * s.hidden
-    gu = ctx.measure(DENSE[0], lambda: torch.matmul(a, w1), gu_flops, "reference", True)
-    dn = ctx.measure(DENSE[1], lambda: torch.matmul(h, w2), dn_flops, "reference", True)
-    meds = [sorted(m.times_us)[len(m.times_us) // 2] if m.times_us and m.error is None else None for m in (gu, dn)]
-    if None in meds:
-        return [gu, dn, Measurement(FLOOR, ok=False, error="not derived: a dense reference failed")]
-    return [gu, dn, Measurement(FLOOR, work=flops, value_us=3 * sum(meds),
-                                check=f"3 x ({meds[0]:,.1f} + {meds[1]:,.1f}) µs")]
 
 
 def plan_deepspeed_moe(req: BenchRequest, tokens: int, options: Any, on_gpu: bool) -> tuple[Impl, ...]:

@@ -123,6 +123,32 @@ def _median(m: Measurement) -> float | None:
     return summarize(m.times_us)["median"] if (m.times_us and m.error is None) else None
 
 
+# ============================================================================ training entries' floor
+DENSE = ("gate-up: dense, one expert's W", "down: dense, one expert's W")
+TRAINING_FLOOR = "floor: 3 x forward GEMMs"
+
+
+def training_floor(ctx: BenchContext, rows: int, width: int) -> list[Measurement]:
+    """The training entries' references: one torch.matmul of `rows` rows against one expert's
+    first weight [H, width] and second [I, H] (random values: cuBLAS's dense rate), and the floor
+    of a forward + backward, 3 x their sum (the backward's GEMMs are twice the forward's)."""
+    s = ctx.shape
+    try:
+        a, h, w1, w2 = guarded(ctx, "dense inputs", lambda: tuple(
+            torch.randn(*shape, device=ctx.device).to(ctx.dtype)
+            for shape in ((rows, s.hidden), (rows, s.inter), (s.hidden, width), (s.inter, s.hidden))))
+    except StageFailed as exc:
+        return failed((*DENSE, TRAINING_FLOOR), str(exc))
+    gu_flops, dn_flops = 2.0 * rows * s.hidden * width, 2.0 * rows * s.inter * s.hidden
+    gu = ctx.measure(DENSE[0], lambda: torch.matmul(a, w1), gu_flops, "reference", True)
+    dn = ctx.measure(DENSE[1], lambda: torch.matmul(h, w2), dn_flops, "reference", True)
+    meds = [_median(m) for m in (gu, dn)]
+    if None in meds:
+        return [gu, dn, Measurement(TRAINING_FLOOR, ok=False, error="not derived: a dense reference failed")]
+    return [gu, dn, Measurement(TRAINING_FLOOR, work=3 * (gu_flops + dn_flops), value_us=3 * sum(meds),
+                                check=f"3 x ({meds[0]:,.1f} + {meds[1]:,.1f}) µs")]
+
+
 # ============================================================================ references and floor
 def measure_refs(ctx: BenchContext, recv_x: torch.Tensor, offs: torch.Tensor, host_off: list[int], wts: Weights,
                  grouped: bool, rows_max: int) -> tuple[list[Measurement], dict[str, bool]]:

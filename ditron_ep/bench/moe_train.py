@@ -33,17 +33,16 @@ from typing import Callable
 
 import torch
 
-from ditron_ep.bench.moe_layer import (LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, gemm_flops, layer_case,
-                                       on_fresh_caches, probe_grouped_mm)
-from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
+from ditron_ep.bench.moe_layer import (DENSE, LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, layer_case, on_fresh_caches,
+                                       probe_grouped_mm, training_floor)
+from ditron_ep.bench.moe_layer import TRAINING_FLOOR as FLOOR
+from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
 from ditron_ep.bench.torch_moe import torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import dispatch, moe
 
 TORCH_NATIVE = "torch-native, fwd+bwd"
-FLOOR = "floor: 3 x forward GEMMs"
-DENSE = ("gate-up: dense, one expert's W", "down: dense, one expert's W")
 GRADS = ("x", "topk_weights", "w1", "w2")
 FLOP_RULE = ("FLOPs = 3 x (2*rows*H*2I + 2*rows*I*H): the forward's expert GEMMs and twice them in the backward, "
              "rows = the (token, k) rows of the busiest rank; TFLOP/s = those FLOPs / median of the slowest "
@@ -130,7 +129,7 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
         text = f"{'ok' if ok else 'FAIL'}: grads vs fp32 <= {mine[worst]:.1e} ({worst}"
         text += f"; torch-native {theirs[worst]:.1e})" if worst in theirs else ")"
         if impl != DEFAULT and DEFAULT in results:
-            same = _all_true(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], results[DEFAULT])))
+            same = all_ranks(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], results[DEFAULT])))
             ok = ok and same
             text += ", bitwise == default" if same else ", FAIL: differs from the default's"
         checks[impl] = (text, ok)
@@ -147,7 +146,7 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
         if peak is not None:
             text += f"; peak {peak:,.0f} MiB"
         out.append(ctx.measure(impl, fn, flops, text, ok, details=details))
-    out += _dense_and_floor(ctx, case)
+    out += training_floor(ctx, case.rows_max, 2 * s.inter)
     return out
 
 
@@ -164,12 +163,6 @@ def _float32_grads(ctx: BenchContext, inp, wts, grad_out: torch.Tensor) -> tuple
             return torch.autograd.grad(out, leaves, grad_out.to(f32))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def _all_true(ctx: BenchContext, mine: bool) -> bool:
-    vec = ctx.coll_tensor([0.0 if mine else 1.0])
-    torch.distributed.all_reduce(vec, op=torch.distributed.ReduceOp.MAX, group=ctx.group)
-    return vec.item() == 0.0
 
 
 def _max_over_ranks(ctx: BenchContext, value: float | None) -> float | None:
@@ -189,28 +182,6 @@ def _workspace_mib(ctx: BenchContext) -> float | None:
         return None
     heaps = [b.heap for b in _CACHE.values()] + [layer.heap for layer in _LAYERS.values()]
     return sum(getattr(h, "size_bytes", 0) for h in heaps) / 2**20
-
-
-def _dense_and_floor(ctx: BenchContext, case) -> list[Measurement]:
-    """The dense cuBLAS references of the forward GEMMs on the busiest rank's row count and the floor."""
-    s = ctx.shape
-    rows = case.rows_max
-    gu_flops, dn_flops = gemm_flops(rows, s.hidden, s.inter)
-    try:
-        a = guarded(ctx, "dense inputs", lambda: (torch.randn(rows, s.hidden, device=ctx.device).to(ctx.dtype),
-                                                 torch.randn(rows, s.inter, device=ctx.device).to(ctx.dtype)))
-    except StageFailed as exc:
-        return [Measurement(n, ok=False, error=str(exc)) for n in (*DENSE, FLOOR)]
-    w1, w2 = case.wts.w1[0], case.wts.w2[0]
-    gu = ctx.measure(DENSE[0], lambda: torch.matmul(a[0], w1), gu_flops, "reference", True)
-    dn = ctx.measure(DENSE[1], lambda: torch.matmul(a[1], w2), dn_flops, "reference", True)
-    meds = [sorted(m.times_us)[len(m.times_us) // 2] if m.times_us and m.error is None else None for m in (gu, dn)]
-    if None in meds:
-        fl = Measurement(FLOOR, ok=False, error="not derived: a dense reference failed")
-    else:
-        fl = Measurement(FLOOR, work=3 * case.flops, value_us=3 * sum(meds),
-                         check=f"3 x ({meds[0]:,.1f} + {meds[1]:,.1f}) µs")
-    return [gu, dn, fl]
 
 
 def plan_moe_train(req: BenchRequest, tokens: int, options, on_gpu: bool) -> tuple[Impl, ...]:

@@ -73,11 +73,11 @@ def expert_layout(expert: nn.Module) -> tuple[str, list[nn.Linear]]:
         f"(SwiGLU); got children {list(children)}")
 
 
-def _stacked(experts: list[nn.Module], activation: str) -> tuple[torch.Tensor, ...]:
-    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable. The
-    Linear weights ([out, in]) are stacked as they are (a contiguous copy) and handed over as
-    transposed views: the kernels read any strides, so no transposing copy is made."""
-    layers = [expert_layout(e)[1] for e in experts]
+def _stacked(layers: list[list[nn.Linear]], activation: str) -> tuple[torch.Tensor, ...]:
+    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable, from
+    every expert's Linear layers (`expert_layout`). The Linear weights ([out, in]) are stacked as
+    they are (a contiguous copy) and handed over as transposed views: the kernels read any
+    strides, so no transposing copy is made."""
     if activation == "swiglu":
         w1 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
         b1 = None if layers[0][0].bias is None else torch.stack([torch.cat([g.bias, u.bias]) for g, u, _ in layers])
@@ -91,8 +91,7 @@ def _stacked(experts: list[nn.Module], activation: str) -> tuple[torch.Tensor, .
 
 def _verify(expert: nn.Module, activation: str, name: str) -> None:
     """The expert's own forward against the stacked formula on random fp32 input (torch only)."""
-    layers = expert_layout(expert)[1]
-    hidden = layers[0].in_features
+    hidden = expert_layout(expert)[1][0].in_features
     gen = torch.Generator().manual_seed(1234)
     x = torch.randn(7, hidden, generator=gen)
     with torch.no_grad():
@@ -100,7 +99,7 @@ def _verify(expert: nn.Module, activation: str, name: str) -> None:
         want = copy(x)
         if isinstance(want, tuple):
             want = want[0]
-        w1, w2, b1, b2 = _stacked([copy], activation)
+        w1, w2, b1, b2 = _stacked([expert_layout(copy)[1]], activation)
         z = x @ w1[0] + (0 if b1 is None else b1[0])
         got = expert_activation(z, activation) @ w2[0] + (0 if b2 is None else b2[0])
     if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
@@ -128,8 +127,7 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
     self.l_aux, _capacity, _num_experts, indices, _locations, gates, self.exp_counts = self.gate(
         tokens, used_token, True, False)
-    experts = list(self.experts.deepspeed_experts)
-    w1, w2, b1, b2 = _stacked(experts, self._ditron_activation)
+    w1, w2, b1, b2 = _stacked(self._ditron_layers, self._ditron_activation)
     out = moe(tokens.contiguous(), indices.t().contiguous(), gates.t().to(torch.float32).contiguous(), w1, w2,
               b1=b1, b2=b2, activation=self._ditron_activation, group=self.ep_group,
               schedule=self._ditron_schedule)
@@ -141,7 +139,7 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
     data path; returns how many were replaced. Collective only in the sense that every rank must
     make the same call (no communication here). Raises DitronConfigError, naming the layer, for
     an unsupported expert or option; nothing is changed then."""
-    deepspeed = _deepspeed()
+    _deepspeed()  # installed, and a supported version
     from deepspeed.moe.layer import MoE
     from deepspeed.moe.sharded_moe import MOELayer
 
@@ -156,21 +154,21 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
                                     f"without Tutel")
         if layer.enable_expert_tensor_parallelism:
             raise DitronConfigError(f"{name}: tensor-parallel experts are not supported by replace_moe")
-        experts = list(inner.experts.deepspeed_experts)
-        activation = None
-        for i, expert in enumerate(experts):
+        activation, layers = None, []
+        for i, expert in enumerate(inner.experts.deepspeed_experts):
             try:
-                act, _ = expert_layout(expert)
+                act, linears = expert_layout(expert)
             except DitronConfigError as exc:
                 raise DitronConfigError(f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}: {exc}") from None
             if activation not in (None, act):
                 raise DitronConfigError(f"{name}: experts mix activations ({activation}, {act})")
             activation = act
+            layers.append(linears)
             _verify(expert, act, f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}")
-        plans.append((inner, activation))
-    for inner, activation in plans:
-        inner._ditron_activation = activation
+        plans.append((inner, activation, layers))
+    for inner, activation, layers in plans:
+        # the expert modules are fixed; their weights are read on every call (ZeRO may re-point them)
+        inner._ditron_activation, inner._ditron_layers = activation, layers
         inner._ditron_schedule = schedule
         inner.forward = _ditron_moe_forward.__get__(inner, type(inner))
-    del deepspeed
     return len(plans)

@@ -14,7 +14,7 @@ from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES, CapacityError
 from ditron_ep.ops.ep.functional import group_id, key_fields, refuse_cached, refuse_through_match
 from ditron_ep.ops.moe_layer.experts import ACT_CODES, check_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE, validate_inputs
-from ditron_ep.ops.moe_layer.grouped import GRAD_DTYPES
+from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import staged_moe
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
@@ -82,9 +82,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                     ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, n*I], "
                     "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
         check_activation(activation)
-        if grad_dtype not in GRAD_DTYPES:
-            raise DitronConfigError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got "
-                                    f"{grad_dtype!r}")
+        check_grad_dtype(grad_dtype)
         needs_grad = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
         if recompute and schedule == "staged":

@@ -25,6 +25,7 @@ from ditron_ep.ops.ep.buffer import (
 )
 from ditron_ep.ops.ep.layout_kernels import FLAG_REFUSED, build_send_layout, exchange_layout, layout_landing_shape
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
+from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ditron_ep.runtime.agreement import raise_unless_all_agree
@@ -45,7 +46,7 @@ def validate_inputs(x, topk_idx, topk_weights, w1, w2, *, dtype: torch.dtype, hi
     if not _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, H, K, (El, H, n * I), (El, I, H), device):
         _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device, n)
     layer = {"device": device, "owner": "the layer"}
-    for name, t, shape in (("b1", b1, (("E_local", El), (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * I))),
+    for name, t, shape in (("b1", b1, (("E_local", El), _width_dim(n, I))),
                            ("b2", b2, (("E_local", El), ("hidden", H)))):
         if t is not None:
             check_tensor(name, t, shape=shape, dtypes=(dtype,), dtype_hint="cast the biases to the layer's dtype",
@@ -60,8 +61,7 @@ def _check_inputs(x, topk_idx, topk_weights, w1, w2, dtype, H, I, El, K, device,
     T = x.shape[0]
     check_tensor("topk_idx", topk_idx, shape=(("T", T), ("topk", K)), dtypes=INDEX_DTYPES, **layer)
     check_tensor("topk_weights", topk_weights, shape=(("T", T), ("topk", K)), dtypes=FLOAT_DTYPES, **layer)
-    for name, t, shape in (("w1", w1, (("E_local", El), ("hidden", H),
-                                       (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * I))),
+    for name, t, shape in (("w1", w1, (("E_local", El), ("hidden", H), _width_dim(n, I))),
                            ("w2", w2, (("E_local", El), ("ffn_hidden", I), ("hidden", H)))):
         check_tensor(name, t, shape=shape, dtypes=(dtype,), dtype_hint="cast the weights to the layer's dtype",
                      contiguous=False, **layer)  # weights: any strides
@@ -79,6 +79,11 @@ def _inputs_pass(x, topk_idx, topk_weights, w1, w2, dtype, hidden, topk, w1_shap
             and topk_idx.shape == (x.shape[0], topk) and topk_weights.shape == topk_idx.shape
             and w1.shape == w1_shape and w2.shape == w2_shape
             and all(t.device == device for t in ts) and all(t.is_contiguous() for t in ts[:3]))
+
+
+def _width_dim(n: int, inter: int) -> tuple[str, int]:
+    """The (name, size) of w1's and b1's last dimension: n * ffn_hidden (n = 2 when gated)."""
+    return (f"{n}*ffn_hidden" if n > 1 else "ffn_hidden", n * inter)
 
 
 def _strides3(w: torch.Tensor) -> tuple[int, int, int]:
@@ -277,13 +282,14 @@ class FusedMoE:
         trace=True records the logical start/end clock of every task in `last_trace` [NT, 2]
         and, on a GPU, the device timer in `last_timer` (see `timeline`).
         Gradients (x, topk_weights, w1, w2, b1, b2; sync=True): the backward recomputes the staged
-        layer on the saved inputs and takes its autograd (staged.py); grad_dtype: None (the
-        weights' dtype) or torch.float32 for the weight and bias gradients.
+        layer on the saved inputs and takes its autograd (staged.py); grad_dtype as in `moe`
+        (torch.float32 with bf16 / fp16 weights: fp32 gradients into their `main_grad`).
         """
         if self.heap.freed:
             raise DitronConfigError("this FusedMoE was freed (free() was called); build a new one")
         try:
             self._validate(x, topk_idx, topk_weights, w1, w2, b1, b2)
+            check_grad_dtype(grad_dtype)
             needs_grad = torch.is_grad_enabled() and any(
                 t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
             if needs_grad and (not sync or trace):
@@ -372,8 +378,8 @@ class FusedMoE:
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2,
             b1 if b1 is not None else w1, b2 if b2 is not None else w2, out, trace_buf, timer_buf,
             self._clock, recv.src_info, int(refuse_flagged), *self._plan_args, x.shape[0], *self._shape_args,
-            self.heap.wait_budget, *_strides3(w1), *_strides3(w2), TRACE=trace, DEVICE_TIMER=timer, HAS_B1=b1 is not None, HAS_B2=b2 is not None,
-            **self._constexprs)
+            self.heap.wait_budget, *_strides3(w1), *_strides3(w2), TRACE=trace, DEVICE_TIMER=timer,
+            HAS_B1=b1 is not None, HAS_B2=b2 is not None, **self._constexprs)
         if trace:
             self.last_trace = trace_buf
             self.last_timer = timer_buf if timer else None

@@ -34,14 +34,22 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
     grouped_wgrad_kernel,
     max_m_tiles,
 )
+from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
-__all__ = ["MAX_LOCAL_EXPERTS", "grouped_mlp", "launch_grouped_down", "launch_grouped_up"]
+__all__ = ["MAX_LOCAL_EXPERTS", "add_main_grad", "check_grad_dtype", "grouped_mlp", "launch_grouped_down",
+           "launch_grouped_up", "main_grad_of"]
 
 MAX_LOCAL_EXPERTS = 256  # the tile map's expert search is one vector of next_pow2(E_local) lanes
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _PRECISIONS = ("ieee", "tf32")
 GRAD_DTYPES = (None, torch.float32)
+
+
+def check_grad_dtype(grad_dtype: object) -> None:
+    """DitronConfigError (a ValueError) unless grad_dtype is one of GRAD_DTYPES."""
+    if grad_dtype not in GRAD_DTYPES:
+        raise DitronConfigError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got {grad_dtype!r}")
 
 
 def grouped_mlp(
@@ -113,8 +121,7 @@ def grouped_mlp(
     rows, hidden, inter, num_local = _validate(x, expert_offsets, w1, w2, row_index, activation, b1, b2)
     if check not in (None, True, False):
         raise ValueError(f"check must be True, False or None, got {check!r}")
-    if grad_dtype not in GRAD_DTYPES:
-        raise ValueError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got {grad_dtype!r}")
+    check_grad_dtype(grad_dtype)
     if check or (check is None and x.device.type == "cpu"):
         _check_values(expert_offsets, row_index, rows, x.shape[0])
     elif check is None:
@@ -291,12 +298,17 @@ class _GroupedMLP(torch.autograd.Function):
         return (dx, *weight_grads, None, None, None, None)
 
 
+def main_grad_of(param: torch.Tensor) -> torch.Tensor:
+    """param.main_grad: the fp32 gradient accumulator of a low-precision weight (Megatron's
+    convention), created as zeros of param's shape when missing."""
+    if getattr(param, "main_grad", None) is None:
+        param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    return param.main_grad
+
+
 def add_main_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param.main_grad += grad (fp32; created as zeros of param's shape when missing)."""
-    main = getattr(param, "main_grad", None)
-    if main is None:
-        main = param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-    main.add_(grad.view(main.shape) if grad.shape == main.shape else grad.reshape(main.shape))
+    """param.main_grad += grad."""
+    main_grad_of(param).add_(grad)
 
 
 def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,

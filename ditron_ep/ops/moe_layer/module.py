@@ -23,7 +23,7 @@ from torch import nn
 from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES
 from ditron_ep.ops.moe_layer.functional import SCHEDULES, moe, refuse_moe
 from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
-from ditron_ep.ops.moe_layer.grouped import GRAD_DTYPES, MAX_LOCAL_EXPERTS
+from ditron_ep.ops.moe_layer.grouped import MAX_LOCAL_EXPERTS, check_grad_dtype
 from ditron_ep.runtime.errors import DitronConfigError
 
 __all__ = ["EPMoE", "SCORE_FUNCS"]
@@ -124,9 +124,7 @@ class EPMoE(nn.Module):
         check_activation(activation)
         if not isinstance(bias, bool):
             raise DitronConfigError(f"bias must be a bool, got {bias!r}")
-        if grad_dtype not in GRAD_DTYPES:
-            raise DitronConfigError(f"grad_dtype must be None (the weights' dtype) or torch.float32, got "
-                                    f"{grad_dtype!r}")
+        check_grad_dtype(grad_dtype)
         if not dist.is_available() or not dist.is_initialized():
             raise DitronConfigError("EPMoE needs torch.distributed initialised: call dist.init_process_group "
                                     "before building the layer")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.ep.functional import combine, dispatch
-from ditron_ep.ops.moe_layer.grouped import grouped_mlp
+from ditron_ep.ops.moe_layer.grouped import grouped_mlp, main_grad_of
 
 __all__ = ["FusedForwardStagedBackward", "staged_moe"]
 
@@ -56,9 +56,7 @@ class FusedForwardStagedBackward(torch.autograd.Function):
                 # originals' (created here when missing)
                 for orig, leaf in zip(ctx.weights, leaves[3:]):
                     if orig is not None and leaf is not None and leaf.requires_grad:
-                        if getattr(orig, "main_grad", None) is None:
-                            orig.main_grad = torch.zeros(orig.shape, dtype=torch.float32, device=orig.device)
-                        leaf.main_grad = orig.main_grad
+                        leaf.main_grad = main_grad_of(orig)
             out = staged_moe(*leaves, group=layer.group, num_experts=layer.num_experts,
                              activation=layer.activation, grad_dtype=ctx.grad_dtype)
             wanted = [leaf for i, leaf in enumerate(leaves) if needs[i] and leaf is not None]
