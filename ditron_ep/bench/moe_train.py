@@ -175,12 +175,16 @@ def _max_over_ranks(ctx: BenchContext, value: float | None) -> float | None:
 
 def _workspace_mib(ctx: BenchContext) -> float | None:
     """ditron_ep's persistent buffers on this GPU now (EP heaps and fused layers), MiB."""
-    from ditron_ep.ops.ep.functional import _CACHE
-    from ditron_ep.ops.moe_layer.functional import _LAYERS
+    from ditron_ep.ops.ep.functional import _SLOTS
+    from ditron_ep.ops.moe_layer.functional import _GROUP_SLOTS
 
     if not ctx.on_cuda:
         return None
-    heaps = [b.heap for b in _CACHE.values()] + [layer.heap for layer in _LAYERS.values()]
+    resources = ([s.buffer for s in _SLOTS.values()] + [s.buffer.buffer for s in _GROUP_SLOTS.values()]
+                 + [s.layer.resource for s in _GROUP_SLOTS.values()])
+    layers = [r for r in resources if r is not None]
+    heaps = [r.heap for r in layers] + [r.staged_slot.buffer.heap for r in layers
+                                        if getattr(r, "staged_slot", None) and r.staged_slot.buffer]
     return sum(getattr(h, "size_bytes", 0) for h in heaps) / 2**20
 
 

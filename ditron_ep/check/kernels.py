@@ -3,7 +3,7 @@
 Tile exchange: every rank pushes one [R, C] tile to every rank (itself included).
 
 The smallest kernel that uses every primitive the megakernels use — call barrier, ordered task
-queue, remote puts, epoch-stamped signals, bounded waits — so it doubles as the heap and signal
+queue, remote puts, call-number-stamped signals, bounded waits — so it doubles as the heap and signal
 self-test (`python -m ditron_ep check`, tests/runtime). `peer_get_kernel` reads bytes of every
 rank's arena (the heap's peer-visibility check).
 """
@@ -33,7 +33,7 @@ def exchange_tiles_kernel(
     budget,         # polls per bounded wait
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    epoch, ok = call_begin(table_ptr, rank, world, budget)
+    call_no, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     n_blocks = tl.cdiv(R, BLOCK_R)
     n_push = world * n_blocks
@@ -50,19 +50,19 @@ def exchange_tiles_kernel(
                 copy_rows(x_ptr + (i_b * BLOCK_R).to(tl.int64) * C, C, p_dst, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
                           BLOCK_R, BLOCK_C)
                 p_sig = heap_ptr(sig_table_ptr, i_dst, 0, tl.int32) + sig_first + rank * n_blocks + i_b
-                notify(p_sig, epoch)
+                notify(p_sig, call_no)
             else:
                 i_src = (t - n_push) // n_blocks
                 i_b = (t - n_push) % n_blocks
                 i_sig = sig_first + i_src * n_blocks + i_b
                 p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig
-                if wait(p_sig, epoch, my_ctrl, rank, STAGE_EXCHANGE_RECV, i_sig, budget):
+                if wait(p_sig, call_no, my_ctrl, rank, STAGE_EXCHANGE_RECV, i_sig, budget):
                     row0 = i_src.to(tl.int64) * R + i_b * BLOCK_R
                     p_src = heap_ptr(table_ptr, rank, recv_offset, x_ptr.dtype.element_ty) + row0 * C
                     copy_rows(p_src, C, out_ptr + row0 * C, C, tl.minimum(BLOCK_R, R - i_b * BLOCK_R), C,
                               BLOCK_R, BLOCK_C)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank)
+    call_end(table_ptr, rank, call_no)
 
 
 for _dt in ("fp32", "bf16", "fp16"):

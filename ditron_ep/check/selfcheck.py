@@ -238,15 +238,15 @@ def _check_exchange(case: CheckCase, runner: RankRunner, backend: str, world_siz
     max_abs = max(r["max_abs"] for r in per_rank)
     bitwise = all(r["bitwise"] for r in per_rank)
     bad = [(rank, r["bad"]) for rank, r in enumerate(per_rank) if r["bad"]]
-    epochs = {r["epoch"] for r in per_rank}
-    ok = bitwise and not bad and epochs == {n_calls}
+    call_numbers = {r["calls"] for r in per_rank}
+    ok = bitwise and not bad and call_numbers == {n_calls}
     if ok:
         detail = f"{n_calls} calls, every received tile element-exact"
     elif bad:
         rank, wrong = bad[0]
         detail = f"rank {rank}: wrong tiles (call, source) {wrong[:4]}"
     else:
-        detail = f"epochs after {n_calls} calls: {sorted(epochs)}"
+        detail = f"call numbers after {n_calls} calls: {sorted(call_numbers)}"
     return CaseResult(case.name, "signal", max_abs, relative(max_abs, max(r["max_ref"] for r in per_rank)),
                       bitwise, ok, detail)
 
@@ -502,8 +502,8 @@ def rank_exchange_selftest(backend: str, rows: int, cols: int, dtype: str, n_cal
                     bad.append((call, src))
                 max_abs = max(max_abs, max_abs_err(out[src], want))
                 max_ref = max(max_ref, float(want.abs().max()) if want.numel() else 0.0)
-        epoch = heap.epoch
-    return {"bad": bad[:8], "max_abs": max_abs, "max_ref": max_ref, "bitwise": bitwise, "epoch": epoch}
+        calls = heap.call_number
+    return {"bad": bad[:8], "max_abs": max_abs, "max_ref": max_ref, "bitwise": bitwise, "calls": calls}
 
 
 def rank_timeout_probe(backend: str, budget: int) -> dict[str, Any]:

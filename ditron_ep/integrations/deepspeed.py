@@ -118,7 +118,7 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
 
 def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """MOELayer.forward with ditron_ep's dispatch, experts and combine (DeepSpeed's gate kept)."""
-    from ditron_ep.ops import moe
+    from ditron_ep.ops.moe_layer.functional import MoESlots, run_moe
 
     x = inputs[0]
     used_token = inputs[1] if len(inputs) > 1 else None
@@ -128,9 +128,11 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     self.l_aux, _capacity, _num_experts, indices, _locations, gates, self.exp_counts = self.gate(
         tokens, used_token, True, False)
     w1, w2, b1, b2 = _stacked(self._ditron_layers, self._ditron_activation)
-    out = moe(tokens.contiguous(), indices.t().contiguous(), gates.t().to(torch.float32).contiguous(), w1, w2,
-              b1=b1, b2=b2, activation=self._ditron_activation, group=self.ep_group,
-              schedule=self._ditron_schedule)
+    if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
+        self._ditron_slots = MoESlots(self.ep_group)
+    out = run_moe(self._ditron_slots, tokens.contiguous(), indices.t().contiguous(),
+                  gates.t().to(torch.float32).contiguous(), w1, w2, b1=b1, b2=b2, activation=self._ditron_activation,
+                  schedule=self._ditron_schedule)
     return out.reshape(x.shape)
 
 
@@ -169,6 +171,6 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
     for inner, activation, layers in plans:
         # the expert modules are fixed; their weights are read on every call (ZeRO may re-point them)
         inner._ditron_activation, inner._ditron_layers = activation, layers
-        inner._ditron_schedule = schedule
+        inner._ditron_schedule, inner._ditron_slots = schedule, None
         inner.forward = _ditron_moe_forward.__get__(inner, type(inner))
     return len(plans)

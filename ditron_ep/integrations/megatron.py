@@ -87,11 +87,13 @@ def _dispatcher_class():
             return x, self.topk_probs
 
         def token_dispatch(self, hidden_states, probs):
-            from ditron_ep.ops import dispatch
+            from ditron_ep.ops.ep.functional import BufferSlot
             from ditron_ep.ops.ep.recv_weights import dispatched_weights
 
-            recv_x, self.handle = dispatch(hidden_states.contiguous(), self.topk_idx, probs, num_experts=self.num_experts,
-                                           group=self.ep_group)
+            if getattr(self, "_ditron_slot", None) is None:  # this layer's own buffer, built at first use
+                self._ditron_slot = BufferSlot(self.ep_group)
+            recv_x, self.handle = self._ditron_slot.dispatch(hidden_states.contiguous(), self.topk_idx, probs,
+                                                             num_experts=self.num_experts)
             return recv_x, dispatched_weights(probs, self.handle, self.ep_group).to(probs.dtype)
 
         def dispatch_postprocess(self, hidden_states, probs):
@@ -102,11 +104,8 @@ def _dispatcher_class():
             return hidden_states
 
         def token_combine(self, hidden_states, async_finish: bool = True, allocate_on_comm_stream: bool = True):
-            from ditron_ep.ops import combine
-
             # the experts scaled their rows by the probabilities: an unweighted sum of each token's rows
-            return combine(hidden_states.contiguous(), self.handle, None, num_experts=self.num_experts,
-                           group=self.ep_group)
+            return self._ditron_slot.combine(hidden_states.contiguous(), self.handle, None)
 
         def combine_postprocess(self, hidden_states):
             self.handle = None

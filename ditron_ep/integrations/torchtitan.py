@@ -48,6 +48,7 @@ class DitronTokenDispatcher:
         self.num_experts, self.top_k = config.num_experts, config.top_k
         self.ep_mesh = None
         self.group = None
+        self.slot = None  # this dispatcher's own EP buffer (ops.ep.functional.BufferSlot)
 
     def wire_meshes(self, *, ep_mesh=None) -> None:
         """Install the EP mesh (a 1-D DeviceMesh; None: EP = 1)."""
@@ -58,7 +59,12 @@ class DitronTokenDispatcher:
         self.init_buffer()
 
     def init_buffer(self) -> None:
-        """ditron_ep sizes its buffer at the first dispatch (and regrows it on every rank together)."""
+        """ditron_ep sizes this dispatcher's buffer at its first dispatch (and regrows it on every
+        rank together)."""
+        from ditron_ep.ops.ep.functional import BufferSlot
+
+        if self.ep_mesh is not None and self.slot is None:
+            self.slot = BufferSlot(self.group)
 
     def dispatch(self, x_TD: torch.Tensor, topk_scores_TK: torch.Tensor, topk_expert_ids_TK: torch.Tensor,
                  num_local_tokens_per_expert_E: torch.Tensor):
@@ -67,10 +73,8 @@ class DitronTokenDispatcher:
             order = torch.argsort(topk_expert_ids_TK.reshape(-1), stable=True)
             counts = torch.bincount(topk_expert_ids_TK.reshape(-1), minlength=self.num_experts)
             return x_TD[order // self.top_k], counts, TorchtitanDispatchMetadata(None, topk_scores_TK, order)
-        from ditron_ep.ops import dispatch
-
-        recv_x, handle = dispatch(x_TD.contiguous(), topk_expert_ids_TK.contiguous(), num_experts=self.num_experts,
-                                  group=self.group)
+        recv_x, handle = self.slot.dispatch(x_TD.contiguous(), topk_expert_ids_TK.contiguous(),
+                                            num_experts=self.num_experts)
         counts = handle.num_recv_per_expert.to(torch.int64)
         return recv_x, counts, TorchtitanDispatchMetadata(handle, topk_scores_TK)
 
@@ -84,8 +88,5 @@ class DitronTokenDispatcher:
             for k in range(1, self.top_k):
                 out = out + terms[:, k]
             return out.to(x_TD.dtype)
-        from ditron_ep.ops import combine
-
-        out = combine(routed_output_RD.contiguous(), metadata.handle, metadata.topk_scores_TK,
-                      num_experts=self.num_experts, group=self.group)
+        out = self.slot.combine(routed_output_RD.contiguous(), metadata.handle, metadata.topk_scores_TK)
         return out.to(x_TD.dtype)

@@ -4,8 +4,9 @@ Portable Triton only (`tl.atomic_*` with `sem`/`scope`, plain and volatile loads
 compiles for sm_90 and gfx942 and runs under the interpreter on emulated ranks.
 
 Signals are int32 words compared with wrap-around arithmetic (`value - target >= 0` in int32), and
-kernels stamp them with the call's epoch, so they are reused across calls with no reset pass and
-stay correct when the epoch wraps. Every wait is bounded: when its poll budget runs out it
+kernels stamp them with the call's number, so they are reused across calls with no reset pass and
+stay correct when the number wraps; a stamp of an abandoned call never satisfies a later call's
+wait, so a call that timed out leaves nothing to reset. Every wait is bounded: when its poll budget runs out it
 records rank, stage, signal and values in the rank's error slot and returns False; the kernel
 then skips the dependent work and the host raises `DitronTimeoutError`.
 """
@@ -14,25 +15,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.registry import register_device_function
+from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime import control as C
 
-EPOCH = tl.constexpr(C.EPOCH)
+CALL = tl.constexpr(C.CALL)
 ARRIVALS = tl.constexpr(C.ARRIVALS)
 TASKS = tl.constexpr(C.TASKS)
 TASKS_B = tl.constexpr(C.TASKS_B)
 ROLES = tl.constexpr(C.ROLES)
-LAYOUT_SEQ = tl.constexpr(C.LAYOUT_SEQ)
+GO = tl.constexpr(C.GO)
+RESYNC = tl.constexpr(C.RESYNC)
+NO_GO = tl.constexpr(C.NO_GO)
+ABORT = tl.constexpr(C.ABORT)
 ERR_FLAG = tl.constexpr(C.ERR_FLAG)
 ERR_RANK = tl.constexpr(C.ERR_RANK)
 ERR_STAGE = tl.constexpr(C.ERR_STAGE)
 ERR_SIGNAL = tl.constexpr(C.ERR_SIGNAL)
 ERR_OBSERVED = tl.constexpr(C.ERR_OBSERVED)
 ERR_EXPECTED = tl.constexpr(C.ERR_EXPECTED)
-ERR_EPOCH = tl.constexpr(C.ERR_EPOCH)
+FAIL_FLAGS = tl.constexpr(C.FAIL_FLAGS)
+FAIL_RANK = tl.constexpr(C.FAIL_RANK)
+FAIL_CALL = tl.constexpr(C.FAIL_CALL)
+FAIL_PEER_CALL = tl.constexpr(C.FAIL_PEER_CALL)
 BARRIER = tl.constexpr(C.BARRIER)
-REFUSED = tl.constexpr(C.REFUSED)
+RECORD = tl.constexpr(C.RECORD)
 MAX_WORLD = tl.constexpr(C.MAX_WORLD)
+FLAG_GAVE_UP = tl.constexpr(C.FLAG_GAVE_UP)
+FLAG_OUT_OF_STEP = tl.constexpr(C.FLAG_OUT_OF_STEP)
+FLAG_MISSING = tl.constexpr(C.FLAG_MISSING)
+FLAG_UNREAD = tl.constexpr(C.FLAG_UNREAD)
+STOP_FLAGS = tl.constexpr(C.STOP_FLAGS)
 STAGE_CALL_BARRIER = tl.constexpr(0)
 ARENA_ALIGN = tl.constexpr(C.ARENA_ALIGN)
 
@@ -81,7 +93,9 @@ def notify_add(sig_ptr, value):
 @register_device_function
 @triton.jit
 def record_timeout(my_ctrl, rank, stage, signal_id, observed, expected):
-    """First timeout of the rank wins the error slot; the flag is published last."""
+    """Abort the launch's other waits; the rank's first unread timeout wins the error slot (the
+    host reads and clears it), its flag published last."""
+    tl.atomic_xchg(my_ctrl + ABORT, 1, sem="relaxed", scope="gpu")
     first = tl.atomic_cas(my_ctrl + ERR_FLAG, 0, -1, sem="acq_rel", scope="gpu")
     if first == 0:
         tl.store(my_ctrl + ERR_RANK, rank)
@@ -89,44 +103,49 @@ def record_timeout(my_ctrl, rank, stage, signal_id, observed, expected):
         tl.store(my_ctrl + ERR_SIGNAL, signal_id)
         tl.store(my_ctrl + ERR_OBSERVED, observed)
         tl.store(my_ctrl + ERR_EXPECTED, expected)
-        tl.store(my_ctrl + ERR_EPOCH, tl.load(my_ctrl + EPOCH, volatile=True))
         tl.atomic_xchg(my_ctrl + ERR_FLAG, 1, sem="release", scope="gpu")
 
 
 @register_device_function
 @triton.jit
-def read_error_flag(my_ctrl):
-    """This rank's error flag, one value for the whole program: a scalar atomic's result is
-    shared by every thread, while a plain scalar load is issued by each thread on its own and
-    warps could see different values (and then leave a wait loop at different iterations)."""
-    return tl.atomic_add(my_ctrl + ERR_FLAG, 0, sem="relaxed", scope="gpu")
+def read_abort(my_ctrl):
+    """Whether a wait of this launch timed out, one value for the whole program: a scalar
+    atomic's result is shared by every thread, while a plain scalar load is issued by each thread
+    on its own and warps could see different values (and then leave a wait loop at different
+    iterations)."""
+    return tl.atomic_add(my_ctrl + ABORT, 0, sem="relaxed", scope="gpu")
 
 
 @register_device_function
 @triton.jit
-def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
-    """Spin (acquire) until `*sig_ptr - target >= 0` in int32, at most `budget` polls.
-
-    Returns True when reached. On timeout the first failing wait of the rank records
-    (rank, stage, signal_id, observed, target) in the error slot of `my_ctrl`; once a rank has
+def wait_value(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
+    """Spin (acquire) until `*sig_ptr - target >= 0` in int32, at most `budget` polls; returns
+    the last value seen. On timeout the rank's first unread failing wait records (rank, stage,
+    signal_id, observed, target) in the error slot of `my_ctrl`; once a wait of the launch has
     failed, its other waits give up after at most one more poll so the launch drains quickly.
     """
     target = tl.cast(target, tl.int32)  # (a plain int when Triton specialises an argument to 1)
     v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-    # The error flag is read only once the first poll fell short: a satisfied wait costs one
+    # The abort word is read only once the first poll fell short: a satisfied wait costs one
     # atomic round trip, not two (every GEMM tile of the megakernel waits once).
     failed = 0
     n = 0
     while ((v - target) < 0) & (n < budget) & (failed == 0):
         v = tl.atomic_add(sig_ptr, 0, sem="acquire", scope="sys")
-        failed = read_error_flag(my_ctrl)
+        failed = read_abort(my_ctrl)
         n += 1
-    ok = (v - target) >= 0
     # Every thread of the program reads the awaited data only after the acquiring thread saw it.
     tl.debug_barrier()
-    if not ok:
+    if (v - target) < 0:
         record_timeout(my_ctrl, rank, stage, signal_id, v, target)
-    return ok
+    return v
+
+
+@register_device_function
+@triton.jit
+def wait(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget):
+    """`wait_value`, returning True when the signal reached `target`."""
+    return (wait_value(sig_ptr, target, my_ctrl, rank, stage, signal_id, budget) - target) >= 0
 
 
 @register_device_function
@@ -145,7 +164,7 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
     while (tl.max(pending.to(tl.int32), axis=None) > 0) & (n < budget) & (failed == 0):
         v = tl.atomic_add(p_sig, 0, mask=pending, sem="acquire", scope="sys")
         pending = pending & ((v - target) < 0)
-        failed = read_error_flag(my_ctrl)
+        failed = read_abort(my_ctrl)
         n += 1
     n_pending = tl.sum(pending.to(tl.int32), axis=None)  # any shape: reduce every axis
     tl.debug_barrier()
@@ -156,35 +175,112 @@ def wait_all(p_sig, target, mask, my_ctrl, rank, stage, signal_id, budget):
 
 @register_device_function
 @triton.jit
-def call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER: tl.constexpr = True):
-    """Enter a collective launch: returns (epoch, ok).
+def meet_peer(sig_ptr, rec_ptr, call, my_ctrl, rank, stage, peer, budget):
+    """An opening launch meets `peer` on the signal the peer stamps with its call number
+    (bounded wait), and reads the peer's record at `rec_ptr` ((flags, call number) of the
+    peer's call of this parity). Returns (FLAG_* bits found, the peer's call number): the
+    record's flags when the peer entered this call; FLAG_MISSING when it did not arrive (a
+    timeout); FLAG_OUT_OF_STEP when its stamp passed this call without its entering it (it skipped
+    a call) or it gave up on it. A peer stamped past this call after entering it is in step (it
+    met every rank here and went on). A peer ahead moves this rank's next call to the peer's
+    (RESYNC), so the ranks meet again."""
+    v = wait_value(sig_ptr, call, my_ctrl, rank, stage, peer, budget)
+    arrived = (v - call) >= 0
+    entered = arrived & (tl.load(rec_ptr + 1, volatile=True) == call)
+    skipped = arrived & (tl.load(rec_ptr + 1, volatile=True) != call)
+    flags = tl.where(entered, tl.load(rec_ptr, volatile=True), 0)
+    flags |= tl.where(arrived, 0, FLAG_MISSING) | tl.where(skipped, FLAG_OUT_OF_STEP, 0)
+    flags |= tl.where((flags & FLAG_GAVE_UP) != 0, FLAG_OUT_OF_STEP, 0)
+    if skipped:
+        tl.atomic_max(my_ctrl + RESYNC, v - call - 1, sem="relaxed", scope="gpu")
+    return flags, tl.where(entered, call, v)
 
-    The epoch is one more than the rank's call counter. With ENTRY_BARRIER it is stamped into
-    every peer's barrier slot for this rank, and every program waits until all peers have entered
-    the same call, so no rank writes into a peer's buffers while the peer still reads the previous
-    call's data.
 
-    ENTRY_BARRIER=False skips that round trip (~5.5 µs of a one-program launch on 2xH200,
-    bench/results/HISTORY.md: small_t_latency). Only for a launch that follows, on the same stream and in the
-    same call, a layout counts exchange (`ep_layout_kernel`) with every peer: a peer's counts
-    arrived only once that peer had started this call's exchange, so its launches of the previous
-    call had finished (stream order), and nothing of ours can land in a buffer it still reads.
-    The host must not reset, between that exchange and this launch, a signal that peers write
-    (resetting this rank's local counters there is fine: only its own programs add to them).
+@register_device_function
+@triton.jit
+def note_stop(my_ctrl, flags, peer, call, peer_call, KEEP: tl.constexpr):
+    """An opening launch's program found `flags` (FLAG_*) at `peer`: if any stops the call, the
+    launch does not go (call_end leaves GO behind); KEEP (a call whose host reads no records:
+    barrier-opened ones) keeps the rank's first such finding not yet read by the host (FAIL_*).
+    Returns 1 when it stops the call."""
+    stop = (flags & STOP_FLAGS) != 0
+    if stop:
+        tl.atomic_xchg(my_ctrl + NO_GO, 1, sem="relaxed", scope="gpu")
+    if KEEP:
+        if stop:
+            if tl.atomic_cas(my_ctrl + FAIL_CALL, 0, call, sem="relaxed", scope="gpu") == 0:
+                tl.store(my_ctrl + FAIL_RANK, peer + 1)
+                tl.store(my_ctrl + FAIL_PEER_CALL, peer_call)
+                tl.atomic_xchg(my_ctrl + FAIL_FLAGS, flags, sem="release", scope="gpu")
+    return stop.to(tl.int32)
+
+
+@register_device_function
+@triton.jit
+def unread_flag(my_ctrl):
+    """FLAG_UNREAD when this rank holds an error its host has not raised yet (a timeout or a
+    stopped barrier-opened call): its record then stops the next call on every rank, and its
+    host raises that error at the call's status read."""
+    held = tl.atomic_add(my_ctrl + ERR_FLAG, 0, sem="relaxed", scope="gpu") | \
+        tl.atomic_add(my_ctrl + FAIL_CALL, 0, sem="relaxed", scope="gpu")
+    return tl.where(held != 0, FLAG_UNREAD, 0)
+
+
+@register_device_function
+@triton.jit
+def record_slot(ctrl, call):
+    """First word of the RECORD slot of barrier-opened call `call` in the control block at
+    `ctrl` (runtime/control.record_slot)."""
+    return ctrl + RECORD + (call & 1) * 2 * MAX_WORLD
+
+
+@register_device_function
+@triton.jit
+def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags=0,
+               KEEP: tl.constexpr = True):
+    """Enter a collective launch: returns (call, go).
+
+    OPENS (an opening launch: the call's first, with an entry barrier): the call number is one
+    more than the rank's CALL word. The rank writes its record (`flags`, FLAG_*) into every
+    peer's RECORD slot of the call, then stamps its BARRIER word there with the call number; every
+    program then meets every peer (`meet_peer`). go = every peer is at this call and none is
+    flagged; otherwise no program runs a task, on any rank (every rank read the same records).
+    A rank that timed out marks its record FLAG_GAVE_UP, so a peer arriving late leaves too; one
+    holding an unread error marks it FLAG_UNREAD. KEEP: see `note_stop`.
+    No rank writes into a peer's buffers while the peer still reads the previous call's data.
+
+    OPENS=False: a launch that follows, on the same stream and in the same call, the call's
+    opening launch (the counts exchange, `ep_layout_kernel`): it takes that call's number and
+    goes only if the opening went (GO). A peer's counts arrived only once that peer had started
+    this call, so its launches of the previous call had finished (stream order), and nothing of
+    ours can land in a buffer it still reads. Saves the barrier's round trip (~5.5 µs of a
+    one-program launch on 2xH200, bench/results/HISTORY.md: small_t_latency).
     """
     my_ctrl = ctrl_ptr(table_ptr, rank)
-    epoch = tl.load(my_ctrl + EPOCH, volatile=True) + 1
-    n_bad = 0
-    if ENTRY_BARRIER:
-        # Every program stamps (the same value): no program depends on another being resident.
+    if OPENS:
+        call = tl.load(my_ctrl + CALL, volatile=True) + 1
+        flags |= unread_flag(my_ctrl)
+        # Every program writes (the same values): no program depends on another being resident.
         for p in range(world):
-            notify(ctrl_ptr(table_ptr, p) + BARRIER + rank, epoch)
+            p_ctrl = ctrl_ptr(table_ptr, p)
+            tl.store(record_slot(p_ctrl, call) + 2 * rank, flags)
+            tl.store(record_slot(p_ctrl, call) + 2 * rank + 1, call)
+            notify(p_ctrl + BARRIER + rank, call)  # its release publishes the record
+        n_stop = 0
+        n_missing = 0
         for p in range(world):
-            ok_p = wait(my_ctrl + BARRIER + p, epoch, my_ctrl, rank, STAGE_CALL_BARRIER, p, budget)
-            n_bad += (ok_p == 0).to(tl.int32)
-    # A rank whose error slot is set (a timeout not yet cleared by heap.reset()) runs no task:
-    # its buffers may hold half-written data.
-    return epoch, (n_bad == 0) & (read_error_flag(my_ctrl) == 0)
+            seen, v = meet_peer(my_ctrl + BARRIER + p, record_slot(my_ctrl, call) + 2 * p, call, my_ctrl, rank,
+                                STAGE_CALL_BARRIER, p, budget)
+            n_stop += note_stop(my_ctrl, seen, p, call, v, KEEP)
+            n_missing += ((seen & FLAG_MISSING) != 0).to(tl.int32)
+        if n_missing > 0:  # leave the call: a peer that comes late finds this and leaves too
+            for p in range(world):
+                tl.store(record_slot(ctrl_ptr(table_ptr, p), call) + 2 * rank, flags | FLAG_GAVE_UP)
+        go = n_stop == 0
+    else:
+        call = tl.load(my_ctrl + CALL, volatile=True)
+        go = tl.load(my_ctrl + GO, volatile=True) == call
+    return call, go
 
 
 @register_device_function
@@ -221,32 +317,33 @@ def next_task_split(my_ctrl, on_comm, split_at):
 
 @register_device_function
 @triton.jit
-def refusal_slot(ctrl, epoch):
-    """First word of the REFUSED slot of call `epoch` in the control block at `ctrl`
-    (runtime/control.refusal_slot; ops/ep/refusal_kernels.py)."""
-    return ctrl + REFUSED + (epoch & 1) * MAX_WORLD
-
-
-@register_device_function
-@triton.jit
-def call_end(table_ptr, rank, epoch=0, world=0, RETIRE_REFUSALS: tl.constexpr = False):
-    """Leave the launch; the last program out resets the queue and advances the epoch.
-
-    RETIRE_REFUSALS (a launch whose programs read this call's refusal stamps, refusal.py): the
-    last program out, after every program's read, rewrites that slot of the `world` peers with
-    `epoch`, so that no old stamp can match a later call's epoch."""
+def call_end(table_ptr, rank, call, OPENS: tl.constexpr = True):
+    """Leave the launch; the last program out resets the launch's words and, for an opening
+    launch, moves the call number on: CALL = call (plus RESYNC when a peer was ahead), and
+    GO = call when no program found a reason to stop."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     arrived = tl.atomic_add(my_ctrl + ARRIVALS, 1, sem="acq_rel", scope="gpu")
     if arrived == n_programs - 1:
-        if RETIRE_REFUSALS:
-            for p in range(world):
-                tl.store(refusal_slot(my_ctrl, epoch) + p, epoch)
         tl.atomic_xchg(my_ctrl + ARRIVALS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + TASKS_B, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + ROLES, 0, sem="relaxed", scope="gpu")
-        tl.atomic_add(my_ctrl + EPOCH, 1, sem="release", scope="gpu")
+        tl.atomic_xchg(my_ctrl + ABORT, 0, sem="relaxed", scope="gpu")
+        if OPENS:
+            if tl.atomic_xchg(my_ctrl + NO_GO, 0, sem="relaxed", scope="gpu") == 0:
+                tl.atomic_xchg(my_ctrl + GO, call, sem="relaxed", scope="gpu")
+            resync = tl.atomic_xchg(my_ctrl + RESYNC, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(my_ctrl + CALL, call + resync, sem="release", scope="gpu")
+
+
+@triton.jit
+def flagged_call_kernel(table_ptr, rank, world, budget, flags):
+    """This rank's part in a barrier-opened call it cannot run (one program): its record carries
+    `flags` (FLAG_REFUSED: it rejected its own arguments), so every peer's launch stops at the
+    barrier and records why; nothing moves, and every rank's call number advances alike."""
+    call, go = call_begin(table_ptr, rank, world, budget, OPENS=True, flags=flags, KEEP=False)
+    call_end(table_ptr, rank, call, OPENS=True)
 
 
 @register_device_function
@@ -264,3 +361,7 @@ def copy_rows(src_ptr, src_stride, dst_ptr, dst_stride, n_rows, n_cols,
         m = m_r[:, None] & (o_c < n_cols)[None, :]
         b_x = tl.load(src_ptr + o_r[:, None] * src_stride + o_c[None, :], mask=m)  # [BLOCK_R, BLOCK_C]
         tl.store(dst_ptr + o_r[:, None] * dst_stride + o_c[None, :], b_x, mask=m)
+
+
+register_kernel(flagged_call_kernel, {"table_ptr": "*i64", "rank": "i32", "world": "i32", "budget": "i32",
+                                      "flags": "i32"}, label="flagged-call")

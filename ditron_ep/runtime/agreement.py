@@ -1,34 +1,158 @@
-"""Agreeing on a constructor's verdict before its first collective.
+"""Cross-rank agreement: one call record per call, read by every rank before any data moves.
 
-A rank that rejects its arguments and raises alone leaves its peers waiting in the next
-collective (the symmetric heap's set-up) until a timeout, or for ever on some backends. So the
-objects that own heap resources first gather every rank's verdict and raise on every rank alike.
+Every call on a buffer or layer opens with an exchange it makes anyway (the counts exchange of a
+dispatch / FusedMoE call, the entry barrier of a combine). That exchange carries each rank's
+call record: its call number (the stamp it signals with), status flags (FLAG_* in
+runtime/control.py: it rejected its own arguments, its request needs another buffer, bad expert
+ids, too many tokens, it gave up on the call) and its request fields (the arguments every rank
+must share). Every rank reads every record, so every rank raises the same error, before
+anything moves; `call_error` and `raise_call_records` turn records into that error.
+
+Building a resource is the one collective without a record to ride on: `agree` gathers every
+rank's verdict first, so a rank that rejects its arguments never leaves its peers waiting in the
+heap's set-up. `CallSlot` is what the functional forms (and the modules and integrations, one
+each) keep: a resource built at first use and rebuilt on every rank together when the records
+of a call say every rank needs another one.
 """
 from __future__ import annotations
 
+from typing import Callable, Generic, TypeVar
+
+import torch
 import torch.distributed as dist
 
-from ditron_ep.runtime.errors import DitronConfigError
+from ditron_ep.runtime import control as C
+from ditron_ep.runtime.errors import DitronConfigError, DitronOutOfStepError
+
+R = TypeVar("R")
+# Request fields that are not ints travel in a call record as their index here.
+SYMBOLS = (None, torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64,
+           "swiglu", "geglu", "gelu", "gelu_tanh", "relu", "silu", "overlap", "sequential", "staged")
 
 
-def raise_unless_all_agree(group: dist.ProcessGroup | None, what: str, problem: str | None,
-                           same: dict[str, object] | None = None) -> None:
-    """Collective (every rank of `group` must call it): raise DitronConfigError on every rank if
-    any rank's `problem` is not None, naming the ranks when only some have one; or, when none
-    has one, if the arguments in `same` (name -> value) differ between ranks, naming them."""
-    world = dist.get_world_size(group)
-    verdicts: list[tuple[str | None, dict | None]] = [(None, None)] * world
-    dist.all_gather_object(verdicts, (problem, same), group=group)
-    problems = [p for p, _ in verdicts]
-    ranks = [r for r, p in enumerate(problems) if p]
-    if not ranks:
-        differ = [name for name in (same or {}) if any(v[name] != same[name] for _, v in verdicts)]
-        if differ:
-            detail = "; ".join(f"{name}: " + ", ".join(f"rank {r} {v[name]!r}" for r, (_, v) in enumerate(verdicts))
-                               for name in differ)
-            raise DitronConfigError(f"{what}: every rank must pass the same {', '.join(differ)} ({detail})")
-        return
-    distinct = sorted({problems[r] for r in ranks})
-    detail = distinct[0] if len(distinct) == 1 else "; ".join(f"rank {r}: {problems[r]}" for r in ranks)
-    where = "" if len(ranks) == world else f" (on rank(s) {', '.join(map(str, ranks))}; raised on every rank)"
-    raise DitronConfigError(f"{what}: {detail}{where}")
+def field_word(v: object) -> int:
+    """A request field as a call record's int32 word."""
+    return v if isinstance(v, int) else SYMBOLS.index(v) if v in SYMBOLS else len(SYMBOLS)
+
+
+def field_value(word: int, like: object) -> object:
+    """The field a record word stands for (`like`: a value of the same kind)."""
+    return word if isinstance(like, int) else SYMBOLS[word] if 0 <= word < len(SYMBOLS) else f"#{word}"
+
+
+def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object] | None = None,
+          value: int = 0) -> int:
+    """Collective (every rank of `group`): raise DitronConfigError on every rank if any rank has
+    a `problem` (naming the ranks when only some have one), or if `same` (name -> value) differs
+    between ranks (naming each rank's); else return the largest `value` over the ranks."""
+    posts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(posts, (problem, same, value), group=group)
+    ranks = [r for r, (p, _, _) in enumerate(posts) if p]
+    if ranks:
+        distinct = sorted({posts[r][0] for r in ranks})
+        detail = distinct[0] if len(distinct) == 1 else "; ".join(f"rank {r}: {posts[r][0]}" for r in ranks)
+        where = "" if len(ranks) == len(posts) else f" (on rank(s) {', '.join(map(str, ranks))}; raised on every rank)"
+        raise DitronConfigError(f"{what}: {detail}{where}")
+    differ = differing(dict(enumerate(s for _, s, _ in posts)))
+    if differ:
+        raise DitronConfigError(f"{what}: every rank must pass the same {differ}")
+    return max(v for _, _, v in posts)
+
+
+def differing(fields: dict[int, dict | None]) -> str:
+    """'' when every rank's fields (rank -> {name: value}) agree, else each differing field with
+    every rank's value ("hidden: rank 0 32, rank 1 48")."""
+    known = {r: f for r, f in fields.items() if f}
+    names = [n for n in next(iter(known.values()), {}) if any(f.get(n) != fields[min(known)][n] for f in known.values())]
+    return "; ".join(f"{n}: " + ", ".join(f"rank {r} {f.get(n)!r}" for r, f in known.items()) for n in names)
+
+
+class RebuildNeeded(Exception):
+    """Every rank's request of this call (`fields`, up to `tokens` tokens) needs another buffer
+    than the one the call reached; raised on every rank alike, caught by `CallSlot`."""
+
+    def __init__(self, fields: dict, tokens: int) -> None:
+        super().__init__(f"rebuild for {fields}")
+        self.fields, self.tokens = fields, tokens
+
+
+def call_error(flags: int, ranks: list[int], me: int, call: int, calls: dict[int, int],
+               fields: dict[int, dict | None] | None = None) -> Exception | None:
+    """The error every rank raises for a call whose records hold `flags` (FLAG_* of `ranks`),
+    seen by rank `me` at call number `call`; calls: rank -> its call number; fields: rank -> its
+    request fields. Out of step and refusals only (input problems: the buffers raise those)."""
+    who = ", ".join(map(str, ranks))
+    if flags & (C.FLAG_OUT_OF_STEP | C.FLAG_GAVE_UP):
+        at = ", ".join(f"rank {r} at call {calls[r]}" for r in ranks if r in calls)
+        gave_up = " and had given up on it (it timed out waiting for this rank)" if flags & C.FLAG_GAVE_UP else ""
+        return DitronOutOfStepError(
+            f"the ranks' calls on this buffer are out of step: rank {me} is at call {call}, {at}{gave_up}. A rank "
+            f"skipped a call or arrived after its peers left it. Nothing moved in this call; the next call of "
+            f"every rank meets again")
+    if flags & C.FLAG_UNREAD:
+        return DitronConfigError(
+            f"rank(s) {who} held an error of an earlier call not yet raised there (a combine with check_errors="
+            f"False, or a graph-mode call); it is raised there now, and no rank moved anything in this call "
+            f"(call {call})")
+    if flags & C.FLAG_REFUSED:
+        differ = differing(fields or {})
+        return DitronConfigError(
+            f"rank(s) {who} rejected their own arguments to call {call} and raised the reason there"
+            f"{f' ({differ})' if differ else ''}; no rank moved anything. Fix that call: every rank must call "
+            f"with valid arguments, in the same order")
+    return None
+
+
+class CallSlot(Generic[R]):
+    """One collectively built resource (an EPBuffer or a FusedMoE) that the functional forms keep
+    per process group, and a module or integration keeps for itself: built at first use, sized
+    by the largest request over the ranks, and rebuilt on every rank together when a call's
+    records say every rank needs another one (more tokens; other shapes, when every rank agrees).
+
+    build(fields, tokens) builds it; fields_of(resource) are the request fields it serves."""
+
+    def __init__(self, group: dist.ProcessGroup | None, what: str, build: Callable[[dict, int], R],
+                 fields_of: Callable[[R], dict]) -> None:
+        self.group, self.what, self.resource = group, what, None
+        self._build, self._fields_of = build, fields_of
+
+    def run(self, fields: dict | None, tokens: int, error: Exception | None, sync: bool,
+            call: Callable[[R], object], join_flagged: Callable[[R, int, dict | None], None]) -> object:
+        """`call` on the resource for this request (`fields`, `tokens`). A rank whose own
+        arguments failed (`error`) joins the call flagged FLAG_REFUSED and raises it; a request
+        the resource does not serve joins flagged FLAG_REBUILD (its peers learn it from the
+        records, sync=True: every rank rebuilds, or raises naming the fields that differ)."""
+        res = self.resource
+        if res is None or getattr(res, "freed", False):
+            tokens = agree(self.group, self.what, None if error is None else f"{type(error).__name__}: {error}",
+                           fields if error is None else None, max(tokens, 1))
+            res = self.resource = self._build(fields, tokens)
+        elif error is not None:
+            join_flagged(res, C.FLAG_REFUSED, fields)
+        if error is not None:
+            raise error
+        for _ in range(2):  # a rebuild, then the call on the new resource
+            try:
+                if fields != self._fields_of(res):
+                    if not sync:
+                        join_flagged(res, C.FLAG_REFUSED, fields)
+                        raise DitronConfigError(f"{self.what}: graph mode (sync=False) needs the cached buffer for "
+                                                f"this request to exist: call once with sync=True")
+                    join_flagged(res, C.FLAG_REBUILD, fields)  # raises on every rank (a read)
+                return call(res)
+            except RebuildNeeded as need:
+                fields, tokens = need.fields, max(need.tokens, res.max_tokens)
+            except Exception as err:  # noqa: BLE001 - only a capacity problem read in this call rebuilds
+                if not (sync and getattr(err, "needed", None) and not getattr(err, "pending", True)):
+                    raise
+                tokens = max(err.needed, 2 * res.max_tokens)  # geometric growth: few regrows
+                fields = self._fields_of(res)
+            res.free()
+            res = self.resource = self._build(fields, tokens)
+        return call(res)
+
+    def free(self) -> None:
+        """Free the resource (collective: call on every rank)."""
+        if self.resource is not None:
+            self.resource.free()
+        self.resource = None

@@ -1,40 +1,59 @@
-"""Byte layout of the control block at the start of every rank's arena (int32 words).
+"""Byte layout of the control block at the start of every rank's arena (int32 words), and the
+bits of a call record's flags.
 
 Kernels (language/primitives.py) and the host (runtime/heap.py) both read these numbers; they
 live here once. All words are int32 and compared with wrap-around arithmetic.
 """
 from __future__ import annotations
 
-CTRL_WORDS = 2048            # 8 KiB control block
+CTRL_WORDS = 4096            # 16 KiB control block
 CTRL_BYTES = CTRL_WORDS * 4
 
-EPOCH = 0                    # call counter, advanced by the last program of every launch
+CALL = 0                     # this rank's call number on the heap: the last call an opening launch began
 ARRIVALS = 1                 # programs of the current launch that have finished
 TASKS = 2                    # next ticket of the launch's ordered task queue
 TASKS_B = 3                  # next ticket of the compute queue when a launch splits roles
 ROLES = 4                    # programs of the current launch that have taken a role (role split)
-LAYOUT_SEQ = 5               # layout counts exchanges so far: its parity picks the landing half
-ERR_FLAG = 16                # 0 = fine, 1 = a bounded wait timed out
+GO = 5                       # the last call whose opening found every rank in step and none flagged
+RESYNC = 6                   # opening launch: calls a peer was ahead by, less one (call_end moves CALL on)
+NO_GO = 7                    # opening launch: 1 if a program found a peer missing, out of step or flagged
+ABORT = 8                    # a wait of the current launch timed out: its other waits give up (call_end clears)
+ERR_FLAG = 16                # 0 = fine, 1 = a bounded wait timed out (the host reads and clears it)
 ERR_RANK = 17
 ERR_STAGE = 18
-ERR_SIGNAL = 19
+ERR_SIGNAL = 19              # for opening stages: the rank waited for
 ERR_OBSERVED = 20
-ERR_EXPECTED = 21
-ERR_EPOCH = 22
-REFUSAL_SEEN = 23            # 1 + lowest rank whose refusal made this rank skip a call; 0 = none (the host clears it)
-REFUSERS_SEEN = 24           # how many ranks refused that call (with REFUSAL_SEEN; the host clears it)
-BARRIER = 512                # BARRIER + p: epoch at which rank p last entered the call barrier
+ERR_EXPECTED = 21            # for opening stages: the call number
+FAIL_FLAGS = 23              # barrier-opened call that did not go: FLAG_* bits seen (the host reads and clears)
+FAIL_RANK = 24               # 1 + the lowest rank whose record stopped it
+FAIL_CALL = 25               # this rank's call number then
+FAIL_PEER_CALL = 26          # that rank's call number then
+BARRIER = 512                # BARRIER + p: call number at which rank p last entered a barrier-opened call
 MAX_WORLD = 512
-REFUSED = 1024               # REFUSED + (e & 1) * MAX_WORLD + p: e when rank p refused call e (ops/ep/refusal_kernels.py)
+RECORD = 2048                # RECORD + (c & 1) * 2 * MAX_WORLD + 2 * p: rank p's (flags, call number) of a
+                             # barrier-opened call c (the call number says the rank entered that call)
+HOST_WORDS = 32              # words the host reads for errors: [0, HOST_WORDS)
+
+# Flags of a call record (the counts exchange and barrier-opened calls carry them).
+FLAG_BAD_EXPERT = 1          # an expert id outside [-1, E) (offending slots dropped)
+FLAG_TOO_MANY_TOKENS = 2     # T > max_tokens_per_rank (tokens past it dropped)
+FLAG_GAVE_UP = 4             # the rank timed out waiting for a peer in this call and left it
+FLAG_REFUSED = 8             # the rank rejected its own arguments (it joined the call only to say so)
+FLAG_REBUILD = 16            # the rank's request needs another buffer (functional forms rebuild it)
+FLAG_OUT_OF_STEP = 32        # set by the reader: the rank's call number differs from the reader's
+FLAG_MISSING = 64            # set by the reader: the rank did not arrive within the bounded wait
+FLAG_UNREAD = 128            # the rank holds an error of an earlier call that its host has not raised yet
+# Any of these stops the call on every rank (nothing moves); the others only drop slots/tokens.
+STOP_FLAGS = FLAG_GAVE_UP | FLAG_REFUSED | FLAG_REBUILD | FLAG_OUT_OF_STEP | FLAG_MISSING | FLAG_UNREAD
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned
 
 
-def refusal_slot(epoch: int) -> int:
-    """First word of the REFUSED slot of the call with this epoch (two slots, by its parity);
-    language/primitives.refusal_slot is the kernels' copy of this rule."""
-    return REFUSED + (epoch & 1) * MAX_WORLD
+def record_slot(call: int) -> int:
+    """First word of the RECORD slot of barrier-opened call `call` (two slots, by its parity; two
+    words per rank); language/primitives.record_slot is the kernels' copy of this rule."""
+    return RECORD + (call & 1) * 2 * MAX_WORLD
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -42,6 +61,6 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 
 def to_int32(v: int) -> int:
-    """Wrap a Python int into the signed int32 range (epochs wrap around)."""
+    """Wrap a Python int into the signed int32 range (call numbers wrap around)."""
     v &= 0xFFFFFFFF
     return v - (1 << 32) if v >= (1 << 31) else v

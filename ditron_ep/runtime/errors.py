@@ -27,6 +27,12 @@ class DitronTimeoutError(DitronError):
         self.expected = expected
 
 
+class DitronOutOfStepError(DitronError):
+    """The ranks' calls on one buffer or layer are out of step: a rank is at another call number
+    than a peer, or arrived at a call the peer had given up on (it timed out waiting). Raised
+    before any data moves; the next call of every rank meets again (no reset needed)."""
+
+
 class RankError(DitronError):
     """An emulated rank process failed (exception, crash, kill or host timeout)."""
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.runtime import control as C
-from ditron_ep.runtime.agreement import raise_unless_all_agree
+from ditron_ep.runtime.agreement import agree, call_error
 from ditron_ep.runtime.errors import DitronConfigError, DitronTimeoutError
 from ditron_ep.runtime.mode import resolve_backend
 
@@ -27,6 +27,9 @@ WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
 STAGE_NAMES: dict[int, str] = {0: "call barrier"}
+# Stages where an opening launch meets its peers: the error slot's signal is the peer waited for
+# and its expected value the call number.
+OPENING_STAGES = {0, 2}
 
 
 def register_stage(code: int, name: str) -> int:
@@ -84,7 +87,7 @@ class SymmetricHeap:
         except (DitronConfigError, ValueError, TypeError) as err:
             problem = str(err)
         # a rank that raised alone would leave its peers in the collectives below
-        raise_unless_all_agree(self.group, "SymmetricHeap", problem)
+        agree(self.group, "SymmetricHeap", problem)
         self.check_same_everywhere("heap configuration",
                                     (self.backend, self.size_bytes, self.num_signals))
 
@@ -190,13 +193,15 @@ class SymmetricHeap:
         return self._arena.peer_bases[self.rank]
 
     @property
-    def error_word(self) -> torch.Tensor:
-        """int32 [1] view of this rank's error flag (non-zero after a timed-out wait)."""
-        return self._ctrl[C.ERR_FLAG:C.ERR_FLAG + 1]
+    def error_words(self) -> torch.Tensor:
+        """int32 view of this rank's error words [ERR_FLAG, HOST_WORDS): non-zero ERR_FLAG after a
+        timed-out wait, non-zero FAIL_CALL after a barrier-opened call that did not go."""
+        return self._ctrl[C.ERR_FLAG:C.HOST_WORDS]
 
     @property
-    def epoch(self) -> int:
-        return int(self._ctrl[C.EPOCH].item())
+    def call_number(self) -> int:
+        """This rank's call number on the heap: the last call an opening launch began."""
+        return int(self._ctrl[C.CALL].item())
 
     def barrier(self) -> None:
         """Host barrier: all device work of this rank done, then a group barrier."""
@@ -205,41 +210,40 @@ class SymmetricHeap:
             torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)
 
-    def read_error(self) -> DitronTimeoutError | DitronConfigError | None:
-        """The error a kernel recorded in this rank's slot, or None (one host read).
+    def read_error(self) -> Exception | None:
+        """The error a kernel recorded on this rank, or None (one host read); reading consumes it.
 
-        Besides timeouts, a kernel records that it skipped a call because a peer refused it
-        (ops/ep/refusal_kernels.py). That record does not block later launches; reading it here
-        consumes it and returns a DitronConfigError: nothing moved in that call and every
-        rank's epoch advanced, so the heap needs no reset."""
-        slot = self._ctrl[:C.REFUSERS_SEEN + 1].tolist()  # a copy also on the CPU (emulated ranks)
-        if int(slot[C.ERR_FLAG]) == 0:
-            if slot[C.REFUSAL_SEEN] == 0:
-                return None
-            self.clear_refusal()
-            others = max(int(slot[C.REFUSERS_SEEN]) - 1, 0)
-            first = slot[C.REFUSAL_SEEN] - 1
-            who, fix = ((f"rank {first} rejected its", "that rank's call") if not others else
-                        (f"rank {first} and {others} other rank(s) rejected their", "those ranks' calls"))
-            return DitronConfigError(
-                f"{who} own arguments to a call that this rank then "
-                f"skipped (this combine, or an earlier one whose output here was not written) and raised the reason "
-                f"there; no rank moved anything in it. Fix {fix} "
-                f"(every rank must call with valid arguments, in the same order)")
-        stage = STAGE_NAMES.get(int(slot[C.ERR_STAGE]), f"stage {int(slot[C.ERR_STAGE])}")
-        rank, signal = int(slot[C.ERR_RANK]), int(slot[C.ERR_SIGNAL])
-        observed, expected = int(slot[C.ERR_OBSERVED]), int(slot[C.ERR_EXPECTED])
-        msg = (f"rank {rank}: bounded wait timed out in stage '{stage}' on signal {signal} "
-               f"(saw {observed}, waited for >= {expected}, epoch {int(slot[C.ERR_EPOCH])}) after "
-               f"{self.wait_budget} polls. A peer never notified: it failed, was not launched, or "
-               f"is far slower. Call heap.reset() on every rank before reusing the heap.")
-        return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal,
-                                  observed=observed, expected=expected)
+        A bounded wait that timed out (DitronTimeoutError), else a barrier-opened call (combine,
+        a backward's replay) that did not go because a peer was out of step
+        (DitronOutOfStepError) or rejected its own arguments (DitronConfigError). Nothing needs
+        resetting after either: later calls wait for later call numbers."""
+        words = self._ctrl[:C.HOST_WORDS].tolist()  # a copy also on the CPU (emulated ranks)
+        if words[C.ERR_FLAG]:  # (a stopped call's finding is that timeout too: both are cleared)
+            self._ctrl[C.ERR_FLAG] = 0
+            self._ctrl[C.FAIL_FLAGS:C.FAIL_PEER_CALL + 1] = 0
+            return self._timeout(words)
+        if words[C.FAIL_CALL]:
+            self._ctrl[C.FAIL_FLAGS:C.FAIL_PEER_CALL + 1] = 0
+            return call_error(words[C.FAIL_FLAGS], [words[C.FAIL_RANK] - 1], self.rank, words[C.FAIL_CALL],
+                              {words[C.FAIL_RANK] - 1: words[C.FAIL_PEER_CALL]})
+        return None
 
-    def clear_refusal(self) -> None:
-        """Forget a recorded refusal (see read_error) once it has been raised."""
-        self._ctrl[C.REFUSAL_SEEN] = 0
-        self._ctrl[C.REFUSERS_SEEN] = 0
+    def _timeout(self, words: list[int]) -> DitronTimeoutError:
+        stage_code = int(words[C.ERR_STAGE])
+        stage = STAGE_NAMES.get(stage_code, f"stage {stage_code}")
+        rank, signal = int(words[C.ERR_RANK]), int(words[C.ERR_SIGNAL])
+        observed, expected = int(words[C.ERR_OBSERVED]), int(words[C.ERR_EXPECTED])
+        if stage_code in OPENING_STAGES:
+            msg = (f"rank {rank} waited {self.wait_budget} polls for rank {signal} to arrive at call {expected} "
+                   f"('{stage}') and gave up; rank {signal} was at call {observed}: it did not make this call, or is "
+                   f"far slower. No data moved in this call, and nothing needs resetting: the next call of every "
+                   f"rank meets again (a rank arriving late at this call raises DitronOutOfStepError)")
+        else:
+            msg = (f"rank {rank}: bounded wait timed out in stage '{stage}' on signal {signal} (saw {observed}, "
+                   f"waited for call {expected}) after {self.wait_budget} polls: a peer stopped in the middle of "
+                   f"the call (it failed or was killed). This call's output is incomplete; the next call of every "
+                   f"rank starts afresh")
+        return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal, observed=observed, expected=expected)
 
     def check_error(self) -> None:
         """Raise the recorded error, if any (synchronises with the device; see read_error)."""
@@ -247,17 +251,16 @@ class SymmetricHeap:
         if err is not None:
             raise err
 
-    def reset(self, epoch: int = 0) -> None:
-        """Collective: clear signals, error slot and call barrier, and set the epoch."""
+    def reset(self, call: int = 0) -> None:
+        """Collective: clear signals, error slot and call records, and set the call number (not
+        needed after errors: for tests of wrap-around and after a rank was killed mid-call)."""
         self.barrier()
-        e = C.to_int32(epoch)
-        self.signals.zero_()
+        c = C.to_int32(call)
+        self.signals.fill_(c)  # a stamp no later call's wait takes for its own
         self._ctrl.zero_()
-        self._ctrl[C.EPOCH] = e
-        self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = e
-        for parity in (0, 1):  # no stamp equals an epoch of the next 2**32 - 1 calls
-            first = C.refusal_slot(parity)
-            self._ctrl[first:first + self.world_size] = e
+        self._ctrl[C.CALL] = c
+        self._ctrl[C.GO] = c
+        self._ctrl[C.BARRIER:C.BARRIER + self.world_size] = c
         self.barrier()
 
     def free(self) -> None:

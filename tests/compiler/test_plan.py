@@ -320,7 +320,7 @@ def test_rejects_buffers_beyond_heap(base):
     bad = replace_device(base, heap_bytes=last.offset + last.nbytes - 1)
     with pytest.raises(PlanError, match=f"buffer {last.name} ends at byte .* beyond heap_bytes"):
         verify(bad)
-    with pytest.raises(PlanError, match=r"buffer gemm/\w+ ends at byte \d+, beyond heap_bytes=32768"):
+    with pytest.raises(PlanError, match=r"buffer \w+/\w+ ends at byte \d+, beyond heap_bytes=32768"):
         lower(spec_of(4, 16, 2, 64, 96, 40), heap_bytes=32768)
 
 

@@ -202,7 +202,7 @@ def test_fused_lone_rank_refusal(dist_env, moe_layers, weights):
         layer(x, idx, w, w1[:, :, :I].contiguous() if rank == bad_rank else w1, w2)
     except DitronConfigError as err:
         got = str(err)
-    want = ["w1"] if rank == bad_rank else ["rejected its own arguments", f"(ranks {bad_rank})"]
+    want = ["w1"] if rank == bad_rank else [f"rank(s) {bad_rank} rejected their own arguments"]
     problems = [f"refused call: {got!r} lacks one of {want}"] if not all(wd in got for wd in want) else []
     after = layer(x, idx, w, w1, w2)
     layer.heap.check_error()
@@ -442,15 +442,16 @@ def test_epmoe_builds_on_gpu_and_equals_moe(dist_env):
     if not torch.isfinite(out).all() or aux.dim() != 0:
         problems.append("non-finite output or a non-scalar aux loss")
     torch.cuda.synchronize()
-    clear_layers()  # later tests refuse through "the group's only cached layer"
+    layer.free_buffers()
+    clear_layers()
     assert not problems, problems
 
 
-def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
-    """`moe` on one rank with arguments that cannot key a cached layer (1-D topk_weights) or
-    that it rejects itself (a bias of the wrong shape): that rank refuses through the group's only cached layer, so its peers
-    (replaying the call from a captured graph) raise DitronConfigError naming it, not a timeout;
-    the next call is bitwise the first."""
+def test_moe_one_rank_bad_arguments_reach_peers(dist_env, weights):
+    """`moe` on one rank with malformed arguments (1-D topk_weights), a bias of the wrong shape or
+    another hidden size: that rank joins the call on the group's layer flagged, so its peers
+    (replaying the call from a captured graph) raise DitronConfigError naming it at once, not a
+    timeout; the next call is bitwise the first."""
     from ditron_ep.ops import clear_layers, moe
     from ditron_ep.runtime import DitronConfigError
 
@@ -463,9 +464,12 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
         first = moe(x, idx, w, w1, w2)
         moe(x, idx, w, w1, w2)  # the second call captures the signature: the calls below replay it
     bad_b1 = torch.zeros(w1.shape[0], 3, dtype=w1.dtype, device=dev)  # a bias of the wrong shape
+    wide = [torch.cat([t, t[..., :64]], dim=-1) for t in (x, w2)]  # hidden + 64
+    w1_wide = torch.cat([w1, w1[:, :64]], dim=1)
     for name, bad_args, bad_kwargs, bad_exc in (
             ("1-D topk_weights", (x, idx, w[:, 0], w1, w2), {}, DitronConfigError),
-            ("b1 of the wrong shape", (x, idx, w, w1, w2), {"b1": bad_b1}, DitronConfigError)):
+            ("b1 of the wrong shape", (x, idx, w, w1, w2), {"b1": bad_b1}, DitronConfigError),
+            ("another hidden size", (wide[0], idx, w, w1_wide, wide[1]), {}, DitronConfigError)):
         want_exc = bad_exc if rank == bad_rank else DitronConfigError
         t0 = time.monotonic()
         got = "no error"
@@ -477,7 +481,8 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
                     moe(x, idx, w, w1, w2)
         except (DitronConfigError, NotImplementedError) as err:
             got = f"{type(err).__name__}: {err}"
-        if not got.startswith(want_exc.__name__) or (rank != bad_rank and f"(ranks {bad_rank})" not in got):
+        named = f"rank(s) {bad_rank} rejected" in got or f"rank {bad_rank} {H + 64}" in got
+        if not got.startswith(want_exc.__name__) or (rank != bad_rank and not named):
             problems.append(f"{name}: {got!r}")
         if time.monotonic() - t0 > 10:
             problems.append(f"{name}: took {time.monotonic() - t0:.1f} s (a timeout, not a refusal)")
@@ -491,10 +496,10 @@ def test_moe_unkeyed_refusal_reaches_peers(dist_env, weights):
 
 
 def test_epmoe_lone_bad_x_reaches_peers(dist_env):
-    """One rank passes EPMoE an x of the wrong width: it raises DitronConfigError and refuses through
-    the layer's own cached FusedMoE, so its peers raise DitronConfigError naming it at once; the
-    next call is bitwise the first."""
-    from ditron_ep.ops import EPMoE, clear_layers
+    """One rank passes EPMoE an x of the wrong width: it raises DitronConfigError and joins the
+    call on the layer's own FusedMoE flagged, so its peers raise DitronConfigError naming it at
+    once; the next call is bitwise the first."""
+    from ditron_ep.ops import EPMoE
     from ditron_ep.runtime import DitronConfigError
 
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
@@ -513,7 +518,7 @@ def test_epmoe_lone_bad_x_reaches_peers(dist_env):
             layer(x[:, :-1] if rank == bad_rank else x)
         except DitronConfigError as err:
             got = f"{type(err).__name__}: {err}"
-        want = "x must be [..., hidden=" if rank == bad_rank else f"(ranks {bad_rank})"
+        want = "x must be [..., hidden=" if rank == bad_rank else f"rank(s) {bad_rank} rejected"
         if not got.startswith("DitronConfigError") or want not in got:
             problems.append(f"bad x: {got!r}")
         if time.monotonic() - t0 > 10:
@@ -522,5 +527,5 @@ def test_epmoe_lone_bad_x_reaches_peers(dist_env):
     torch.cuda.synchronize()
     if not torch.equal(after, first):
         problems.append("the call after the refused one differs from the first")
-    clear_layers()
+    layer.free_buffers()
     assert not problems, problems

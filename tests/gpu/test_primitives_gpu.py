@@ -213,7 +213,7 @@ def test_remote_puts_land_in_peer_buffers(dist_env, make_heap):
 
 
 # ---------------------------------------------------------------------------------------------
-# Tile exchange: puts to every peer, epoch-stamped signals, bounded waits
+# Tile exchange: puts to every peer, call-number-stamped signals, bounded waits
 
 RAGGED = (37, 130)  # R not a multiple of BLOCK_R=16, C not a multiple of BLOCK_C=128
 # Grid sizes share a binary; the ragged shape runs in bf16 and fp32 (fp16 and int32 in the edge
@@ -234,12 +234,12 @@ def test_exchange_element_exact(dist_env, make_heap, R, C, dtype, programs):
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     heap = make_heap()
     problems: list[str] = []
-    for call in range(2):  # the second call reuses buffers and signals at the next epoch
+    for call in range(2):  # the second call reuses buffers and signals at the next call number
         out = exchange_tiles(heap, _tile(rank, call, R, C, dtype, dev), num_programs=programs)
         _check_exchange(out, call, R, C, dtype, world, dev, problems)
-    epoch = heap.epoch
-    if epoch != 2:
-        problems.append(f"epoch after 2 calls is {epoch}, want 2")
+    call_no = heap.call_number
+    if call_no != 2:
+        problems.append(f"call number after 2 calls is {call_no}, want 2")
     heap.barrier()
     assert not problems, f"rank {rank}:\n" + "\n".join(problems)
 
@@ -262,9 +262,9 @@ def test_thousand_calls_without_reset(dist_env, make_heap):
             _check_exchange(out, call, R, C, torch.float32, world, dev, problems,
                             tiles=[base[s] + call for s in range(world)])
     seconds = time.time() - t0
-    epoch = heap.epoch
-    if epoch != n_calls:
-        problems.append(f"epoch after {n_calls} calls is {epoch}")
+    call_no = heap.call_number
+    if call_no != n_calls:
+        problems.append(f"call number after {n_calls} calls is {call_no}")
     heap.barrier()
     assert checked == [*range(99, n_calls, 100)], checked  # every 100th call; the last is call 999
     assert not problems, f"rank {rank} ({seconds:.1f} s):\n" + "\n".join(problems[:20])
@@ -276,14 +276,14 @@ def test_epoch_wraps_around(dist_env, make_heap):
     heap = make_heap()
     heap.reset(start)
     problems: list[str] = []
-    if heap.epoch != start:
-        problems.append(f"epoch after reset({start}) is {heap.epoch}")
+    if heap.call_number != start:
+        problems.append(f"call number after reset({start}) is {heap.call_number}")
     for call in range(n_calls):
         out = exchange_tiles(heap, _tile(rank, call, R, C, torch.bfloat16, dev), num_programs=2)
         _check_exchange(out, call, R, C, torch.bfloat16, world, dev, problems)
-    epoch = heap.epoch
-    if epoch != start + n_calls - 2**32:
-        problems.append(f"epoch after {n_calls} calls is {epoch}, want {start + n_calls - 2**32} (wrapped)")
+    call_no = heap.call_number
+    if call_no != start + n_calls - 2**32:
+        problems.append(f"call number after {n_calls} calls is {call_no}, want {start + n_calls - 2**32} (wrapped)")
     heap.barrier()
     assert not problems, f"rank {rank}:\n" + "\n".join(problems)
 
@@ -309,16 +309,16 @@ def test_cuda_graph_replays_advance_epochs(dist_env, make_heap):
             out = exchange_tiles(heap, x, check=False)
     finally:
         gc.enable()
-    if heap.epoch != 1:
-        problems.append(f"capture must not run the kernel: epoch is {heap.epoch}, want 1")
+    if heap.call_number != 1:
+        problems.append(f"capture must not run the kernel: call_no is {heap.call_number}, want 1")
     for call in range(1, n_replays + 1):
         x.copy_(_tile(rank, call, R, C, dtype, dev))
         graph.replay()
         _check_exchange(out, call, R, C, dtype, world, dev, problems)
     heap.check_error()
-    epoch = heap.epoch
-    if epoch != 1 + n_replays:
-        problems.append(f"epoch after {n_replays} replays is {epoch}, want {1 + n_replays}")
+    call_no = heap.call_number
+    if call_no != 1 + n_replays:
+        problems.append(f"call number after {n_replays} replays is {call_no}, want {1 + n_replays}")
     heap.barrier()
     del graph
     assert not problems, f"rank {rank}:\n" + "\n".join(problems)
@@ -356,13 +356,13 @@ def test_unnotified_wait_times_out_then_recovers(dist_env, make_heap):
     elif heap.read_error() is not None:
         problems.append(f"rank {rank} recorded an error without launching: {heap.read_error()}")
     heap.reset()
-    if heap.read_error() is not None or heap.epoch != 0:
-        problems.append(f"after reset: error {heap.read_error()}, epoch {heap.epoch}")
+    if heap.read_error() is not None or heap.call_number != 0:
+        problems.append(f"after reset: error {heap.read_error()}, call {heap.call_number}")
     out = exchange_tiles(heap, torch.full((R, C), float(10 + rank), device=dev))
     _check_exchange(out, 1, R, C, torch.float32, world, dev, problems,
                     tiles=[torch.full((R, C), float(10 + s), device=dev) for s in range(world)])
-    if heap.epoch != 1:
-        problems.append(f"epoch after reset + 1 call is {heap.epoch}, want 1")
+    if heap.call_number != 1:
+        problems.append(f"call number after reset + 1 call is {heap.call_number}, want 1")
     heap.barrier()
     if rank == 0:
         if record["raised"] is None:
@@ -376,8 +376,9 @@ def test_unnotified_wait_times_out_then_recovers(dist_env, make_heap):
             if (record["observed"], record["expected"]) != (1, 2):
                 problems.append(f"error saw {record['observed']} waiting for {record['expected']}; "
                                 f"want 1 (peer 1 is still in call 1) and 2")
-            if not all(s in msg for s in ("rank 0", "call barrier", "signal 1", "reset()")):
-                problems.append(f"message does not name rank, stage, signal and the fix: {msg}")
+            if not all(s in msg for s in ("rank 0 waited", "call barrier", "for rank 1 to arrive at call 2",
+                                          "nothing needs resetting")):
+                problems.append(f"message does not name rank, stage, the rank waited for and the call: {msg}")
         if record["seconds"] > 15:
             problems.append(f"timeout took {record['seconds']:.1f} s for {budget} polls (want a few s)")
     assert not problems, f"rank {rank}:\n" + "\n".join(problems)

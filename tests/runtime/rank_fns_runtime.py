@@ -38,14 +38,14 @@ def heap_visibility(shapes_dtypes: list) -> list:
 
 
 def exchange(R: int, C: int, dtype: torch.dtype, n_calls: int = 1, programs: int | None = None,
-             start_epoch: int | None = None, check_every: int = 1) -> dict:
+             start_call: int | None = None, check_every: int = 1) -> dict:
     """Run `n_calls` tile exchanges back to back; verify every received tile element-exact."""
     from ditron_ep.check.kernels import exchange_tiles
 
     rank, world = dist.get_rank(), dist.get_world_size()
     heap = SymmetricHeap(size_bytes=2 << 20, wait_budget=50_000)
-    if start_epoch is not None:
-        heap.reset(start_epoch)
+    if start_call is not None:
+        heap.reset(start_call)
     mismatches = []
     t0 = time.time()
     for call in range(n_calls):
@@ -58,13 +58,16 @@ def exchange(R: int, C: int, dtype: torch.dtype, n_calls: int = 1, programs: int
             if not torch.equal(out[src], _expected_tile(src, call, R, C, dtype)):
                 mismatches.append((call, src))
     elapsed = time.time() - t0
-    epoch = heap.epoch
+    heap_calls = heap.call_number
     heap.free()
-    return {"mismatches": mismatches, "epoch": epoch, "seconds": elapsed}
+    return {"mismatches": mismatches, "calls": heap_calls, "seconds": elapsed}
 
 
 def timeout_then_recover(budget: int) -> dict:
-    """Rank 0 launches an exchange that rank 1.. never join: its call barrier must time out."""
+    """Rank 0 launches an exchange that rank 1.. do not join in time: its call barrier must time
+    out. Rank 1 then makes that call late: it raises DitronOutOfStepError (rank 0 gave up on
+    it). With no reset, the next exchange of every rank is exact."""
+    from ditron_ep.runtime.errors import DitronOutOfStepError
     from ditron_ep.check.kernels import exchange_tiles
 
     rank = dist.get_rank()
@@ -80,9 +83,15 @@ def timeout_then_recover(budget: int) -> dict:
             result.update(raised=str(err), rank=err.rank, stage=err.stage, signal=err.signal,
                           expected=err.expected)
         result["seconds"] = time.time() - t0
-    heap.reset()
+    dist.barrier()
+    if rank == 1:
+        try:
+            exchange_tiles(heap, torch.ones(4, 8))
+            result["late"] = None
+        except DitronOutOfStepError as err:
+            result["late"] = str(err)
     out = exchange_tiles(heap, torch.full((4, 8), float(rank)))
-    result["after_reset_ok"] = all(torch.equal(out[s], torch.full((4, 8), float(s)))
+    result["recovers"] = all(torch.equal(out[s], torch.full((4, 8), float(s)))
                                    for s in range(dist.get_world_size()))
     heap.free()
     return result
@@ -174,63 +183,3 @@ def timing_error_on_one_rank(align: bool) -> str:
     except ValueError as err:
         return f"raised: {err}"
     return f"returned {len(times)} times"
-
-
-def sizing_sequence(timeout_s: float) -> dict:
-    """agree_on_tokens through the store, no kernels: matching calls; one rank late past the
-    other's deadline (both give up on that sizing, and a retry meets); a rank absent from a
-    sizing its peer abandoned (it passes over it when it next sizes); keys that differ."""
-    from ditron_ep.runtime.sizing import agree_on_tokens
-
-    rank = dist.get_rank()
-    res = {}
-
-    def attempt(name, key, tokens):
-        try:
-            res[name] = agree_on_tokens(None, "test", key, tokens, timeout_s=timeout_s)
-        except DitronConfigError as err:
-            res[name] = f"DitronConfigError: {err}"
-
-    attempt("first", {"k": 1}, 3 + rank)
-    # rank 1 arrives after rank 0's deadline: rank 0 raises; rank 1 finds that sizing abandoned,
-    # waits in the next one, and meets rank 0's retry there
-    if rank == 1:
-        time.sleep(timeout_s + 1.5)
-    attempt("late", {"k": 2}, 10 * (rank + 1))
-    if rank == 0:
-        attempt("retry", {"k": 2}, 10)
-    # rank 0 sizes alone (its peer is elsewhere): it raises; rank 1's next sizing passes over it
-    dist.barrier()
-    if rank == 0:
-        attempt("alone", {"k": 3}, 1)
-    dist.barrier()
-    attempt("differ", {"k": 4 + rank}, 1)
-    attempt("after", {"k": 5}, 7 * (rank + 1))
-    return res
-
-
-def sizing_without_store() -> dict:
-    """Where torch offers no default store through the accessor sizing uses, it falls back to one
-    all_gather_object: the same largest size, and differing keys still raise on every rank."""
-    from torch.distributed import distributed_c10d as c10d
-
-    from ditron_ep.runtime.sizing import agree_on_tokens
-
-    rank = dist.get_rank()
-    saved = c10d._get_default_store
-
-    def missing():
-        raise RuntimeError("no default store")
-
-    c10d._get_default_store = missing
-    res = {}
-    try:
-        res["same"] = agree_on_tokens(None, "test", {"k": 1}, 3 + rank)
-        try:
-            agree_on_tokens(None, "test", {"k": 2 + rank}, 1)
-            res["differ"] = "no error"
-        except DitronConfigError as err:
-            res["differ"] = str(err)
-    finally:
-        c10d._get_default_store = saved
-    return res

@@ -83,20 +83,3 @@ def test_host_timeout_kills_the_pool():
     pids = pids or []
     assert cluster.leftover_segments() == []
     assert not cluster.started
-
-
-def test_buffer_sizing_through_the_store_has_one_verdict(emulated_cluster):
-    r0, r1 = emulated_cluster(2).run(fns.sizing_sequence, 2.0)
-    assert r0["first"] == r1["first"] == 4
-    assert r0["late"].startswith("DitronConfigError") and "rank(s) 1 did not join" in r0["late"], r0
-    assert r0["retry"] == r1["late"] == 20
-    assert r0["alone"].startswith("DitronConfigError") and "rank(s) 1 did not join" in r0["alone"], r0
-    for r in (r0, r1):
-        assert r["differ"].startswith("DitronConfigError") and "rank 0: k=4; rank 1: k=5" in r["differ"], r
-        assert r["after"] == 14
-
-
-def test_buffer_sizing_falls_back_to_a_collective_without_a_store(emulated_cluster):
-    for res in emulated_cluster(2).run(fns.sizing_without_store):
-        assert res["same"] == 4
-        assert "rank 0: k=2; rank 1: k=3" in res["differ"], res

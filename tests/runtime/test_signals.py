@@ -20,7 +20,7 @@ def test_exchange_element_exact(emulated_cluster, world, R, C, dtype, programs):
     results = emulated_cluster(world).run(fns.exchange, R, C, dtype, 2, programs)
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: wrong tiles {res['mismatches']}"
-        assert res["epoch"] == 2
+        assert res["calls"] == 2
 
 
 def test_thousand_calls_without_reset(emulated_cluster):
@@ -28,15 +28,15 @@ def test_thousand_calls_without_reset(emulated_cluster):
     results = emulated_cluster(2).run(fns.exchange, 1, 4, torch.float32, 1000, 1, None, 100)
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches'][:5]}"
-        assert res["epoch"] == 1000
+        assert res["calls"] == 1000
 
 
-def test_epoch_wraps_around(emulated_cluster):
+def test_call_number_wraps_around(emulated_cluster):
     start = 2**31 - 1 - 3  # 3 below the int32 wrap point: calls cross it
     results = emulated_cluster(3).run(fns.exchange, 6, 20, torch.float32, 10, 2, start)
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches']}"
-        assert res["epoch"] == start + 10 - 2**32  # wrapped to the negative side
+        assert res["calls"] == start + 10 - 2**32  # wrapped to the negative side
 
 
 def test_unnotified_wait_times_out_with_device_record_then_recovers(emulated_cluster):
@@ -44,7 +44,9 @@ def test_unnotified_wait_times_out_with_device_record_then_recovers(emulated_clu
     results = emulated_cluster(2).run(fns.timeout_then_recover, budget)
     r0 = results[0]
     assert r0["raised"] is not None, "the wait must time out"
-    assert r0["rank"] == 0 and r0["stage"] == "call barrier" and r0["signal"] == 1
-    assert "rank 0" in r0["raised"] and "call barrier" in r0["raised"] and "signal 1" in r0["raised"]
+    assert r0["rank"] == 0 and r0["stage"] == "call barrier" and r0["signal"] == 1 and r0["expected"] == 2
+    assert "rank 0 waited" in r0["raised"] and "for rank 1 to arrive at call 2" in r0["raised"], r0["raised"]
     assert r0["seconds"] < 60
-    assert all(res["after_reset_ok"] for res in results), "heap must work again after reset()"
+    late = results[1]["late"]
+    assert late is not None and "rank 0 at call 2" in late and "given up" in late, late
+    assert all(res["recovers"] for res in results), "the next exchange must be exact with no reset()"

@@ -2,9 +2,9 @@
 
 * `buffer.py`      — `EPBuffer` (owns the heap; `dispatch` returns a `DispatchHandle` that
                      `combine` consumes), the launchers and the autograd Functions;
-* `functional.py`  — `dispatch` / `combine` on one cached buffer per process group;
-* `*_kernels.py`   — the Triton kernels: routing layout and counts exchange, dispatch, combine,
-                     the refusal stamp;
+* `functional.py`  — `dispatch` / `combine` on one buffer per process group (`BufferSlot`);
+* `*_kernels.py`   — the Triton kernels: routing layout and counts exchange (the call record),
+                     dispatch, combine;
 * `layout_replay.py` — the layout's CUDA-graph replay arena.
 """
 from ditron_ep.ops.ep.buffer import CapacityError, DispatchHandle, EPBuffer, RoutingError

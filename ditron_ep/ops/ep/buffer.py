@@ -17,12 +17,9 @@ from ditron_ep.compiler.plan import is_nonnegative_int, is_positive_int
 from ditron_ep.language import task_queue
 from ditron_ep.ops.ep.combine_kernels import ep_combine_kernel
 from ditron_ep.ops.ep.dispatch_kernels import ep_dispatch_kernel
+from ditron_ep.language.primitives import flagged_call_kernel
 from ditron_ep.ops.ep.layout_kernels import (
-    FLAG_BAD_EXPERT,
-    FLAG_PEER_GAVE_UP,
-    FLAG_REFUSED,
-    FLAG_TOO_MANY_TOKENS,
-    FLAG_UNREPORTED_REFUSAL,
+    RECORD_FIELDS,
     RecvLayout,
     SendLayout,
     build_send_layout,
@@ -30,9 +27,8 @@ from ditron_ep.ops.ep.layout_kernels import (
     layout_landing_shape,
 )
 from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, layout_arena_words
-from ditron_ep.ops.ep.refusal_kernels import refused_call_kernel
 from ditron_ep.runtime import control as C
-from ditron_ep.runtime.agreement import raise_unless_all_agree
+from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -162,7 +158,7 @@ class EPBuffer:
         world = dist.get_world_size(group)
         # Every rank learns every rank's verdict before any heap collective: a rank that raised
         # alone would leave the others waiting in the heap's set-up.
-        raise_unless_all_agree(group, "EPBuffer", _argument_problem(
+        agree(group, "EPBuffer", _argument_problem(
             world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
             hidden_slices, num_programs, graph_cache), same={
                 "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
@@ -224,6 +220,15 @@ class EPBuffer:
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent weight pointers
         self._elt = elt
+        self._fields = record_fields(self.request(), self.device)  # the call record of every valid call
+
+    def request(self) -> dict:
+        """The request fields this buffer serves (a call record's shared arguments)."""
+        return {"num_experts": self.num_experts, "hidden": self.hidden, "topk": self.topk, "dtype": self.dtype}
+
+    @property
+    def freed(self) -> bool:
+        return self.heap.freed
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
@@ -249,8 +254,7 @@ class EPBuffer:
             self._check_tokens(x, "x")
             w = self._check_routing(x, topk_idx, topk_weights)
         except DitronConfigError:
-            if sync:
-                self._refuse_call()
+            self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
             raise
         return _Dispatch.apply(x, self, topk_idx, w, sync)
 
@@ -266,7 +270,7 @@ class EPBuffer:
             out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
         A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
         no rank moves anything, and its peers raise DitronConfigError naming it (at once in
-        default mode with check_errors, else on every rank at the next counts exchange).
+        default mode with check_errors, else at the next call's status read or `check()`).
         """
         self._check_alive()
         try:
@@ -282,10 +286,10 @@ class EPBuffer:
         return _Combine.apply(y, w, self, handle)
 
     def check(self) -> None:
-        """Raise a timeout or a peer's refusal recorded by any launch, then input problems
-        recorded by graph-mode dispatches (one host read each)."""
+        """Raise a timeout or a stopped call recorded by any launch, then problems recorded by
+        graph-mode dispatches (one host read each)."""
         self.heap.check_error()
-        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
+        raise_pending_flags(self._pending_flags, self)
 
     def free(self) -> None:
         self._layouts.clear()  # the graphs point into the heap
@@ -296,19 +300,27 @@ class EPBuffer:
         if self.heap.freed:
             raise DitronConfigError("this EPBuffer was freed (free() was called); build a new EPBuffer")
 
-    def _refuse_call(self) -> None:
-        """Default mode, after this rank rejected its own arguments: join the call's counts
-        exchange with no tokens and FLAG_REFUSED, so that every peer raises at its status read
-        (before moving anything) instead of waiting for this rank in the exchange until it times
-        out. No rank launches the data kernel, so the ranks stay in step for the next call."""
-        self._launch_layout(torch.empty((0, self.topk), dtype=torch.int32, device=self.device), refused=True)
+    def join_flagged(self, flags: int, fields: dict | None, tokens: int = 0) -> None:
+        """This rank cannot run its dispatch (its arguments failed: FLAG_REFUSED; its request
+        needs another buffer: FLAG_REBUILD): join the call's counts exchange with no tokens and
+        `flags` in its record, so every rank stops the call before anything moves and raises
+        alike. FLAG_REBUILD reads the records back and raises here (RebuildNeeded on every rank
+        when they all ask for the same buffer, else the error). Not inside a CUDA graph capture
+        (the raise ends the capture, and nothing ran)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        recv = self._launch_layout(torch.empty((0, self.topk), dtype=torch.int32, device=self.device), flags=flags,
+                                   fields=record_fields(fields, self.device), tokens=tokens)[1]
+        if flags & C.FLAG_REBUILD:
+            read_layout_status(self.heap, recv, self._pending_flags, self)
 
     def _refuse_combine(self) -> None:
         """This rank rejected its arguments to a combine its peers are entering: take part in the
-        call's barrier, flagged (ops/ep/refusal_kernels.py). Not while a CUDA graph is captured (the
-        raise ends the capture, and nothing ran)."""
+        call's barrier, flagged (primitives.flagged_call_kernel). Not while a CUDA graph is
+        captured (the raise ends the capture, and nothing ran)."""
         if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            refused_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget)
+            flagged_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget,
+                                      C.FLAG_REFUSED)
 
     def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
         check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
@@ -331,15 +343,17 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ launchers
     def _launch_layout(self, topk_idx: torch.Tensor, alloc: Int32Arena | None = None,
-                       record_pending: bool = False, refused: bool = False) -> tuple[SendLayout, RecvLayout]:
+                       record_pending: bool = False, flags: int = 0, fields: torch.Tensor | None = None,
+                       tokens: int | None = None) -> tuple[SendLayout, RecvLayout]:
         """The layout launches; record_pending (graph mode): the exchange also keeps every rank's
-        input flags for the next host-visible call (no sync); refused: this rank joins the
-        exchange flagged FLAG_REFUSED (`_refuse_call`)."""
+        input flags for the next host-visible call (no sync); flags, fields, tokens: this rank's
+        call record when it joins flagged (`join_flagged`)."""
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
-        if refused:
-            send.flags.fill_(FLAG_REFUSED)
-        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout, alloc=alloc,
-                               pending=self._pending_flags if record_pending else None)
+        if flags:
+            send.flags.fill_(flags)
+        recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout,
+                               self._fields if fields is None else fields, alloc=alloc,
+                               pending=self._pending_flags if record_pending else None, tokens=tokens)
         return send, recv
 
     def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
@@ -371,10 +385,9 @@ class EPBuffer:
         """Default mode's one host read (of the replay's pinned status, or of the directly
         launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
         if captured is None:
-            return read_layout_status(self.heap, recv, self._pending_flags, self.num_experts, self.max_tokens)
+            return read_layout_status(self.heap, recv, self._pending_flags, self)
         captured.ready.synchronize()
-        return raise_layout_status(captured.status.tolist(), self.heap, self._pending_flags, self.num_experts,
-                                   self.max_tokens)
+        return raise_layout_status(captured.status.tolist(), self.heap, self._pending_flags, self)
 
     def _capture_layout(self, topk_idx: torch.Tensor) -> CapturedLayout:
         """Capture a default-mode signature's layout launches (see `_layout`)."""
@@ -487,102 +500,122 @@ class EPBuffer:
         return self.heap.local_view("ep/land")[:num_tokens].clone()
 
 
-# The order in which FLAG_* bits are raised: of several set bits, the first in this order.
-_FLAG_ORDER = (FLAG_PEER_GAVE_UP, FLAG_UNREPORTED_REFUSAL, FLAG_REFUSED, FLAG_TOO_MANY_TOKENS, FLAG_BAD_EXPERT)
+def request_of(x: object, topk_idx: object, num_experts: int) -> dict | None:
+    """The request fields of a dispatch's arguments (None when x or topk_idx is not a 2-D tensor)."""
+    if not (isinstance(x, torch.Tensor) and x.ndim == 2 and isinstance(topk_idx, torch.Tensor) and topk_idx.ndim == 2):
+        return None
+    return {"num_experts": num_experts, "hidden": x.shape[1], "topk": topk_idx.shape[1], "dtype": x.dtype}
 
 
-def _first_flag(flags: int) -> int:
-    """The FLAG_* bit of `flags` raised first (_FLAG_ORDER); 0 when none is set."""
-    return next((bit for bit in _FLAG_ORDER if flags & bit), 0)
+def record_fields(fields: dict | None, device: torch.device) -> torch.Tensor:
+    """A request's fields as the int32 words of a call record."""
+    words = [field_word(v) for v in (fields or {}).values()]
+    return torch.tensor(words + [0] * (RECORD_FIELDS - len(words)), dtype=torch.int32, device=device)
 
 
-def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int,
-                      heap: SymmetricHeap | None = None) -> None:
-    """Raise the error for the first set FLAG_* bit (_FLAG_ORDER). info: (flags, T) of every rank
-    in this call; None for flags an earlier graph-mode call recorded (it moved its tokens, the
-    offending ones dropped). heap: this rank's, whose refusal record is cleared once
-    FLAG_UNREPORTED_REFUSAL is raised."""
-    flag = _first_flag(flags)
-    if not flag:
+def _decode(words: list[int], like: dict) -> dict:
+    """Record words back into request fields named as `like` (this object's request)."""
+    return {n: field_value(w, v) for (n, v), w in zip(like.items(), words)}
+
+
+def raise_records(src_info: list[list[int]], records: list[list[int]], me: int, owner) -> None:
+    """Raise what this call's records (every rank's (flags, T) and (call, fields...)) hold, the
+    same error on every rank: out of step, a refusal, a rebuild (RebuildNeeded or differing
+    fields), too many tokens, bad expert ids. `owner`: the EPBuffer / FusedMoE (its request
+    names the fields; num_experts, max_tokens)."""
+    flags = [f for f, _ in src_info]
+    any_flags = functools.reduce(operator.or_, flags, 0)
+    if not any_flags:
         return
-    who = ""
-    if info is not None:
-        who = " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f) + ")"
+    calls = {r: rec[0] for r, rec in enumerate(records)}
+    fields = {r: (_decode(rec[2:], owner.request()) if any(rec[2:]) else None) for r, rec in enumerate(records)}
+    for bits in (C.FLAG_OUT_OF_STEP | C.FLAG_GAVE_UP, C.FLAG_UNREAD, C.FLAG_REFUSED):
+        ranks = [r for r, f in enumerate(flags) if f & bits]
+        if ranks:
+            raise call_error(any_flags & bits, ranks, me, calls[me], calls, fields)
+    if any_flags & C.FLAG_REBUILD:
+        differ = differing(fields)
+        if differ:
+            raise DitronConfigError(f"every rank must pass the same arguments to this call: {differ}")
+        raise RebuildNeeded(fields[0], max(rec[1] for rec in records))
+    raise_input_flags(any_flags, src_info, owner.num_experts, owner.max_tokens)
+
+
+def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int, max_tokens: int) -> None:
+    """Raise the input problem in `flags` (FLAG_TOO_MANY_TOKENS first, then FLAG_BAD_EXPERT).
+    info: (flags, T) of every rank in this call; None for flags an earlier graph-mode call
+    recorded (it moved its tokens, the offending ones dropped)."""
+    who = "" if info is None else " (ranks " + ", ".join(str(r) for r, (f, _) in enumerate(info) if f & flags) + ")"
     moved = ("no token was moved" if info is not None else
              "recorded by an earlier graph-mode call (sync=False), which dropped the offending tokens or slots")
-    if flag == FLAG_PEER_GAVE_UP:
-        raise DitronTimeoutError(
-            f"a rank timed out waiting for a peer in this call's layout exchange and gave up{who}: the ranks' "
-            f"calls are out of step (a rank missed a call, e.g. after an error only it raised, or hung). No token "
-            f"was moved. Call heap.reset() on every rank (collectively) before the next call",
-            stage="ep layout: counts exchange")
-    if flag == FLAG_UNREPORTED_REFUSAL:
-        if heap is not None:
-            heap.clear_refusal()
-        when = ("raised at this call's counts exchange, before this call moved anything" if info is not None else
-                "recorded by an earlier graph-mode call's counts exchange")
-        raise DitronConfigError(
-            f"a rank rejected its own arguments to an earlier combine and raised the reason there; rank(s) that "
-            f"skipped that combine without raising it (check_errors=False or a graph-mode handle){who} did not "
-            f"write its output ({when})")
-    if flag == FLAG_REFUSED:
-        raise DitronConfigError(f"a rank rejected its own arguments to this call{who} and raised the reason there; "
-                                f"no token was moved. Fix that rank's call (every rank must call with valid "
-                                f"arguments, in the same order)")
-    if flag == FLAG_TOO_MANY_TOKENS:
+    if flags & C.FLAG_TOO_MANY_TOKENS:
         needed = max(t for _, t in info) if info is not None else max_tokens + 1
         raise CapacityError(
             f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed "
             f"{needed if info is not None else f'more than {max_tokens}'}; build the buffer with a larger "
             f"max_tokens_per_rank ({moved})", needed=needed, pending=info is None)
-    if flag == FLAG_BAD_EXPERT:
+    if flags & C.FLAG_BAD_EXPERT:
         raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
                            f"fix the router output ({moved})")
 
 
-def raise_pending_flags(pending_flags: torch.Tensor, num_experts: int, max_tokens: int,
-                        heap: SymmetricHeap | None = None, flags: int | None = None) -> None:
-    """Raise input problems recorded by graph-mode calls (one host read, unless `flags` holds
-    that read already): the first in raise_input_flags' order; the others stay recorded for the
-    next check."""
+# Of several problems recorded by graph-mode calls, the first in this order is raised first.
+_PENDING_ORDER = (C.FLAG_MISSING, C.FLAG_OUT_OF_STEP | C.FLAG_GAVE_UP, C.FLAG_UNREAD | C.FLAG_REFUSED | C.FLAG_REBUILD,
+                  C.FLAG_TOO_MANY_TOKENS, C.FLAG_BAD_EXPERT)
+
+
+def raise_pending_flags(pending_flags: torch.Tensor, owner, flags: int | None = None) -> None:
+    """Raise problems recorded by graph-mode calls (one host read, unless `flags` holds that
+    read already), one kind at a time in _PENDING_ORDER; the others stay recorded for the next
+    check."""
     flags = int(pending_flags.item()) if flags is None else flags
-    if not flags:
+    first = next((bits & flags for bits in _PENDING_ORDER if bits & flags), 0)
+    if not first:
         return
-    first = _first_flag(flags) or flags
     pending_flags.fill_(flags & ~first)
-    raise_input_flags(first, None, num_experts, max_tokens, heap)
+    if first & C.FLAG_MISSING:
+        raise DitronTimeoutError("an earlier graph-mode call (sync=False) timed out waiting for a peer that did not "
+                                 "arrive: its output is empty (no rows)", stage="counts exchange")
+    if first & C.STOP_FLAGS:
+        raise DitronConfigError("an earlier graph-mode call (sync=False) did not run on any rank: a rank was out "
+                                "of step, rejected its own arguments or asked for another buffer; its output is "
+                                "empty (no rows)")
+    raise_input_flags(first, None, owner.num_experts, owner.max_tokens)
 
 
 def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
     """The words default mode reads on the host, as one device tensor (no sync): total rows,
-    flags pending from graph-mode calls, the heap's error word, every rank's (flags, T)."""
-    return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_word, recv.src_info.reshape(-1)])
+    flags pending from graph-mode calls, the heap's error words, every rank's (flags, T) and
+    (call, fields)."""
+    return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_words, recv.src_info.reshape(-1),
+                      recv.records.reshape(-1)])
 
 
 def layout_status_numel(world_size: int) -> int:
-    """How many int32 words `layout_status_words` returns (3, then 2 per rank)."""
-    return 3 + 2 * world_size
+    """How many int32 words `layout_status_words` returns."""
+    return 2 + C.HOST_WORDS - C.ERR_FLAG + (4 + RECORD_FIELDS) * world_size
 
 
-def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, num_experts: int,
-                        max_tokens: int) -> int:
-    """Raise on what `layout_status_words` read (a timeout, pending or current input flags of any
-    rank); else return the total rows."""
-    total, pending, err = words[0], words[1], words[2]
-    if err:
+def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, owner) -> int:
+    """Raise on what `layout_status_words` read (an error a launch recorded, problems pending
+    from graph-mode calls, this call's records); else return the total rows."""
+    W = heap.world_size
+    total, pending, err = words[0], words[1], words[2:2 + C.HOST_WORDS - C.ERR_FLAG]
+    if err[0] or err[C.FAIL_CALL - C.ERR_FLAG]:
         heap.check_error()
-    info = [words[3 + 2 * r: 5 + 2 * r] for r in range(heap.world_size)]
-    raise_pending_flags(pending_flags, num_experts, max_tokens, heap, flags=pending)
-    raise_input_flags(functools.reduce(operator.or_, (f for f, _ in info), 0), info, num_experts, max_tokens, heap)
+    at = 2 + C.HOST_WORDS - C.ERR_FLAG
+    info = [words[at + 2 * r: at + 2 * r + 2] for r in range(W)]
+    at += 2 * W
+    n = 2 + RECORD_FIELDS
+    records = [words[at + n * r: at + n * (r + 1)] for r in range(W)]
+    raise_pending_flags(pending_flags, owner, flags=pending)
+    raise_records(info, records, heap.rank, owner)
     return total
 
 
-def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, num_experts: int,
-                       max_tokens: int) -> int:
-    """The one device-to-host read of default mode: total rows, every rank's input flags, the
-    heap's error word and flags pending from graph-mode calls. Raises on any of them."""
-    words = layout_status_words(heap, recv, pending_flags).tolist()
-    return raise_layout_status(words, heap, pending_flags, num_experts, max_tokens)
+def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, owner) -> int:
+    """The one device-to-host read of default mode (see `raise_layout_status`)."""
+    return raise_layout_status(layout_status_words(heap, recv, pending_flags).tolist(), heap, pending_flags, owner)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -596,10 +629,10 @@ def _alive_for_backward(buffer: EPBuffer) -> None:
     """A backward needs the buffer its forward used (the handle's layout lives in it)."""
     if buffer.heap.freed:
         raise DitronConfigError(
-            "the EP buffer this layer's forward used was freed before its backward (ditron_ep.ops.dispatch / "
-            "moe regrow the cached buffer when a call has more tokens than it holds, e.g. a later layer or "
-            "micro-batch with a larger T): build an EPBuffer sized for the largest T, or call every layer once "
-            "with the largest T before training")
+            "the EP buffer this layer's forward used was freed before its backward (the functional forms "
+            "rebuild their buffer when a call needs more tokens or other shapes, e.g. a later layer or "
+            "micro-batch): give each layer its own (EPMoE, EPBuffer), or call every layer once with the largest "
+            "T before training")
 
 
 class _Dispatch(torch.autograd.Function):

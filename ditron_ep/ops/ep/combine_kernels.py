@@ -4,7 +4,7 @@ One persistent launch whose programs take tasks from an interleaved queue (task_
   - send-back tasks (chunk c, source s, column slice j), sources rank, rank-1, ...: the slice's
     columns of every expanded row of the chunk's tokens are written to s's landing buffer at
     [token, k] (its exact place, so no ordering question arises), then the (expert rank, chunk,
-    slice) signal is stamped with the epoch;
+    slice) signal is stamped with the call number;
   - reduce tasks (block b of this rank's tokens, slice j), trailing the send-backs by `lag`
     chunks: wait for exactly the chunks holding the block's tokens, then
     out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k) for the slice's columns, fp32, cast once.
@@ -19,7 +19,6 @@ import triton.language as tl
 from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
-from ditron_ep.ops.ep.refusal_kernels import peer_refused
 from ditron_ep.runtime.heap import register_stage
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
@@ -72,8 +71,7 @@ def ep_combine_kernel(
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
-    epoch, ok = call_begin(table_ptr, rank, world, budget)
-    ok = ok & (peer_refused(table_ptr, rank, world, epoch, BLOCK_W) == 0)  # then no rank moves anything
+    call_no, ok = call_begin(table_ptr, rank, world, budget)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     n_blocks = tl.cdiv(T, BLOCK_T)
@@ -108,7 +106,7 @@ def ep_combine_kernel(
                             b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                             tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
                     notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) +
-                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
             else:
                 # ---- reduce the slice's columns of a block of this rank's tokens
                 o_t = (idx // n_sl) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -122,13 +120,13 @@ def ep_combine_kernel(
                     hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
                     for c in range(lo, hi + 1):
                         i_sig = chunk_signal(sig_first, d, n_chunks, n_slices, c, n_sl, i_j)
-                        ok_c = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
+                        ok_c = wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:
                     reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
                                   out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank, epoch, world, RETIRE_REFUSALS=True)
+    call_end(table_ptr, rank, call_no, OPENS=True)
 
 
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",

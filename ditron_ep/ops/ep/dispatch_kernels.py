@@ -5,7 +5,7 @@ One persistent launch whose programs take tasks from an interleaved queue (task_
   - send tasks (chunk c, destination d, column slice j): copy columns of the c-th chunk of the
     tokens going to d into d's staging area (slot = prefix count, never an atomic); slice 0 adds
     per-token metadata (source token, local expert and position of every k); then stamp the
-    (source, chunk, slice) signal with the epoch. Destinations rank, rank-1, rank-2, ...;
+    (source, chunk, slice) signal with the call number. Destinations rank, rank-1, rank-2, ...;
   - receive tasks (chunk c, source s, slice j), sources rank, rank+1, ..., trailing the sends
     by `lag` chunks: wait for the slice (and slice 0, which carries the metadata), then write
     every staged token's columns to its rows expert_off[e] + src_off[s, e] + pos.
@@ -87,7 +87,7 @@ def ep_dispatch_kernel(
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
 ):
-    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER)
+    call_no, ok = call_begin(table_ptr, rank, world, budget, OPENS=ENTRY_BARRIER)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     META: tl.constexpr = 1 + 2 * K
@@ -115,7 +115,7 @@ def ep_dispatch_kernel(
                                       o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
                                       H, E_local, MAXT, K, HAS_WEIGHTS, BLOCK_H)
                     notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) +
-                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), epoch)
+                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
             else:
                 # ---- receive: the slice's columns of chunk c from source s, expanded into
                 # expert-major rows; sources rank, rank+1, ...
@@ -123,9 +123,9 @@ def ep_dispatch_kernel(
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
                     i_sig = chunk_signal(sig_first, i_s, n_chunks, n_slices, i_c, n_sl, 0)
-                    arrived = wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
+                    arrived = wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
                     if i_j > 0:  # the metadata travels with slice 0
-                        arrived = arrived & wait(p_sig + i_sig + i_j, epoch, my_ctrl, rank, STAGE_DISPATCH_RECV,
+                        arrived = arrived & wait(p_sig + i_sig + i_j, call_no, my_ctrl, rank, STAGE_DISPATCH_RECV,
                                                  i_sig + i_j, budget)
                     if arrived:
                         m_j = o_j < n
@@ -165,7 +165,7 @@ def ep_dispatch_kernel(
                                 else:
                                     tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank)
+    call_end(table_ptr, rank, call_no, OPENS=ENTRY_BARRIER)
 
 
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",

@@ -15,28 +15,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.language.primitives import LAYOUT_SEQ, call_begin, call_end, ctrl_ptr, heap_ptr, notify, wait
+from ditron_ep.language.primitives import (FLAG_GAVE_UP, FLAG_MISSING, call_end, ctrl_ptr, heap_ptr, meet_peer,
+                                          note_stop, notify, unread_flag)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.heap import SymmetricHeap, register_stage
 
 STAGE_LAYOUT = tl.constexpr(register_stage(2, "ep layout: counts exchange"))
-# Words per source row of the layout landing buffer: [E_local counts | tokens sent here | flags | T].
-LAYOUT_EXTRA = 3
-# The landing buffer has two halves, used by alternate exchanges (control word LAYOUT_SEQ): the
-# exchange needs no entry barrier then (see `ep_layout_kernel`).
+# A call record's request fields: the arguments every rank must share (hidden size, top-k,
+# dtype, experts, ...), as int32 words; unused words are 0. Named by the object that sends them.
+RECORD_FIELDS = 8
+# Words per source row of the layout landing buffer: [E_local counts | tokens sent here | flags |
+# call number | T | request fields] (flags and call number: the record `meet_peer` reads).
+LAYOUT_EXTRA = 4 + RECORD_FIELDS
+# The landing buffer has two halves, used by calls of alternate parity (see `ep_layout_kernel`).
 LAYOUT_HALVES = 2
-# Bits of a rank's input flags (exchanged with the counts, so every rank sees every rank's).
-FLAG_BAD_EXPERT = 1     # an expert id outside [-1, E)
-FLAG_TOO_MANY_TOKENS = 2  # T > max_tokens_per_rank
-FLAG_PEER_GAVE_UP = 4   # the rank timed out waiting for a peer in this exchange (written after the timeout)
-FLAG_REFUSED = 8        # the rank rejected its own arguments to this call (set by the host: EPBuffer.dispatch)
-FLAG_UNREPORTED_REFUSAL = 16  # the rank skipped an earlier call a peer refused, not yet raised (refusal.py)
+# Bits of a rank's record flags (runtime/control.py: exchanged with the counts, so every rank
+# sees every rank's).
+FLAG_BAD_EXPERT = C.FLAG_BAD_EXPERT
+FLAG_TOO_MANY_TOKENS = C.FLAG_TOO_MANY_TOKENS
+FLAG_REFUSED = C.FLAG_REFUSED
+FLAG_REBUILD = C.FLAG_REBUILD
 _FLAG_BAD_EXPERT = tl.constexpr(FLAG_BAD_EXPERT)
 _FLAG_TOO_MANY_TOKENS = tl.constexpr(FLAG_TOO_MANY_TOKENS)
-_FLAG_PEER_GAVE_UP = tl.constexpr(FLAG_PEER_GAVE_UP)
-_FLAG_UNREPORTED_REFUSAL = tl.constexpr(FLAG_UNREPORTED_REFUSAL)
-REFUSAL_SEEN = tl.constexpr(C.REFUSAL_SEEN)  # this rank's refusal record (ops/ep/refusal_kernels.py)
+_RECORD_FIELDS = tl.constexpr(RECORD_FIELDS)
+CALL = tl.constexpr(C.CALL)
 
 
 def layout_landing_shape(world_size: int, num_local_experts: int) -> tuple[int, int, int]:
@@ -396,6 +399,7 @@ def ep_layout_kernel(
     counts_ptr,      # int32 (E,) pairs per expert on this rank
     tokens_to_ptr,   # int32 (W,) tokens this rank sends to each rank
     flags_ptr,       # int32 (1,) this rank's FLAG_* bits
+    fields_ptr,      # int32 (RECORD_FIELDS,) this call's request fields
     T,               # this rank's token count
     table_ptr,       # int64 (W,) arena bases
     sig_table_ptr,   # int64 (W,) signal bases
@@ -405,7 +409,8 @@ def ep_layout_kernel(
     expert_off_ptr,  # out int32 (E_local + 1,) exclusive prefix of num_recv; last = total
     src_off_ptr,     # out int32 (W, E_local) row offset of source s inside expert e's segment
     tokens_from_ptr, # out int32 (W,) tokens each source sends here
-    src_info_ptr,    # out int32 (W, 2): (FLAG_* bits, T) of every source rank
+    src_info_ptr,    # out int32 (W, 2): (FLAG_* bits, T) of every source rank, with the meeting's bits
+    records_ptr,     # out int32 (W, 2 + RECORD_FIELDS): every source's call number, T and request fields
     tile_start_ptr,  # out int32 (E_local + 1,) first row tile of each expert (BLOCK_M > 0)
     tiles_ptr,       # out int32 (n_tiles, 4): row tiles in GEMM order (BLOCK_M > 0; see _row_tile_map)
     pending_ptr,     # int32 (1,): with record_pending, every rank's FLAG_* bits are OR-ed into it
@@ -414,69 +419,77 @@ def ep_layout_kernel(
     ring_step,       # +1: sources are received in ring order rank, rank+1, ...; -1: rank, rank-1, ...
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
 ):
+    """The opening launch of a dispatch or FusedMoE call (one program): the counts exchange,
+    carrying every rank's call record (flags, T, request fields; its call number as the signal's
+    stamp). Every rank reads every rank's record before any data moves (`meet_peer`); the
+    launches after it go only if every rank is at this call and none is flagged to stop
+    (call_begin(OPENS=False) reads GO)."""
     # No entry barrier: the exchange writes into the half of every peer's landing buffer picked
-    # by the parity of this rank's exchange count (the same on every rank: every rank runs the
-    # same exchanges). A peer may still be reading the other half, for the previous exchange;
-    # this one cannot start until every peer has notified it in the previous exchange, which
-    # that peer does only after finishing the exchange before it, the last reader of this half.
-    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER=False)
+    # by the call number's parity. A peer may still be reading the other half, for its previous
+    # call; the previous call of this parity is at least two calls back, and the call between
+    # opened by meeting every peer, which each did only after finishing the one before.
     my_ctrl = ctrl_ptr(table_ptr, rank)
-    seq = tl.load(my_ctrl + LAYOUT_SEQ)
-    row = E_local + 3
-    half = (seq & 1) * world * row
+    call = tl.load(my_ctrl + CALL, volatile=True) + 1
+    row = E_local + 4 + _RECORD_FIELDS
+    half = (call & 1) * world * row
     o_e = tl.arange(0, BLOCK_E)
     m_e = o_e < E_local
-    if ok:
-        flags = tl.load(flags_ptr) | tl.where(tl.load(my_ctrl + REFUSAL_SEEN) != 0, _FLAG_UNREPORTED_REFUSAL, 0)
+    o_f = tl.arange(0, _RECORD_FIELDS)
+    flags = tl.load(flags_ptr) | unread_flag(my_ctrl)
+    for i in range(world):
+        i_dst = (rank - i + world) % world
+        p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + half + rank * row
+        b_cnt = tl.load(counts_ptr + i_dst * E_local + o_e, mask=m_e)  # [BLOCK_E]
+        tl.store(p_dst + o_e, b_cnt, mask=m_e)
+        tl.store(p_dst + E_local, tl.load(tokens_to_ptr + i_dst))
+        tl.store(p_dst + E_local + 1, flags)
+        tl.store(p_dst + E_local + 2, call)
+        tl.store(p_dst + E_local + 3, T)
+        tl.store(p_dst + E_local + 4 + o_f, tl.load(fields_ptr + o_f))
+        notify(heap_ptr(sig_table_ptr, i_dst, 0, tl.int32) + sig_first + rank, call)
+    p_in = heap_ptr(table_ptr, rank, layout_offset, tl.int32) + half
+    n_stop = 0
+    n_missing = 0
+    for s in range(world):
+        seen, v = meet_peer(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + sig_first + s, p_in + s * row + E_local + 1,
+                            call, my_ctrl, rank, STAGE_LAYOUT, s, budget)
+        n_stop += note_stop(my_ctrl, seen, s, call, v, False)  # the host reads these records
+        n_missing += ((seen & FLAG_MISSING) != 0).to(tl.int32)
+        tl.store(src_info_ptr + s * 2, seen)
+        tl.store(records_ptr + s * (2 + _RECORD_FIELDS), v)
+    if n_missing > 0:
+        # Leave the call: a rank that joins it late (one that missed the call) finds this in
+        # the flags and leaves too, instead of taking these counts as current.
         for i in range(world):
-            i_dst = (rank - i + world) % world
-            p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + half + rank * row
-            b_cnt = tl.load(counts_ptr + i_dst * E_local + o_e, mask=m_e)  # [BLOCK_E]
-            tl.store(p_dst + o_e, b_cnt, mask=m_e)
-            tl.store(p_dst + E_local, tl.load(tokens_to_ptr + i_dst))
-            tl.store(p_dst + E_local + 1, flags)
-            tl.store(p_dst + E_local + 2, T)
-            notify(heap_ptr(sig_table_ptr, i_dst, 0, tl.int32) + sig_first + rank, epoch)
-        n_bad = 0
-        for s in range(world):
-            i_sig = sig_first + s
-            ok_s = wait(heap_ptr(sig_table_ptr, rank, 0, tl.int32) + i_sig, epoch, my_ctrl, rank,
-                        STAGE_LAYOUT, i_sig, budget)
-            n_bad += (ok_s == 0).to(tl.int32)
-        if n_bad > 0:
-            # This rank gives up on the exchange: say so in the flags it sent. A rank that joins
-            # it late (one that missed the call, say after a local error) then refuses and raises
-            # instead of taking these counts as current and starting launches without a barrier
-            # against ranks that have moved on. (Every rank raises until heap.reset().)
-            for i in range(world):
-                p_dst = heap_ptr(table_ptr, i, layout_offset, tl.int32) + half + rank * row
-                tl.store(p_dst + E_local + 1, flags | _FLAG_PEER_GAVE_UP)
-        if n_bad == 0:
-            p_in = heap_ptr(table_ptr, rank, layout_offset, tl.int32) + half
-            o_w = tl.arange(0, BLOCK_W)
-            m_w = o_w < world
-            m = m_w[:, None] & m_e[None, :]
-            b_n = tl.load(p_in + o_w[:, None] * row + o_e[None, :], mask=m, other=0)  # [BLOCK_W, BLOCK_E]
-            b_src_off = tl.cumsum(b_n, axis=0) - b_n
-            tl.store(src_off_ptr + o_w[:, None] * E_local + o_e[None, :], b_src_off, mask=m)
-            b_num = tl.sum(b_n, axis=0)                                                # [BLOCK_E]
-            b_incl = tl.cumsum(b_num, axis=0)
-            tl.store(num_recv_ptr + o_e, b_num, mask=m_e)
-            tl.store(expert_off_ptr + o_e, b_incl - b_num, mask=m_e)
-            tl.store(expert_off_ptr + E_local, tl.sum(b_num, axis=0))
-            tl.store(tokens_from_ptr + o_w, tl.load(p_in + o_w * row + E_local, mask=m_w, other=0), mask=m_w)
-            b_flags = tl.load(p_in + o_w * row + E_local + 1, mask=m_w, other=0)
-            tl.store(src_info_ptr + o_w * 2, b_flags, mask=m_w)
-            if record_pending != 0:  # bit sets: OR-ed, not maxed (a max drops every smaller bit)
-                tl.store(pending_ptr, tl.load(pending_ptr) | tl.reduce(b_flags, 0, _bitwise_or))
-            tl.store(src_info_ptr + o_w * 2 + 1, tl.load(p_in + o_w * row + E_local + 2, mask=m_w), mask=m_w)
-            if BLOCK_M > 0:
-                _row_tile_map(b_num, b_incl - b_num, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr,
-                              rank, world, ring_step, BLOCK_M, BLOCK_I, BLOCK_W, 2 * BLOCK_W)
-    # Counted whether or not the exchange ran, so every rank's count stays the same (heap.reset()
-    # zeroes it everywhere). One program: the next launch on the stream sees the store.
-    tl.store(my_ctrl + LAYOUT_SEQ, seq + 1)
-    call_end(table_ptr, rank)
+            p_dst = heap_ptr(table_ptr, i, layout_offset, tl.int32) + half + rank * row
+            tl.store(p_dst + E_local + 1, flags | FLAG_GAVE_UP)
+    go = n_stop == 0
+    o_w = tl.arange(0, BLOCK_W)
+    m_w = o_w < world
+    m = m_w[:, None] & m_e[None, :]
+    # A call that does not go moves nothing: its layout says so (no rows), so nothing reads past it.
+    b_n = tl.load(p_in + o_w[:, None] * row + o_e[None, :], mask=m & go, other=0)  # [BLOCK_W, BLOCK_E]
+    b_src_off = tl.cumsum(b_n, axis=0) - b_n
+    tl.store(src_off_ptr + o_w[:, None] * E_local + o_e[None, :], b_src_off, mask=m)
+    b_num = tl.sum(b_n, axis=0)                                                # [BLOCK_E]
+    b_incl = tl.cumsum(b_num, axis=0)
+    tl.store(num_recv_ptr + o_e, b_num, mask=m_e)
+    tl.store(expert_off_ptr + o_e, b_incl - b_num, mask=m_e)
+    tl.store(expert_off_ptr + E_local, tl.sum(b_num, axis=0))
+    tl.store(tokens_from_ptr + o_w, tl.load(p_in + o_w * row + E_local, mask=m_w & go, other=0), mask=m_w)
+    b_t = tl.load(p_in + o_w * row + E_local + 3, mask=m_w, other=0)
+    tl.store(src_info_ptr + o_w * 2 + 1, tl.where(go, b_t, 0), mask=m_w)
+    tl.store(records_ptr + o_w * (2 + _RECORD_FIELDS) + 1, b_t, mask=m_w)
+    p_rec = records_ptr + o_w[:, None] * (2 + _RECORD_FIELDS) + 2 + o_f[None, :]
+    tl.store(p_rec, tl.load(p_in + o_w[:, None] * row + E_local + 4 + o_f[None, :], mask=m_w[:, None], other=0),
+             mask=m_w[:, None])
+    if record_pending != 0:  # bit sets: OR-ed, not maxed (a max drops every smaller bit)
+        b_flags = tl.load(src_info_ptr + o_w * 2, mask=m_w, other=0)
+        tl.store(pending_ptr, tl.load(pending_ptr) | tl.reduce(b_flags, 0, _bitwise_or))
+    if BLOCK_M > 0:
+        _row_tile_map(b_num, b_incl - b_num, b_n, b_src_off, m_e, E_local, n_tiles, tile_start_ptr, tiles_ptr,
+                      rank, world, ring_step, BLOCK_M, BLOCK_I, BLOCK_W, 2 * BLOCK_W)
+    call_end(table_ptr, rank, call, OPENS=True)
 
 
 register_kernel(column_prefix_kernel, {"x_ptr": "*i32", "out_ptr": "*i32", "n_rows": "i32", "n_col": "i32"},
@@ -495,9 +508,10 @@ for _idx_ty in ("*i32", "*i64"):
 
 register_kernel(
     ep_layout_kernel,
-    {"counts_ptr": "*i32", "tokens_to_ptr": "*i32", "flags_ptr": "*i32", "T": "i32", "table_ptr": "*i64",
+    {"counts_ptr": "*i32", "tokens_to_ptr": "*i32", "flags_ptr": "*i32", "fields_ptr": "*i32", "T": "i32", "table_ptr": "*i64",
      "sig_table_ptr": "*i64", "layout_offset": "i64", "sig_first": "i32", "num_recv_ptr": "*i32",
      "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32", "src_info_ptr": "*i32",
+     "records_ptr": "*i32",
      "tile_start_ptr": "*i32", "tiles_ptr": "*i32", "pending_ptr": "*i32", "record_pending": "i32",
      "rank": "i32", "world": "i32", "E_local": "i32",
      "budget": "i32", "n_tiles": "i32", "ring_step": "i32"},
@@ -512,7 +526,8 @@ class RecvLayout:
     expert_off:  int32 [E_local + 1]  start row of each local expert; [-1] = total rows
     src_off:     int32 [W, E_local]   start of source s inside expert e's rows
     tokens_from: int32 [W]            tokens each source stages here
-    src_info:    int32 [W, 2]         (FLAG_* bits, T) of every source rank
+    src_info:    int32 [W, 2]         (FLAG_* bits, T) of every source rank (bits of the meeting included)
+    records:     int32 [W, 2 + RECORD_FIELDS]  every source's call number, T and request fields
     tile_start:  int32 [E_local + 1]  first GEMM row tile of each expert (when asked for)
     """
 
@@ -521,6 +536,7 @@ class RecvLayout:
     src_off: torch.Tensor
     tokens_from: torch.Tensor
     src_info: torch.Tensor
+    records: torch.Tensor
     tile_start: torch.Tensor | None = None
 
 
@@ -528,17 +544,20 @@ def recv_layout_shapes(world_size: int, num_local_experts: int, tile_rows: int =
     """Shapes of the int32 tensors `exchange_layout` returns (the fields of RecvLayout)."""
     W, e_local = world_size, num_local_experts
     shapes = {"num_recv": (e_local,), "expert_off": (e_local + 1,), "src_off": (W, e_local), "tokens_from": (W,),
-              "src_info": (W, 2)}
+              "src_info": (W, 2), "records": (W, 2 + RECORD_FIELDS)}
     if tile_rows:
         shapes["tile_start"] = (e_local + 1,)
     return shapes
 
 
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
-                    layout_name: str, sig_first: int, *, tile_rows: int = 0,
+                    layout_name: str, sig_first: int, fields: torch.Tensor, *, tile_rows: int = 0,
                     tiles: torch.Tensor | None = None, ring_step: int = 1,
-                    alloc: Int32Alloc | None = None, pending: torch.Tensor | None = None) -> RecvLayout:
+                    alloc: Int32Alloc | None = None, pending: torch.Tensor | None = None,
+                    tokens: int | None = None) -> RecvLayout:
     """Launch the counts exchange (one program); returns the receive layout (no host sync).
+
+    fields: int32 [RECORD_FIELDS] on the device, this call's request fields (the call record).
 
     tile_rows > 0 also builds the GEMM row-tile map in the same launch: `tile_start`
     [E_local + 1] in the result and `tiles` [n_tiles, 4] filled in place, in the order the GEMM
@@ -546,6 +565,8 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
     sources are received in the order rank, rank + 1, ..., -1 for rank, rank - 1, ...
     alloc makes the returned tensors (shapes: `recv_layout_shapes`); default torch.empty.
     pending: an int32 [1] tensor into which every rank's FLAG_* bits are OR-ed (graph mode).
+    tokens: the T this rank's record carries (default: the routing's; a flagged call joins
+    with no routing but its request's T).
     """
     W = heap.world_size
     e_local = num_experts // W
@@ -556,9 +577,10 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
     if ring_step not in (1, -1):
         raise ValueError(f"ring_step must be 1 or -1, got {ring_step}")
     ep_layout_kernel[(1,)](
-        send.counts, send.tokens_to, send.flags, send.topk_idx.shape[0], heap.ptr_table, heap.signal_table,
+        send.counts, send.tokens_to, send.flags, fields,
+        send.topk_idx.shape[0] if tokens is None else tokens, heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,
-        out.tokens_from, out.src_info, out.tile_start if tile_rows else out.num_recv,
+        out.tokens_from, out.src_info, out.records, out.tile_start if tile_rows else out.num_recv,
         tiles if tile_rows else out.num_recv, pending if pending is not None else out.num_recv,
         int(pending is not None), heap.rank, W, e_local, heap.wait_budget,
         tiles.shape[0] if tile_rows else 0, ring_step,

@@ -1,6 +1,6 @@
 """The expert-parallel MoE layer.
 
-* `functional.py`  — `moe()`: the layer forward on cached layers (overlap / sequential / staged);
+* `functional.py`  — `moe()` (overlap / sequential / staged) on `MoESlots`: one per process group, or a layer's own;
 * `fused.py`       — `FusedMoE`: the fused megakernel's launcher (plan, heap, graph cache);
 * `fused_kernels.py` — the persistent megakernel: dispatch, both expert GEMMs and combine as tasks;
 * `experts.py`     — the expert MLPs (activations, gated or plain, biases) and their shapes;

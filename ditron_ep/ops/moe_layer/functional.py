@@ -10,19 +10,49 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES, CapacityError
-from ditron_ep.ops.ep.functional import group_id, key_fields, refuse_cached, refuse_through_match
-from ditron_ep.ops.moe_layer.experts import ACT_CODES, check_activation, width_factor
+from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES
+from ditron_ep.ops.ep.functional import BufferSlot
+from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE, validate_inputs
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import staged_moe
+from ditron_ep.runtime.agreement import CallSlot
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
 from ditron_ep.runtime.mode import gemm_dtype_problem
-from ditron_ep.runtime.sizing import agree_on_tokens
 
 SCHEDULES = ("overlap", "sequential", "staged")
-_LAYERS: dict[tuple, FusedMoE] = {}
+
+
+class MoESlots:
+    """What `moe` runs on: a FusedMoE for the fused schedules and an EPBuffer for the staged
+    launches, each built at first use and rebuilt when a call needs it (runtime/agreement.py).
+    `moe` keeps one per process group; an `EPMoE` (or an integration's layer) keeps its own."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.buffer = BufferSlot(group)
+        self.layer: CallSlot[FusedMoE] = CallSlot(group, "ditron_ep.ops.moe", self._build, FusedMoE.request)
+
+    def _build(self, f: dict, tokens: int) -> FusedMoE:
+        return FusedMoE(self.group, f["num_experts"], f["hidden"], f["ffn_hidden"], tokens, f["topk"], f["dtype"],
+                        schedule=f["schedule"], activation=f["activation"])
+
+    def free(self) -> None:
+        """Free both (collective: call on every rank)."""
+        self.layer.free()
+        self.buffer.free()
+
+
+_GROUP_SLOTS: dict[object, MoESlots] = {}
+
+
+def _group_slots(group: dist.ProcessGroup | None) -> MoESlots:
+    g = group if group is not None else dist.group.WORLD
+    key = g.group_name if hasattr(g, "group_name") else id(g)
+    if key not in _GROUP_SLOTS:
+        _GROUP_SLOTS[key] = MoESlots(group)
+    return _GROUP_SLOTS[key]
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
@@ -74,17 +104,30 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     schedules' own bits, which the staged launches equal only to rounding). The fused schedules
     need sync=True when gradients are asked for.
     """
-    if schedule not in SCHEDULES:
-        raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
+    return run_moe(_group_slots(group), x, topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=activation,
+                   schedule=schedule, sync=sync, check_errors=check_errors, grad_dtype=grad_dtype, recompute=recompute)
+
+
+def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=None, activation: str = "swiglu",
+            schedule: str = "overlap", sync: bool = True, check_errors: bool = False,
+            grad_dtype: torch.dtype | None = None, recompute: bool = False,
+            error: Exception | None = None) -> torch.Tensor:
+    """`moe` on `slots` (its arguments). A rank whose arguments fail (or that passes the `error`
+    it found itself) still joins the call, flagged, on the buffer or layer the call runs on, so
+    every rank raises before anything moves."""
+    needs_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (x, topk_weights, w1, w2, b1, b2))
+    staged = schedule == "staged" or (needs_grad and not recompute)
     try:
-        # the cached layer is looked up by these shapes, so they are checked before any lookup
+        if error is not None:
+            raise error
+        if schedule not in SCHEDULES:
+            raise DitronConfigError(f"unknown schedule {schedule!r}; available: {SCHEDULES}")
         check_dims((("x", x, 2), ("topk_idx", topk_idx, 2), ("topk_weights", topk_weights, 2), ("w1", w1, 3),
                     ("w2", w2, 3)), "x [T, H], topk_idx and topk_weights [T, K], w1 [E_local, H, n*I], "
                     "w2 [E_local, I, H]", hints={"topk_weights": "for an unweighted sum pass torch.ones(T, K)"})
         check_activation(activation)
         check_grad_dtype(grad_dtype)
-        needs_grad = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
         if recompute and schedule == "staged":
             raise DitronConfigError("recompute=True recomputes the staged launches after a fused forward: use it "
                                     "with schedule='overlap' or 'sequential' (schedule='staged' keeps its activations)")
@@ -93,19 +136,25 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
                                       "capture with recompute=False (the default), or train with sync=True")
         _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation)
     except (DitronConfigError, NotImplementedError) as err:
-        if sync or schedule == "staged":  # the staged schedule's dispatch always runs in default mode
-            # the peers raise at once too: through the layer (buffer) the arguments still key
-            refuse_moe(group, schedule, reason=f"{type(err).__name__}: {err}",
-                       **_moe_key_fields(x, topk_idx, topk_weights, w1, w2, group, activation))
-        raise
-    world = dist.get_world_size(group)
-    num_experts = w1.shape[0] * world
-    if schedule == "staged" or (needs_grad and not recompute):
+        error = err
+    world = dist.get_world_size(slots.group)
+    num_experts = w1.shape[0] * world if isinstance(w1, torch.Tensor) and w1.ndim == 3 else 0
+    T = x.shape[0] if error is None else 0
+    if staged:
+        if error is not None:  # joins the dispatch it would have made, flagged, and raises
+            slots.buffer.dispatch(x, topk_idx, num_experts=num_experts, sync=sync, error=error)
         # with gradients, sync=False runs the staged launches in graph mode (forward and backward capturable)
-        return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, group=group, num_experts=num_experts,
+        return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, slot=slots.buffer, num_experts=num_experts,
                           activation=activation, grad_dtype=grad_dtype, sync=sync or not needs_grad)
-    return _fused(x, topk_idx, topk_weights, (w1, w2, b1, b2), group, schedule, sync, check_errors, num_experts,
-                  activation, grad_dtype)
+    request = None if error is not None else {
+        "num_experts": num_experts, "hidden": x.shape[1], "ffn_hidden": w2.shape[1], "topk": topk_idx.shape[1],
+        "dtype": x.dtype, "activation": activation, "schedule": schedule}
+
+    def call(layer: FusedMoE) -> torch.Tensor:
+        layer.check_errors = check_errors
+        return layer(x, topk_idx, topk_weights, w1, w2, b1, b2, sync=sync, grad_dtype=grad_dtype)
+
+    return slots.layer.run(request, T, error, sync, call, lambda layer, flags, f: layer.join_flagged(flags, f, T))
 
 
 def _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation) -> None:
@@ -125,95 +174,8 @@ def _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation) -> None:
                     device=x.device)
 
 
-def _fused(x, topk_idx, topk_weights, experts, group, schedule, sync, check_errors, num_experts, activation,
-           grad_dtype) -> torch.Tensor:
-    """The cached FusedMoE for these shapes: sized at first use by one bounded exchange (largest
-    T; runtime/sizing.py), regrown on every rank together when a call's layout reports more
-    tokens than it holds."""
-    w2 = experts[1]
-    key = _layer_key(group, num_experts, x.shape[-1], w2.shape[1], topk_idx.shape[-1], x.dtype, schedule, activation)
-    layer = _LAYERS.get(key)
-    if layer is None:
-        need = agree_on_tokens(group, "ditron_ep.ops.moe_layer.functional", {
-            "num_experts": num_experts, "hidden": x.shape[-1], "ffn_hidden": w2.shape[1],
-            "topk": topk_idx.shape[-1], "dtype": x.dtype, "schedule": schedule, "activation": activation},
-            max(x.shape[0], 1))
-        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1], need,
-                                        topk_idx.shape[-1], x.dtype, schedule=schedule, activation=activation)
-    layer.check_errors = check_errors
-    try:
-        return layer(x, topk_idx, topk_weights, *experts, sync=sync, grad_dtype=grad_dtype)
-    except CapacityError as err:
-        if not sync or err.pending:  # a graph-mode call's recorded problem is the user's to see
-            raise
-        layer.free()
-        layer = _LAYERS[key] = FusedMoE(group, num_experts, x.shape[-1], w2.shape[1],
-                                        max(err.needed, 2 * layer.max_tokens), topk_idx.shape[-1], x.dtype,
-                                        schedule=schedule, activation=activation, check_errors=check_errors)
-        return layer(x, topk_idx, topk_weights, *experts, sync=sync, grad_dtype=grad_dtype)
-
-
-def _layer_key(group: dist.ProcessGroup | None, num_experts: int | None, hidden: int | None,
-               ffn_hidden: int | None, topk: int | None, dtype: torch.dtype | None, schedule: str,
-               activation: str | None) -> tuple:
-    """A cached layer's key (None fields: unknown, for `refuse_through_match`)."""
-    return (group_id(group), num_experts, hidden, ffn_hidden, topk, dtype, schedule, activation)
-
-
-def _moe_key_fields(x: object, topk_idx: object, topk_weights: object, w1: object, w2: object,
-                    group: dist.ProcessGroup | None, activation: object = "swiglu") -> dict:
-    """The layer-key fields the arguments still give: from tensors whose number of dimensions is
-    right, and only where the arguments agree on the field. When they disagree (x in fp16 with
-    fp32 weights, a w2 that does not match w1, ...) the rejected argument may be the one that
-    names the layer, so the field stays unknown rather than keying some other cached layer."""
-    fields = key_fields(x=x, topk_idx=topk_idx)
-    w1_ok = isinstance(w1, torch.Tensor) and w1.ndim == 3
-    w2_ok = isinstance(w2, torch.Tensor) and w2.ndim == 3
-    if w1_ok:
-        fields["num_experts"] = w1.shape[0] * dist.get_world_size(group)
-    if w2_ok:
-        fields["ffn_hidden"] = w2.shape[1]
-    weights = [w for w, ok in ((w1, w1_ok), (w2, w2_ok)) if ok]
-    if "dtype" in fields and any(w.dtype != fields["dtype"] for w in weights):
-        del fields["dtype"]
-    hidden = fields.get("hidden")
-    if (w1_ok and w1.shape[1] != hidden) or (w2_ok and w2.shape[2] != hidden):
-        fields.pop("hidden", None)
-    n = width_factor(activation) if activation in ACT_CODES else None
-    if n is not None:
-        fields["activation"] = activation
-    if w1_ok and w2_ok and (w1.shape[0] != w2.shape[0] or n is None or w1.shape[2] != n * w2.shape[1]):
-        fields.pop("num_experts", None)
-        fields.pop("ffn_hidden", None)
-    if (isinstance(topk_weights, torch.Tensor) and topk_weights.ndim == 2
-            and topk_weights.shape[-1] != fields.get("topk")):
-        fields.pop("topk", None)
-    return fields
-
-
-def refuse_moe(group: dist.ProcessGroup | None, schedule: str, *, num_experts: int | None = None,
-               hidden: int | None = None, ffn_hidden: int | None = None, topk: int | None = None,
-               dtype: torch.dtype | None = None, activation: str | None = None, reason: str = "",
-               trusted_key: bool = False) -> None:
-    """This rank rejected arguments that cannot all key a cached layer (their number of
-    dimensions), asked for gradients, or failed a module's own checks (`reason`: its error): join
-    the peers' call flagged through the cached layer these fields key when all are given, else
-    through the group's only cached layer if it matches the fields given (None: unknown;
-    staged: the same rule over the dispatch buffers); where the peers must be sizing a new
-    layer instead (the group has none yet, or `trusted_key` and the exact key is not cached:
-    `refuse_through_match`), refuse that sizing. So the peers raise at once instead of waiting
-    for this rank until they time out. Anything else would be a guess that could put an
-    unrelated layer out of step."""
-    if schedule == "staged":
-        refuse_cached(group, num_experts=num_experts, hidden=hidden, topk=topk, dtype=dtype, reason=reason,
-                      trusted_key=trusted_key)
-        return
-    refuse_through_match(_LAYERS, _layer_key(group, num_experts, hidden, ffn_hidden, topk, dtype, schedule,
-                                             activation), group, reason, trusted_key)
-
-
 def clear_layers() -> None:
-    """Free every cached fused layer (collective: call on every rank)."""
-    for layer in _LAYERS.values():
-        layer.free()
-    _LAYERS.clear()
+    """Free every group's cached layer and buffer of `moe` (collective: call on every rank)."""
+    for slots in _GROUP_SLOTS.values():
+        slots.free()
+    _GROUP_SLOTS.clear()

@@ -17,18 +17,22 @@ import triton
 from ditron_ep.compiler.lowering import lower
 from ditron_ep.compiler.plan import MoEPlan, MoESpec
 from ditron_ep.ops.ep.buffer import (
+    read_layout_status,
+    record_fields,
     SUPPORTED_DTYPES,
     layout_status_numel,
     layout_status_words,
     raise_layout_status,
     raise_pending_flags,
 )
-from ditron_ep.ops.ep.layout_kernels import FLAG_REFUSED, build_send_layout, exchange_layout, layout_landing_shape
+from ditron_ep.ops.ep.functional import BufferSlot
+from ditron_ep.ops.ep.layout_kernels import build_send_layout, exchange_layout, layout_landing_shape
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
-from ditron_ep.runtime.agreement import raise_unless_all_agree
+from ditron_ep.runtime import control as C
+from ditron_ep.runtime.agreement import agree
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -191,7 +195,7 @@ class FusedMoE:
         except Exception as err:  # noqa: BLE001 - DitronConfigError, PlanError, bad overrides, device queries
             problem = f"{err}" if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
         # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
-        raise_unless_all_agree(group, "FusedMoE", problem, same={
+        agree(group, "FusedMoE", problem, same={
             "num_experts": num_experts, "hidden": hidden, "ffn_hidden": ffn_hidden,
             "max_tokens_per_rank": max_tokens_per_rank, "topk": topk, "dtype": dtype, "schedule": schedule,
             "activation": activation})
@@ -230,6 +234,18 @@ class FusedMoE:
         self._status_host: torch.Tensor | None = None  # pinned copy of the layout status (GPU)
         self._status_event: torch.cuda.Event | None = None
         self._build_launch_args()
+        self._fields = record_fields(self.request(), self.device)  # the call record of every valid call
+        self.staged_slot = BufferSlot(group)  # what the backward's staged recomputation dispatches on
+
+    def request(self) -> dict:
+        """The request fields this layer serves (a call record's shared arguments)."""
+        return {"num_experts": self.num_experts, "hidden": self.hidden, "ffn_hidden": self.ffn_hidden,
+                "topk": self.topk, "dtype": self.dtype, "activation": self.activation,
+                "schedule": self.plan.device.schedule}
+
+    @property
+    def freed(self) -> bool:
+        return self.heap.freed
 
     def _build_launch_args(self) -> None:
         """The megakernel's arguments that are fixed for the layer's life, built once: the eager
@@ -296,8 +312,7 @@ class FusedMoE:
                 raise NotImplementedError("FusedMoE with gradients needs sync=True and trace=False (its backward "
                                           "recomputes the layer with the staged schedule, which reads the host)")
         except (DitronConfigError, NotImplementedError):
-            if sync:
-                self._refuse_call()
+            self.join_flagged(C.FLAG_REFUSED, None)
             raise
         if needs_grad:
             return FusedForwardStagedBackward.apply(self, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype)
@@ -329,35 +344,36 @@ class FusedMoE:
             self._raise_status(status[0])
         return out
 
-    def _refuse_call(self) -> None:
-        """Default mode, after this rank rejected its own arguments: run the call with no tokens
-        and FLAG_REFUSED in the counts exchange. Every rank's megakernel then refuses all work (no
-        token moves, as for flagged input) and every peer raises at its status read, instead of
-        waiting for this rank in the exchange until it times out; the ranks stay in step (the
-        megakernel advanced every rank's epoch). No weight is read, so placeholders stand in."""
-        dev, dt, K = self.device, self.dtype, self.topk
-        idx = torch.empty((0, K), dtype=torch.int32, device=dev)
-        send, recv, weights = self._launch_layout(idx, torch.empty((0, K), dtype=torch.float32, device=dev),
-                                                  refused=True)
-        none = torch.empty((0, self.hidden), dtype=dt, device=dev)
-        placeholder = torch.empty(16, dtype=dt, device=dev)
-        self._launch_kernel(none, send, recv, weights, (placeholder, placeholder, None, None), none,
-                            refuse_flagged=True, trace=False)
+    def join_flagged(self, flags: int, fields: dict | None, tokens: int = 0) -> None:
+        """This rank cannot run its call (FLAG_REFUSED: its arguments failed; FLAG_REBUILD: its
+        request needs another layer): join the call's counts exchange with no tokens and `flags`
+        in its record. Every rank's megakernel then runs no task (no token moves) and every rank
+        raises alike; FLAG_REBUILD reads the records back and raises here (EPBuffer.join_flagged).
+        Not inside a CUDA graph capture (the raise ends the capture, and nothing ran)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        K = self.topk
+        recv = self._launch_layout(torch.empty((0, K), dtype=torch.int32, device=self.device),
+                                   torch.empty((0, K), dtype=torch.float32, device=self.device), flags=flags,
+                                   fields=record_fields(fields, self.device), tokens=tokens)[1]
+        if flags & C.FLAG_REBUILD:
+            read_layout_status(self.heap, recv, self._pending_flags, self)
 
-    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, refused: bool = False,
-                       record_pending: bool = False):
+    def _launch_layout(self, topk_idx: torch.Tensor, topk_weights: torch.Tensor, record_pending: bool = False,
+                       flags: int = 0, fields: torch.Tensor | None = None, tokens: int | None = None):
         """The launches before the megakernel (sender layout, counts exchange and row-tile map,
         counter resets); returns (send layout, receive layout, fp32 weights). No host sync.
-        refused: this rank joins the exchange flagged FLAG_REFUSED (`_refuse_call`); record_pending
-        (graph mode): the exchange keeps every rank's input flags for `check()`."""
+        record_pending (graph mode): the exchange keeps every rank's input flags for `check()`;
+        flags, fields, tokens: this rank's call record when it joins flagged (`join_flagged`)."""
         h = self.heap
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
-        if refused:
-            send.flags.fill_(FLAG_REFUSED)
+        if flags:
+            send.flags.fill_(flags)
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
+                               self._fields if fields is None else fields,
                                tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step,
-                               pending=self._pending_flags if record_pending else None)
+                               pending=self._pending_flags if record_pending else None, tokens=tokens)
         for lo, hi in self._zero_ranges:
             h.signals[lo:hi].zero_()
         return send, recv, topk_weights.to(torch.float32).contiguous()
@@ -387,7 +403,7 @@ class FusedMoE:
 
     def _raise_status(self, words: torch.Tensor) -> None:
         """Default mode's checks on the layout status read back (see `forward`)."""
-        raise_layout_status(words.tolist(), self.heap, self._pending_flags, self.num_experts, self.max_tokens)
+        raise_layout_status(words.tolist(), self.heap, self._pending_flags, self)
         if self.check_errors:
             self.heap.check_error()
 
@@ -524,13 +540,14 @@ class FusedMoE:
         return torch.empty(layout_status_numel(self.world_size), dtype=torch.int32, pin_memory=True)
 
     def check(self) -> None:
-        """Raise a timeout recorded by any launch, then input problems recorded by sync=False
-        calls (one host read each)."""
+        """Raise an error recorded by any launch, then problems recorded by sync=False calls (one
+        host read each)."""
         self.heap.check_error()
-        raise_pending_flags(self._pending_flags, self.num_experts, self.max_tokens, self.heap)
+        raise_pending_flags(self._pending_flags, self)
 
     def free(self) -> None:
         self._graphs.clear()  # the graphs point into the heap
+        self.staged_slot.free()
         self.heap.free()
 
     # ------------------------------------------------------------------ helpers

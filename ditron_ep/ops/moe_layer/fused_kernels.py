@@ -128,22 +128,22 @@ def _publish_landed(cnt_addr, m):
 
 @register_device_function
 @triton.jit
-def _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_word, n_prev, cross_first, epoch, budget,
+def _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_word, n_prev, cross_first, call_no, budget,
                    CROSS: tl.constexpr):
     """Sequential schedule: wait until every task of the previous stage is done on this rank
-    (local counter) and, for CROSS barriers, on every rank (epoch flags stamped by each rank)."""
+    (local counter) and, for CROSS barriers, on every rank (flags stamped with the call number by each rank)."""
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     ok = wait(p_sig + done_word, n_prev, my_ctrl, rank, STAGE_MOE_BARRIER, done_word, budget)
     if CROSS:
         for p in range(world):
-            ok = ok & wait(p_sig + cross_first + p, epoch, my_ctrl, rank, STAGE_MOE_BARRIER, cross_first + p,
+            ok = ok & wait(p_sig + cross_first + p, call_no, my_ctrl, rank, STAGE_MOE_BARRIER, cross_first + p,
                            budget)
     return ok
 
 
 @register_device_function
 @triton.jit
-def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoch, STAMP: tl.constexpr):
+def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, call_no, STAMP: tl.constexpr):
     """Sequential schedule: count this task done; the task completing the stage stamps the
     cross-rank barrier flag of this rank on every rank (STAMP)."""
     tl.debug_barrier()
@@ -151,7 +151,7 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, epoc
     if STAMP:
         if done == n_this - 1:
             for p in range(world):
-                notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, epoch)
+                notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, call_no)
 
 
 # refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
@@ -201,7 +201,7 @@ def moe_fused_kernel(
             _stamp_timer(timer_ptr + NT * 2, DEVICE_TIMER)
     # No entry barrier: FusedMoE always launches this right after the call's layout exchange,
     # which stands in for it (primitives.call_begin says why).
-    epoch, ok = call_begin(table_ptr, rank, world, budget, ENTRY_BARRIER=False)
+    call_no, ok = call_begin(table_ptr, rank, world, budget, OPENS=False)
     if TRACE:
         if tl.program_id(0) == 0:
             _stamp_timer(timer_ptr + NT * 2 + 1, DEVICE_TIMER)
@@ -280,13 +280,13 @@ def moe_fused_kernel(
                                   xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, K, False, BLOCK_H)
                 # every ticketed chunk (below the call's n_call) is stamped, empty ones too: the
                 # receiver waits exactly once for each
-                notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, epoch)
+                notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, call_no)
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_send, F1c, 0, epoch, False)
+                    _stage_done(sig_table_ptr, rank, world, done_send, F1c, 0, call_no, False)
             elif t < F2:
                 # ---- S1 dispatch_recv: place the chunk's (token, k) pairs as GEMM rows
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_send, F1c, 0, epoch,
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_send, F1c, 0, call_no,
                                              budget, False)
                 q = t - F1
                 i_pos = q // n_chunks
@@ -296,7 +296,7 @@ def moe_fused_kernel(
                 else:
                     i_s = (rank + i_pos) % world
                 i_sig = sig_flag + i_s * n_chunks + i_c
-                ok = ok & wait(p_sig + i_sig, epoch, my_ctrl, rank, STAGE_MOE_RECV, i_sig, budget)
+                ok = ok & wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_MOE_RECV, i_sig, budget)
                 n = tl.load(tokens_from_ptr + i_s)
                 o_j = i_c * BLOCK_S + o_s
                 m_j = (o_j < n) & ok
@@ -317,12 +317,12 @@ def moe_fused_kernel(
                     tl.debug_barrier()
                     tl.atomic_add(p_sig + sig_rows + i_tile, 1, mask=valid, sem="release", scope="gpu")
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_recv, F2c - F1c, bar_recv, epoch, True)
+                    _stage_done(sig_table_ptr, rank, world, done_recv, F2c - F1c, bar_recv, call_no, True)
             elif t < F3:
                 # ---- S2 gemm_gate_up: tile (i, j) once all its rows are placed
                 if SEQUENTIAL:
                     ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_recv, F2c - F1c, bar_recv,
-                                             epoch, budget, True)
+                                             call_no, budget, True)
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F2, n_t1, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
                     if wait(p_sig + sig_rows + i_m, n_rows, my_ctrl, rank, STAGE_MOE_ROWS, sig_rows + i_m, budget):
@@ -330,11 +330,11 @@ def moe_fused_kernel(
                                 True, BM, BN1, BK1, INPUT_PRECISION, 4, ACT, b1_ptr, p_h, HAS_B1, False)
                         notify_add(p_sig + sig_gu + i_m, 1)
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_gu, L1, 0, epoch, False)
+                    _stage_done(sig_table_ptr, rank, world, done_gu, L1, 0, call_no, False)
             elif t < F4:
                 # ---- S3 gemm_down: tile (i, j); its rows go straight to their token's rank
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, L1, 0, epoch, budget,
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_gu, L1, 0, call_no, budget,
                                              False)
                 i_m, i_n, e, row0, n_rows = _gemm_tile(t - F3, n_t2, gemm_group, p_tiles)
                 if (n_rows > 0) & ok:
@@ -355,13 +355,13 @@ def moe_fused_kernel(
                         pend_cnt = tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4 + i_tk * 4
                         pend_m = m_m
                 if SEQUENTIAL:
-                    _stage_done(sig_table_ptr, rank, world, done_down, L2, bar_down, epoch, True)
+                    _stage_done(sig_table_ptr, rank, world, done_down, L2, bar_down, call_no, True)
             else:
                 # ---- S4 combine_reduce: tokens whose every (t, k) has all its column tiles
                 _publish_landed(pend_cnt, pend_m)  # before waiting: peers (and we) may wait on them
                 pend_m = tl.zeros((BM,), dtype=tl.int1)
                 if SEQUENTIAL:
-                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, L2, bar_down, epoch,
+                    ok = ok & _stage_barrier(sig_table_ptr, rank, world, my_ctrl, done_down, L2, bar_down, call_no,
                                              budget, True)
                 # A call with fewer tokens than the plan's max leaves tasks without a block:
                 # they take column slices of the blocks instead (plan.combine_task_split).
@@ -400,7 +400,7 @@ def moe_fused_kernel(
                 _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
         t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     _publish_landed(pend_cnt, pend_m)
-    call_end(table_ptr, rank)
+    call_end(table_ptr, rank, call_no, OPENS=False)
 
 
 _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32", "send_idx_ptr": "*i32",

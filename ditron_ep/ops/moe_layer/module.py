@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditron_ep.ops.ep.buffer import SUPPORTED_DTYPES
-from ditron_ep.ops.moe_layer.functional import SCHEDULES, moe, refuse_moe
+from ditron_ep.ops.moe_layer.functional import SCHEDULES, MoESlots, run_moe
 from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped import MAX_LOCAL_EXPERTS, check_grad_dtype
 from ditron_ep.runtime.errors import DitronConfigError
@@ -153,6 +153,7 @@ class EPMoE(nn.Module):
         if not isinstance(recompute, bool):
             raise DitronConfigError(f"recompute must be a bool, got {recompute!r}")
         self.activation, self.grad_dtype, self.recompute = activation, grad_dtype, recompute
+        self._slots = MoESlots(group)  # this layer's own FusedMoE and EPBuffer, built at its first call
         e_local, width = self.num_local_experts, width_factor(activation) * ffn_hidden
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=router_dtype, device=device))
         self.w1 = nn.Parameter(torch.empty(e_local, hidden, width, dtype=dtype, device=device))
@@ -188,6 +189,11 @@ class EPMoE(nn.Module):
             if b is not None:
                 b.zero_()
 
+    def free_buffers(self) -> None:
+        """Free the layer's communication buffers (collective: call on every rank); the next
+        forward builds them again."""
+        self._slots.free()
+
     @torch.no_grad()
     def sync_router_(self, src: int = 0) -> EPMoE:
         """Broadcast the router weight from group rank `src` to every rank (collective: call on
@@ -210,20 +216,17 @@ class EPMoE(nn.Module):
             if x.dtype in SUPPORTED_DTYPES:
                 fix += f", or build the layer with dtype={x.dtype} (or call .to({x.dtype}))"
             problem = f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; {fix}"
-        if problem:
-            # the peers' moe call on this layer's cached FusedMoE raises at once too
-            refuse_moe(self.group, self.schedule, num_experts=self.num_experts, hidden=self.hidden,
-                       ffn_hidden=self.ffn_hidden, topk=self.topk, dtype=self.w1.dtype, activation=self.activation,
-                       reason=problem,
-                       trusted_key=True)  # the layer's own fields: the key its peers' calls use
-            raise DitronConfigError(problem)
+        if problem:  # the peers' call on this layer raises at once too (it joins it flagged)
+            run_moe(self._slots, x, None, None, self.w1, self.w2, b1=self.b1, b2=self.b2, activation=self.activation,
+                    schedule=self.schedule, grad_dtype=self.grad_dtype, recompute=self.recompute,
+                    error=DitronConfigError(problem))
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]
         logits = F.linear(tokens.to(self.router_dtype), self.router_weight.to(self.router_dtype))  # [T, E]
         topk_idx, topk_weights, probs = _route(logits, self.topk, self.score_func, self.renormalize)
         aux_loss = self.aux_loss_coef * _load_balancing_loss(probs, topk_idx, self.num_experts)
-        out = moe(tokens, topk_idx, topk_weights.to(torch.float32), self.w1, self.w2, b1=self.b1, b2=self.b2,
-                  activation=self.activation, group=self.group, schedule=self.schedule, grad_dtype=self.grad_dtype,
-                  recompute=self.recompute)
+        out = run_moe(self._slots, tokens, topk_idx, topk_weights.to(torch.float32), self.w1, self.w2, b1=self.b1,
+                      b2=self.b2, activation=self.activation, schedule=self.schedule, grad_dtype=self.grad_dtype,
+                      recompute=self.recompute)
         return out.reshape(x.shape), aux_loss
 
     def extra_repr(self) -> str:

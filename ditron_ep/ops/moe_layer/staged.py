@@ -13,28 +13,29 @@ MLP and combine) and takes its autograd. The gradients are a function of the inp
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ditron_ep.ops.ep.functional import combine, dispatch
+from ditron_ep.ops.ep.functional import BufferSlot
 from ditron_ep.ops.moe_layer.grouped import grouped_mlp, main_grad_of
 
 __all__ = ["FusedForwardStagedBackward", "staged_moe"]
 
 
-def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, group: dist.ProcessGroup | None, num_experts: int,
+def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, slot: BufferSlot, num_experts: int,
                activation: str, grad_dtype: torch.dtype | None = None, sync: bool = True) -> torch.Tensor:
-    """Dispatch, grouped MLP, combine as separate launches; autograd through each. sync=False:
-    graph mode, no host read forward or backward (the rows are the buffer's capacity; rows past
-    the received ones are zero and get no gradient), so forward + backward can be captured."""
-    recv_x, handle = dispatch(x, topk_idx, num_experts=num_experts, group=group, sync=sync)
+    """Dispatch, grouped MLP, combine as separate launches on `slot`'s buffer; autograd through
+    each. sync=False: graph mode, no host read forward or backward (the rows are the buffer's
+    capacity; rows past the received ones are zero and get no gradient), so forward + backward
+    can be captured."""
+    recv_x, handle = slot.dispatch(x, topk_idx, num_experts=num_experts, sync=sync)
     y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2, b1=b1, b2=b2, activation=activation,
                     check=False, grad_dtype=grad_dtype)  # offsets built by dispatch
-    return combine(y, handle, topk_weights, num_experts=num_experts, group=group)
+    return slot.combine(y, handle, topk_weights)
 
 
 class FusedForwardStagedBackward(torch.autograd.Function):
     """apply(layer, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype): `layer` is the FusedMoE
-    (its group, experts and activation); collective, like every call of the layer."""
+    (its experts, activation, and the buffer slot its backward dispatches on); collective, like
+    every call of the layer."""
 
     @staticmethod
     def forward(ctx, layer, x, topk_idx, topk_weights, w1, w2, b1, b2, grad_dtype):
@@ -57,7 +58,7 @@ class FusedForwardStagedBackward(torch.autograd.Function):
                 for orig, leaf in zip(ctx.weights, leaves[3:]):
                     if orig is not None and leaf is not None and leaf.requires_grad:
                         leaf.main_grad = main_grad_of(orig)
-            out = staged_moe(*leaves, group=layer.group, num_experts=layer.num_experts,
+            out = staged_moe(*leaves, slot=layer.staged_slot, num_experts=layer.num_experts,
                              activation=layer.activation, grad_dtype=ctx.grad_dtype)
             wanted = [leaf for i, leaf in enumerate(leaves) if needs[i] and leaf is not None]
             grads = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True))  # None: into main_grad

@@ -275,11 +275,12 @@ def fused_refusals() -> dict:
 
 def fused_lone_rank_times_out() -> dict:
     """Rank 0 alone calls the layer with a small wait budget: its layout exchange times out, its
-    megakernel refuses all work and the call raises DitronTimeoutError (no hang). Rank 1 then
-    makes the call rank 0 gave up on (as after an error only rank 1 raised): it must refuse and
-    raise too, not run on the counts rank 0 left behind. After a collective heap.reset() every
-    rank's next call is bitwise the first call's result again."""
+    megakernel runs no task and the call raises DitronTimeoutError (no hang). Rank 1 then makes
+    the call rank 0 gave up on (as after an error only rank 1 raised): it must stop and raise
+    DitronOutOfStepError, not run on the counts rank 0 left behind. With no reset, every rank's
+    next call is bitwise the first call's result again."""
     from ditron_ep.runtime import DitronTimeoutError
+    from ditron_ep.runtime.errors import DitronOutOfStepError
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E, H, I, K, T = 2 * W, 32, 24, 2, 6
@@ -301,9 +302,8 @@ def fused_lone_rank_times_out() -> dict:
     if rank == 1:
         try:
             layer(*args)
-        except DitronTimeoutError as err:
+        except DitronOutOfStepError as err:
             res["raised"] = str(err)
-    layer.heap.reset()
     res["recovers"] = bool(torch.equal(layer(*args), first))
     layer.free()
     return res
