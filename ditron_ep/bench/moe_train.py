@@ -181,7 +181,7 @@ def _workspace_mib(ctx: BenchContext) -> float | None:
     if not ctx.on_cuda:
         return None
     resources = ([s.buffer for s in _SLOTS.values()] + [s.buffer.buffer for s in _GROUP_SLOTS.values()]
-                 + [s.layer.resource for s in _GROUP_SLOTS.values()])
+                 + [layer.resource for s in _GROUP_SLOTS.values() for layer in s.layers.values()])
     layers = [r for r in resources if r is not None]
     heaps = [r.heap for r in layers] + [r.staged_slot.buffer.heap for r in layers
                                         if getattr(r, "staged_slot", None) and r.staged_slot.buffer]

@@ -235,8 +235,8 @@ class SymmetricHeap:
         observed, expected = int(words[C.ERR_OBSERVED]), int(words[C.ERR_EXPECTED])
         if stage_code in OPENING_STAGES:
             msg = (f"rank {rank} waited {self.wait_budget} polls for rank {signal} to arrive at call {expected} "
-                   f"('{stage}') and gave up; rank {signal} was at call {observed}: it did not make this call, or is "
-                   f"far slower. No data moved in this call, and nothing needs resetting: the next call of every "
+                   f"('{stage}') and gave up; the last call rank {signal} signalled there was {observed}: it did "
+                   f"not make this call, or is far slower. No data moved in this call, and nothing needs resetting: the next call of every "
                    f"rank meets again (a rank arriving late at this call raises DitronOutOfStepError)")
         else:
             msg = (f"rank {rank}: bounded wait timed out in stage '{stage}' on signal {signal} (saw {observed}, "

@@ -25,22 +25,26 @@ SCHEDULES = ("overlap", "sequential", "staged")
 
 
 class MoESlots:
-    """What `moe` runs on: a FusedMoE for the fused schedules and an EPBuffer for the staged
-    launches, each built at first use and rebuilt when a call needs it (runtime/agreement.py).
-    `moe` keeps one per process group; an `EPMoE` (or an integration's layer) keeps its own."""
+    """What `moe` runs on: a FusedMoE per fused schedule and an EPBuffer for the staged launches,
+    each built at first use and rebuilt when a call needs it (runtime/agreement.py). `moe` keeps
+    one per process group; an `EPMoE` (or an integration's layer) keeps its own. (A layer per
+    schedule: a caller alternating schedules does not rebuild; every rank must pass the same
+    schedule, or the ranks wait in different layers until the bounded wait names the missing rank.)"""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group
         self.buffer = BufferSlot(group)
-        self.layer: CallSlot[FusedMoE] = CallSlot(group, "ditron_ep.ops.moe", self._build, FusedMoE.request)
+        self.layers: dict[str, CallSlot[FusedMoE]] = {
+            s: CallSlot(group, "ditron_ep.ops.moe", self._build, FusedMoE.request) for s in ("overlap", "sequential")}
 
     def _build(self, f: dict, tokens: int) -> FusedMoE:
         return FusedMoE(self.group, f["num_experts"], f["hidden"], f["ffn_hidden"], tokens, f["topk"], f["dtype"],
                         schedule=f["schedule"], activation=f["activation"])
 
     def free(self) -> None:
-        """Free both (collective: call on every rank)."""
-        self.layer.free()
+        """Free them all (collective: call on every rank)."""
+        for slot in self.layers.values():
+            slot.free()
         self.buffer.free()
 
 
@@ -154,7 +158,8 @@ def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=N
         layer.check_errors = check_errors
         return layer(x, topk_idx, topk_weights, w1, w2, b1, b2, sync=sync, grad_dtype=grad_dtype)
 
-    return slots.layer.run(request, T, error, sync, call, lambda layer, flags, f: layer.join_flagged(flags, f, T))
+    slot = slots.layers.get(schedule, slots.layers["overlap"])  # (an unknown schedule is the error raised)
+    return slot.run(request, T, error, sync, call, lambda layer, flags, f: layer.join_flagged(flags, f, T))
 
 
 def _check_call(x, topk_idx, topk_weights, w1, w2, b1, b2, activation) -> None:
