@@ -124,8 +124,14 @@ class CallSlot(Generic[R]):
         records, sync=True: every rank rebuilds, or raises naming the fields that differ)."""
         res = self.resource
         if res is None or getattr(res, "freed", False):
-            tokens = agree(self.group, self.what, None if error is None else f"{type(error).__name__}: {error}",
-                           fields if error is None else None, max(tokens, 1))
+            problem = None if error is None else str(error) if isinstance(error, ValueError) else \
+                f"{type(error).__name__}: {error}"
+            try:
+                tokens = agree(self.group, self.what, problem, fields if error is None else None, max(tokens, 1))
+            except DitronConfigError:
+                if error is not None:  # a rank that failed raises its own error
+                    raise error from None
+                raise
             res = self.resource = self._build(fields, tokens)
         elif error is not None:
             join_flagged(res, C.FLAG_REFUSED, fields)
