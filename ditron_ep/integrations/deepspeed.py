@@ -73,20 +73,75 @@ def expert_layout(expert: nn.Module) -> tuple[str, list[nn.Linear]]:
         f"(SwiGLU); got children {list(children)}")
 
 
-def _stacked(layers: list[list[nn.Linear]], activation: str) -> tuple[torch.Tensor, ...]:
-    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None), differentiable, from
-    every expert's Linear layers (`expert_layout`). The Linear weights ([out, in]) are stacked as
-    they are (a contiguous copy) and handed over as transposed views: the kernels read any
-    strides, so no transposing copy is made."""
-    if activation == "swiglu":
-        w1 = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in layers])
-        b1 = None if layers[0][0].bias is None else torch.stack([torch.cat([g.bias, u.bias]) for g, u, _ in layers])
-    else:
-        w1 = torch.stack([fc1.weight for fc1, _ in layers])
-        b1 = None if layers[0][0].bias is None else torch.stack([fc1.bias for fc1, _ in layers])
-    w2 = torch.stack([ls[-1].weight for ls in layers])
+class _SpacedView(torch.autograd.Function):
+    """apply(E, step, *blocks): the E * n weight blocks ([r, c], contiguous; n per expert) that
+    lie in one storage, n back to back per expert and experts `step` elements apart (ZeRO's flat
+    buffers place an expert layer's parameters so), as one [E, n*r, c] view of it: the kernels
+    read the weights where they are, no copy. The backward hands each block its slice."""
+
+    @staticmethod
+    def forward(ctx, num_experts, step, *blocks):
+        b0 = blocks[0]
+        ctx.n, (ctx.r, c) = len(blocks) // num_experts, b0.shape
+        return b0.detach().as_strided((num_experts, ctx.n * ctx.r, c), (step, c, 1), b0.storage_offset())
+
+    @staticmethod
+    def backward(ctx, grad):
+        r = ctx.r
+        return (None, None, *(grad[e, j * r:(j + 1) * r] for e in range(grad.shape[0]) for j in range(ctx.n)))
+
+
+def _spaced_step(blocks: list[torch.Tensor], num_experts: int) -> int | None:
+    """The storage step between experts when `blocks` ((expert, j) order) can be read in place
+    (`_SpacedView`), else None."""
+    b0 = blocks[0]
+    n, size = len(blocks) // num_experts, b0.numel()
+    if num_experts < 2 or not all(b.is_contiguous() and b.shape == b0.shape and b.dtype == b0.dtype and
+                                  b.untyped_storage().data_ptr() == b0.untyped_storage().data_ptr() for b in blocks):
+        return None
+    step = blocks[n].storage_offset() - b0.storage_offset()
+    if step < n * size or any(b.storage_offset() - b0.storage_offset() != (i // n) * step + (i % n) * size
+                              for i, b in enumerate(blocks)):
+        return None
+    return step
+
+
+def _expert_weights(blocks: list[torch.Tensor], num_experts: int) -> tuple[torch.Tensor, bool]:
+    """[E, n*r, c] of the experts' weight blocks: read in place when they allow it, else a stacked
+    copy; and whether it was in place."""
+    step = _spaced_step(blocks, num_experts)
+    if step is not None:
+        return _SpacedView.apply(num_experts, step, *blocks), True
+    n = len(blocks) // num_experts
+    return torch.stack([torch.cat(blocks[e * n:(e + 1) * n]) for e in range(num_experts)]), False
+
+
+@torch.no_grad()
+def _colocate(blocks: list[torch.Tensor]) -> None:
+    """Move weight blocks that each own their storage (no flat buffer holds them: ZeRO stage 0,
+    plain torch) into one buffer, back to back in (expert, j) order, so `_expert_weights` reads them
+    in place. Blocks another owner has placed (ZeRO's flat buffers) are left where they are."""
+    if not all(b.is_contiguous() and b.storage_offset() == 0 and
+               b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in blocks):
+        return
+    flat = torch.empty((len(blocks), *blocks[0].shape), dtype=blocks[0].dtype, device=blocks[0].device)
+    for i, b in enumerate(blocks):
+        flat[i].copy_(b)
+        b.data = flat[i]
+
+
+def _stacked(layers: list[list[nn.Linear]]) -> tuple[torch.Tensor, ...]:
+    """(w1 [E_local, H, n*I], w2 [E_local, I, H], b1 or None, b2 or None, in place), differentiable,
+    from every expert's Linear layers (`expert_layout`). The Linear weights ([out, in]) are read
+    where they are when they lie evenly spaced in one storage (under ZeRO's flat buffers), else
+    stacked as they are (a contiguous copy), and handed over as transposed views: the kernels read
+    any strides, so no transposing copy is made."""
+    E, first = len(layers), layers[0][:-1]
+    w1, in_place1 = _expert_weights([lin.weight for ls in layers for lin in ls[:-1]], E)
+    w2, in_place2 = _expert_weights([ls[-1].weight for ls in layers], E)
+    b1 = None if first[0].bias is None else torch.stack([torch.cat([lin.bias for lin in ls[:-1]]) for ls in layers])
     b2 = None if layers[0][-1].bias is None else torch.stack([ls[-1].bias for ls in layers])
-    return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2
+    return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2, in_place1 and in_place2
 
 
 def _verify(expert: nn.Module, activation: str, name: str) -> None:
@@ -99,7 +154,7 @@ def _verify(expert: nn.Module, activation: str, name: str) -> None:
         want = copy(x)
         if isinstance(want, tuple):
             want = want[0]
-        w1, w2, b1, b2 = _stacked([expert_layout(copy)[1]], activation)
+        w1, w2, b1, b2, _ = _stacked([expert_layout(copy)[1]])
         z = x @ w1[0] + (0 if b1 is None else b1[0])
         got = expert_activation(z, activation) @ w2[0] + (0 if b2 is None else b2[0])
     if want.shape != got.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
@@ -127,7 +182,7 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
     self.l_aux, _capacity, _num_experts, indices, _locations, gates, self.exp_counts = self.gate(
         tokens, used_token, True, False)
-    w1, w2, b1, b2 = _stacked(self._ditron_layers, self._ditron_activation)
+    w1, w2, b1, b2, self._ditron_in_place = _stacked(self._ditron_layers)
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
         self._ditron_slots = MoESlots(self.ep_group)
     out = run_moe(self._ditron_slots, tokens.contiguous(), indices.t().contiguous(),
@@ -138,7 +193,9 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
 
 def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
     """Give every `deepspeed.moe.layer.MoE` in `model` (the model itself included) ditron_ep's
-    data path; returns how many were replaced. Collective only in the sense that every rank must
+    data path; returns how many were replaced. Experts' weights that each own their storage are
+    moved into one buffer per layer (values and parameters unchanged), so every call reads them in
+    place; under ZeRO they are read where its flat buffers put them. Collective only in the sense that every rank must
     make the same call (no communication here). Raises DitronConfigError, naming the layer, for
     an unsupported expert or option; nothing is changed then."""
     _deepspeed()  # installed, and a supported version
@@ -169,6 +226,9 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
             _verify(expert, act, f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}")
         plans.append((inner, activation, layers))
     for inner, activation, layers in plans:
+        if len({lin.weight.shape for ls in layers for lin in ls[:-1]}) == 1:  # (gate and up alike)
+            _colocate([lin.weight for ls in layers for lin in ls[:-1]])
+            _colocate([ls[-1].weight for ls in layers])
         # the expert modules are fixed; their weights are read on every call (ZeRO may re-point them)
         inner._ditron_activation, inner._ditron_layers = activation, layers
         inner._ditron_schedule, inner._ditron_slots = schedule, None

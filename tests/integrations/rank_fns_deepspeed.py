@@ -155,4 +155,6 @@ def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
             engine.step()
             losses.append(float(loss.detach()))
         runs[label] = losses
+        if label == "ditron_ep":  # whether the experts' weights were read where ZeRO put them
+            runs["in_place"] = bool(model.moe.deepspeed_moe._ditron_in_place)
     return runs

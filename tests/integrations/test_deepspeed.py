@@ -48,13 +48,41 @@ def test_expert_and_data_parallel_groups(emulated_cluster):
         _check(reports, CASES_W4)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_training_under_deepspeed_initialize_matches(emulated_cluster, zero_stage):
-    """6 SGD steps of a Linear -> MoE -> Linear model under deepspeed.initialize (ZeRO 0 / 1, CPU):
-    the replaced layer's losses equal DeepSpeed's own within fp32 rounding."""
+    """6 SGD steps of a Linear -> MoE -> Linear model under deepspeed.initialize (ZeRO 0 / 1 / 2,
+    CPU): the replaced layer's losses equal DeepSpeed's own within fp32 rounding, and the experts'
+    weights are read where they lie (replace_moe's buffer at stage 0, ZeRO's flat buffers after)."""
     for rank, runs in enumerate(emulated_cluster(2).run(fns.engine_case, zero_stage, 6, 9)):
         for step, (ours, theirs) in enumerate(zip(runs["ditron_ep"], runs["deepspeed"])):
             assert abs(ours - theirs) <= 1e-5 * abs(theirs), (rank, step, runs)
+        assert runs["in_place"], (rank, "the experts' weights were copied (stacked) on every call")
+
+
+@pytest.mark.parametrize("per_expert", [1, 2], ids=["plain", "gated"])
+def test_expert_weights_are_read_in_place_with_their_gradients(per_expert):
+    """Weight blocks evenly spaced in one storage (as in a flat buffer, with other parameters
+    between experts) are read as one view, no copy; values and every block's gradient equal the
+    stacked copy's. Blocks that are not evenly spaced, or overlap, are stacked."""
+    from ditron_ep.integrations.deepspeed import _expert_weights
+
+    E, r, c, gap = 3, 4, 5, 7
+    step = per_expert * r * c + gap
+    flat = torch.randn(E * step, dtype=torch.float64)
+    blocks = [flat[e * step + j * r * c: e * step + (j + 1) * r * c].view(r, c).requires_grad_()
+              for e in range(E) for j in range(per_expert)]
+    leaves = [b.detach().clone().requires_grad_() for b in blocks]
+    view, in_place = _expert_weights(blocks, E)
+    copy, copied = _expert_weights(leaves, E)
+    assert in_place and not copied and view.data_ptr() == flat.data_ptr() and torch.equal(view, copy)
+    weight = torch.randn(E, per_expert * r, c, dtype=torch.float64)
+    (view * weight).sum().backward()
+    (copy * weight).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(blocks, leaves))
+    shuffled = blocks[per_expert:] + blocks[:per_expert]  # experts out of storage order
+    assert not _expert_weights(shuffled, E)[1]
+    overlapping = [flat[e * 3: e * 3 + r * c].view(r, c) for e in range(E * per_expert)]
+    assert not _expert_weights(overlapping, E)[1]
 
 
 class _CustomForward(nn.Module):
