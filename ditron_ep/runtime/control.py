@@ -43,6 +43,7 @@ FLAG_REBUILD = 16            # the rank's request needs another buffer (function
 FLAG_OUT_OF_STEP = 32        # set by the reader: the rank's call number differs from the reader's
 FLAG_MISSING = 64            # set by the reader: the rank did not arrive within the bounded wait
 FLAG_UNREAD = 128            # the rank holds an error of an earlier call that its host has not raised yet
+FLAG_TOO_MANY_ROWS = 256     # graph mode: a dispatch received more rows than its max_recv_rows (the rest dropped)
 # Any of these stops the call on every rank (nothing moves); the others only drop slots/tokens.
 STOP_FLAGS = FLAG_GAVE_UP | FLAG_REFUSED | FLAG_REBUILD | FLAG_OUT_OF_STEP | FLAG_MISSING | FLAG_UNREAD
 

@@ -60,6 +60,7 @@ class DispatchHandle:
 
     num_recv_per_expert: int32 [E_local]      rows received per local expert
     expert_offsets:      int32 [E_local + 1]  first row of each local expert; [-1] = total rows
+                         (graph mode: capped at the rows the call kept, `rows_cap`)
     num_rows:            host int (default mode) or None (graph mode: see expert_offsets[-1])
     recv_weights:        fp32 [rows] routing weight of every row, if weights were dispatched
     """
@@ -74,6 +75,7 @@ class DispatchHandle:
     rows_cap: int
     num_rows: int | None
     sync: bool
+    capped_offsets: torch.Tensor | None = None  # graph mode with max_recv_rows: offsets capped at rows_cap
 
     @property
     def num_recv_per_expert(self) -> torch.Tensor:
@@ -81,12 +83,12 @@ class DispatchHandle:
 
     @property
     def expert_offsets(self) -> torch.Tensor:
-        return self.recv.expert_off
+        return self.recv.expert_off if self.capped_offsets is None else self.capped_offsets
 
     @property
     def grouped_mm_offs(self) -> torch.Tensor:
         """int32 [E_local] cumulative row ends: the `offs` argument of `torch._grouped_mm`."""
-        return self.recv.expert_off[1:]
+        return self.expert_offsets[1:]
 
 
 def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
@@ -232,7 +234,7 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
-                 *, sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
+                 *, sync: bool = True, max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
         """Send every token to the ranks of its experts; return expert-major rows and a handle.
 
         Args:
@@ -244,6 +246,9 @@ class EPBuffer:
                 and bad input raises before any token moves. False (graph mode): no host sync;
                 recv_x has capacity W * max_tokens * K rows, the valid extent is
                 `handle.expert_offsets[-1]`, and bad input is recorded for the next sync call.
+            max_recv_rows: graph mode only: the capacity of recv_x instead (the memory graph mode
+                saves for the backward). Rows past it are dropped (expert_offsets stop there) and a
+                CapacityError is recorded for the next sync call or `check()`.
         Returns:
             recv_x: [rows, H] rows of local expert e at expert_offsets[e]:expert_offsets[e+1],
                 ordered by (source rank, source token); one row per (token, k) routed here.
@@ -253,10 +258,13 @@ class EPBuffer:
         try:
             self._check_tokens(x, "x")
             w = self._check_routing(x, topk_idx, topk_weights)
+            if max_recv_rows is not None and (sync or not is_positive_int(max_recv_rows)):
+                raise DitronConfigError(f"max_recv_rows={max_recv_rows!r}: give a positive int, with sync=False only "
+                                        f"(default mode returns exactly the rows received)")
         except DitronConfigError:
             self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
             raise
-        return _Dispatch.apply(x, self, topk_idx, w, sync)
+        return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows)
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle,
                 topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -351,6 +359,8 @@ class EPBuffer:
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
         if flags:
             send.flags.fill_(flags)
+        # a graph-mode overflow of max_recv_rows is this rank's alone: its records tell every rank
+        send.flags.bitwise_or_(self._pending_flags & C.FLAG_TOO_MANY_ROWS)
         recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout,
                                self._fields if fields is None else fields, alloc=alloc,
                                pending=self._pending_flags if record_pending else None, tokens=tokens)
@@ -453,7 +463,7 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ raw passes (no autograd)
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
-                      sync: bool) -> tuple[torch.Tensor, DispatchHandle]:
+                      sync: bool, max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
         send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # Queued before the host read below, so the GPU fills them while the host waits.
@@ -463,10 +473,18 @@ class EPBuffer:
         # all work until then).
         recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
         recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
+        capped = None
         if sync:
             rows_cap = num_rows = self._rows_from_status(recv, captured)
         else:
             rows_cap, num_rows = W * T * K, None
+            if max_recv_rows is not None and max_recv_rows < rows_cap:
+                # the kernel drops rows past the cap, so every expert's rows stop there too; an
+                # overflow is recorded for the next host-visible call (device ops, no sync)
+                rows_cap = max_recv_rows
+                capped = recv.expert_off.clamp(max=rows_cap)
+                over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
+                self._pending_flags.bitwise_or_(over)
         recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
         recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
@@ -474,7 +492,7 @@ class EPBuffer:
                               after_layout=True)
         self._finish(sync)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
-                                num_rows, sync)
+                                num_rows, sync, capped)
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
@@ -554,6 +572,10 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
             f"a rank passed more tokens than max_tokens_per_rank={max_tokens}{who}: needed "
             f"{needed if info is not None else f'more than {max_tokens}'}; build the buffer with a larger "
             f"max_tokens_per_rank ({moved})", needed=needed, pending=info is None)
+    if flags & C.FLAG_TOO_MANY_ROWS:
+        raise CapacityError("a graph-mode dispatch (sync=False) received more rows than its max_recv_rows; the rows "
+                            "past it were dropped (raise max_recv_rows, or leave it None for the full capacity)",
+                            needed=max_tokens + 1, pending=True)
     if flags & C.FLAG_BAD_EXPERT:
         raise RoutingError(f"topk_idx holds expert ids outside [-1, {num_experts}){who}; "
                            f"fix the router output ({moved})")
@@ -561,7 +583,7 @@ def raise_input_flags(flags: int, info: list[list[int]] | None, num_experts: int
 
 # Of several problems recorded by graph-mode calls, the first in this order is raised first.
 _PENDING_ORDER = (C.FLAG_MISSING, C.FLAG_OUT_OF_STEP | C.FLAG_GAVE_UP, C.FLAG_UNREAD | C.FLAG_REFUSED | C.FLAG_REBUILD,
-                  C.FLAG_TOO_MANY_TOKENS, C.FLAG_BAD_EXPERT)
+                  C.FLAG_TOO_MANY_TOKENS, C.FLAG_TOO_MANY_ROWS, C.FLAG_BAD_EXPERT)
 
 
 def raise_pending_flags(pending_flags: torch.Tensor, owner, flags: int | None = None) -> None:
@@ -639,18 +661,18 @@ class _Dispatch(torch.autograd.Function):
     """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine)."""
 
     @staticmethod
-    def forward(ctx, x, buffer, topk_idx, w, sync):
-        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync)
+    def forward(ctx, x, buffer, topk_idx, w, sync, max_recv_rows):
+        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync, max_recv_rows)
         ctx.buffer, ctx.handle = buffer, handle
         return recv_x, handle
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_handle):
         if grad_recv_x is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         _alive_for_backward(ctx.buffer)
         grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None)
-        return grad_x, None, None, None, None
+        return grad_x, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -35,7 +35,7 @@ class BufferSlot:
         return self.slot.resource
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
-                 num_experts: int, sync: bool = True,
+                 num_experts: int, sync: bool = True, max_recv_rows: int | None = None,
                  error: Exception | None = None) -> tuple[torch.Tensor, DispatchHandle]:
         """`EPBuffer.dispatch` (shapes there). Graph mode (sync=False) needs the buffer to exist
         at a sufficient size (call once with sync=True first). error: the caller rejected its
@@ -45,7 +45,7 @@ class BufferSlot:
         except DitronConfigError as err:
             error = error or err
         return self.slot.run(request_of(x, topk_idx, num_experts), x.shape[0] if error is None else 0, error, sync,
-                             lambda buf: buf.dispatch(x, topk_idx, topk_weights, sync=sync),
+                             lambda buf: buf.dispatch(x, topk_idx, topk_weights, sync=sync, max_recv_rows=max_recv_rows),
                              lambda buf, flags, fields: buf.join_flagged(flags, fields, x.shape[0] if fields else 0))
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,11 +82,13 @@ def get_buffer(group: dist.ProcessGroup | None = None) -> EPBuffer | None:
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
-             num_experts: int, group: dist.ProcessGroup | None = None,
-             sync: bool = True) -> tuple[torch.Tensor, DispatchHandle]:
-    """`EPBuffer.dispatch` on the group's buffer (see there for shapes). Graph mode (sync=False)
-    needs the buffer to exist already at a sufficient size (call once with sync=True first)."""
-    return group_slot(group).dispatch(x, topk_idx, topk_weights, num_experts=num_experts, sync=sync)
+             num_experts: int, group: dist.ProcessGroup | None = None, sync: bool = True,
+             max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
+    """`EPBuffer.dispatch` on the group's buffer (see there for shapes and max_recv_rows). Graph
+    mode (sync=False) needs the buffer to exist already at a sufficient size (call once with
+    sync=True first)."""
+    return group_slot(group).dispatch(x, topk_idx, topk_weights, num_experts=num_experts, sync=sync,
+                                      max_recv_rows=max_recv_rows)
 
 
 def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,

@@ -63,7 +63,7 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         w2: torch.Tensor, *, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
         activation: str = "swiglu", group: dist.ProcessGroup | None = None, schedule: str = "overlap",
         sync: bool = True, check_errors: bool = False, grad_dtype: torch.dtype | None = None,
-        recompute: bool = False) -> torch.Tensor:
+        recompute: bool = False, max_recv_rows: int | None = None) -> torch.Tensor:
     """Expert-parallel MoE forward: out[t] = sum_k w[t,k] * MLP_{e(t,k)}(x[t]).
 
     Args:
@@ -90,6 +90,9 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
         grad_dtype: None, or torch.float32 with bf16 / fp16 weights: their gradients are computed
             in fp32 and added to each weight's `main_grad` (created when missing) instead of
             `.grad` (`grouped_mlp`).
+        max_recv_rows: graph-mode training (sync=False with gradients) keeps capacity-sized rows,
+            W * T_max * K by default; this caps them (memory). Rows past it are dropped and a
+            CapacityError is raised at the next sync call or `check()`.
         recompute: with gradients, what the forward keeps for the backward. False (default): the
             staged launches run the forward (under every schedule) and keep what their backward
             needs: the dispatched rows, the pre-activation, the expert outputs. True (activation
@@ -109,12 +112,13 @@ def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1:
     need sync=True when gradients are asked for.
     """
     return run_moe(_group_slots(group), x, topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=activation,
-                   schedule=schedule, sync=sync, check_errors=check_errors, grad_dtype=grad_dtype, recompute=recompute)
+                   schedule=schedule, sync=sync, check_errors=check_errors, grad_dtype=grad_dtype, recompute=recompute,
+                   max_recv_rows=max_recv_rows)
 
 
 def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=None, activation: str = "swiglu",
             schedule: str = "overlap", sync: bool = True, check_errors: bool = False,
-            grad_dtype: torch.dtype | None = None, recompute: bool = False,
+            grad_dtype: torch.dtype | None = None, recompute: bool = False, max_recv_rows: int | None = None,
             error: Exception | None = None) -> torch.Tensor:
     """`moe` on `slots` (its arguments). A rank whose arguments fail (or that passes the `error`
     it found itself) still joins the call, flagged, on the buffer or layer the call runs on, so
@@ -135,6 +139,9 @@ def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=N
         if recompute and schedule == "staged":
             raise DitronConfigError("recompute=True recomputes the staged launches after a fused forward: use it "
                                     "with schedule='overlap' or 'sequential' (schedule='staged' keeps its activations)")
+        if max_recv_rows is not None and not (staged and needs_grad and not sync):
+            raise DitronConfigError("max_recv_rows sizes the rows graph-mode training keeps: give it with sync=False "
+                                    "and gradients (recompute=False); other calls size their rows themselves")
         if needs_grad and recompute and not sync:
             raise NotImplementedError("recompute=True with sync=False: the backward's recomputation reads the host; "
                                       "capture with recompute=False (the default), or train with sync=True")
@@ -149,7 +156,8 @@ def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=N
             slots.buffer.dispatch(x, topk_idx, num_experts=num_experts, sync=sync, error=error)
         # with gradients, sync=False runs the staged launches in graph mode (forward and backward capturable)
         return staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, slot=slots.buffer, num_experts=num_experts,
-                          activation=activation, grad_dtype=grad_dtype, sync=sync or not needs_grad)
+                          activation=activation, grad_dtype=grad_dtype, sync=sync or not needs_grad,
+                          max_recv_rows=max_recv_rows)
     request = None if error is not None else {
         "num_experts": num_experts, "hidden": x.shape[1], "ffn_hidden": w2.shape[1], "topk": topk_idx.shape[1],
         "dtype": x.dtype, "activation": activation, "schedule": schedule}

@@ -21,12 +21,13 @@ __all__ = ["FusedForwardStagedBackward", "staged_moe"]
 
 
 def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, slot: BufferSlot, num_experts: int,
-               activation: str, grad_dtype: torch.dtype | None = None, sync: bool = True) -> torch.Tensor:
+               activation: str, grad_dtype: torch.dtype | None = None, sync: bool = True,
+               max_recv_rows: int | None = None) -> torch.Tensor:
     """Dispatch, grouped MLP, combine as separate launches on `slot`'s buffer; autograd through
     each. sync=False: graph mode, no host read forward or backward (the rows are the buffer's
     capacity; rows past the received ones are zero and get no gradient), so forward + backward
-    can be captured."""
-    recv_x, handle = slot.dispatch(x, topk_idx, num_experts=num_experts, sync=sync)
+    can be captured; max_recv_rows: the rows graph mode keeps (EPBuffer.dispatch)."""
+    recv_x, handle = slot.dispatch(x, topk_idx, num_experts=num_experts, sync=sync, max_recv_rows=max_recv_rows)
     y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2, b1=b1, b2=b2, activation=activation,
                     check=False, grad_dtype=grad_dtype)  # offsets built by dispatch
     return slot.combine(y, handle, topk_weights)

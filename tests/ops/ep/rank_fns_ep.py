@@ -584,3 +584,44 @@ def two_refusers_combine_case() -> dict:
     res["after"] = _is_weighted_sum(out, xs[rank], ws[rank])
     buf.free()
     return res
+
+
+def max_recv_rows_case() -> dict:
+    """Graph mode with max_recv_rows: a cap at or above the rows received gives the default
+    mode's rows and offsets bit for bit in a recv_x of the cap's size, and combine's output; a cap
+    below drops the rows past it (offsets stop there), and the next sync call raises
+    CapacityError on every rank (the overflow was one rank's); the call after is right."""
+    from ditron_ep.ops import CapacityError
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    E, H, K = 2 * W, 24, 2
+    buf = EPBuffer(None, E, H, 10, K, torch.float32)
+    xs, idxs, ws = make_inputs(W, [9, 4] + [5] * (W - 2), H, E, K, torch.float32, "one_rank", seed=3)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    ref_x, ref_h = buf.dispatch(x, idx, w)
+    ref_out = buf.combine(ref_x, ref_h, w)
+    rows = [int(r) for r in torch.tensor([ref_h.num_rows])]
+    res: dict = {"rows": rows[0]}
+    cap = 30
+    got_x, got_h = buf.dispatch(x, idx, w, sync=False, max_recv_rows=cap)
+    n = ref_h.num_rows
+    res["fits"] = (got_x.shape[0] == cap and torch.equal(got_x[:n], ref_x)
+                   and torch.equal(got_h.expert_offsets, ref_h.expert_offsets)
+                   and torch.equal(buf.combine(got_x, got_h, w), ref_out)) if n <= cap else None
+    small = 3
+    cut_x, cut_h = buf.dispatch(x, idx, w, sync=False, max_recv_rows=small)
+    res["cut_offsets"] = cut_h.expert_offsets.tolist()
+    res["cut_rows_kept"] = bool(torch.equal(cut_x[:min(n, small)], ref_x[:min(n, small)]))
+    try:
+        buf.dispatch(x, idx, w)
+        res["next_sync"] = "no error"
+    except CapacityError as err:
+        res["next_sync"] = f"CapacityError: {err}"
+    res["after"] = bool(torch.equal(buf.combine(*buf.dispatch(x, idx, w), w), ref_out))
+    try:
+        buf.dispatch(x, idx, w, max_recv_rows=5)
+        res["sync_cap"] = "no error"
+    except Exception as err:  # noqa: BLE001
+        res["sync_cap"] = f"{type(err).__name__}: {err}"
+    buf.free()
+    return res

@@ -359,7 +359,8 @@ def two_layer_training_case(tokens: list[int], H: int, I: int, E: int, K: int, s
 
 def graph_mode_training_case(tokens: list[int], H: int, I: int, E: int, K: int, seed: int) -> dict:
     """moe with gradients and sync=False (no host read forward or backward: CUDA-graph
-    capturable) against the same call with sync=True: the same output and gradient bits."""
+    capturable), with the full row capacity and with max_recv_rows, against the same call with
+    sync=True: the same output and gradient bits."""
     from ditron_ep.ops import clear_cache, clear_layers, moe
 
     rank, W = dist.get_rank(), dist.get_world_size()
@@ -367,10 +368,11 @@ def graph_mode_training_case(tokens: list[int], H: int, I: int, E: int, K: int, 
     experts = make_experts(W, E // W, H, I, seed, "gelu", True)
     gout = torch.randn(tokens[rank], H, generator=torch.Generator().manual_seed(seed + rank))
     runs = []
-    for sync in (True, False, False):
+    rows = sum(tokens) * K  # at least the rows any rank receives
+    for sync, cap in ((True, None), (False, None), (False, None), (False, rows)):
         leaves = [t.clone().requires_grad_() for t in (xs[rank], ws[rank], *experts[rank])]
         x, w, w1, w2, b1, b2 = leaves
-        out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation="gelu", sync=sync)
+        out = moe(x, idxs[rank], w, w1, w2, b1=b1, b2=b2, activation="gelu", sync=sync, max_recv_rows=cap)
         out.backward(gout)
         runs.append([out.detach()] + [t.grad for t in leaves])
     clear_cache()
