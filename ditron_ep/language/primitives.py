@@ -185,10 +185,13 @@ def meet_peer(sig_ptr, rec_ptr, call, my_ctrl, rank, stage, peer, budget):
     met every rank here and went on). A peer ahead moves this rank's next call to the peer's
     (RESYNC), so the ranks meet again."""
     v = wait_value(sig_ptr, call, my_ctrl, rank, stage, peer, budget)
+    # scalar atomics: one value for every thread of the program (see read_abort)
+    rec_call = tl.atomic_add(rec_ptr + 1, 0, sem="relaxed", scope="sys")
+    rec_flags = tl.atomic_add(rec_ptr, 0, sem="relaxed", scope="sys")
     arrived = (v - call) >= 0
-    entered = arrived & (tl.load(rec_ptr + 1, volatile=True) == call)
-    skipped = arrived & (tl.load(rec_ptr + 1, volatile=True) != call)
-    flags = tl.where(entered, tl.load(rec_ptr, volatile=True), 0)
+    entered = arrived & (rec_call == call)
+    skipped = arrived & (rec_call != call)
+    flags = tl.where(entered, rec_flags, 0)
     flags |= tl.where(arrived, 0, FLAG_MISSING) | tl.where(skipped, FLAG_OUT_OF_STEP, 0)
     flags |= tl.where((flags & FLAG_GAVE_UP) != 0, FLAG_OUT_OF_STEP, 0)
     if skipped:
@@ -228,6 +231,17 @@ def unread_flag(my_ctrl):
 
 @register_device_function
 @triton.jit
+def dispatch_stopped(src_info_ptr, world, BLOCK_W: tl.constexpr):
+    """1 when the dispatch whose layout gave `src_info` [W, 2] (every rank's flags, T) did not go
+    (a stop flag of any rank): a combine or replay along its handle is then no call (call_begin's
+    skip). Every rank holding such a handle reads the same flags."""
+    o_w = tl.arange(0, BLOCK_W)
+    flags = tl.load(src_info_ptr + o_w * 2, mask=o_w < world, other=0)
+    return (tl.max(flags & STOP_FLAGS, axis=0) != 0).to(tl.int32)
+
+
+@register_device_function
+@triton.jit
 def record_slot(ctrl, call):
     """First word of the RECORD slot of barrier-opened call `call` in the control block at
     `ctrl` (runtime/control.record_slot)."""
@@ -237,7 +251,7 @@ def record_slot(ctrl, call):
 @register_device_function
 @triton.jit
 def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags=0,
-               KEEP: tl.constexpr = True):
+               KEEP: tl.constexpr = True, skip=0):
     """Enter a collective launch: returns (call, go).
 
     OPENS (an opening launch: the call's first, with an entry barrier): the call number is one
@@ -246,7 +260,10 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
     program then meets every peer (`meet_peer`). go = every peer is at this call and none is
     flagged; otherwise no program runs a task, on any rank (every rank read the same records).
     A rank that timed out marks its record FLAG_GAVE_UP, so a peer arriving late leaves too; one
-    holding an unread error marks it FLAG_UNREAD. KEEP: see `note_stop`.
+    holding an unread error marks it FLAG_UNREAD. KEEP: see `note_stop`. skip != 0: the launch
+    follows a handle whose dispatch did not go (graph mode; every rank holding such a handle
+    sees it): it is no call at all (no record, no stamp, CALL unchanged) and runs no task, so the
+    ranks' call numbers stay in step with the rank that raised instead.
     No rank writes into a peer's buffers while the peer still reads the previous call's data.
 
     OPENS=False: a launch that follows, on the same stream and in the same call, the call's
@@ -260,23 +277,24 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
     if OPENS:
         call = tl.load(my_ctrl + CALL, volatile=True) + 1
         flags |= unread_flag(my_ctrl)
-        # Every program writes (the same values): no program depends on another being resident.
-        for p in range(world):
-            p_ctrl = ctrl_ptr(table_ptr, p)
-            tl.store(record_slot(p_ctrl, call) + 2 * rank, flags)
-            tl.store(record_slot(p_ctrl, call) + 2 * rank + 1, call)
-            notify(p_ctrl + BARRIER + rank, call)  # its release publishes the record
         n_stop = 0
         n_missing = 0
-        for p in range(world):
-            seen, v = meet_peer(my_ctrl + BARRIER + p, record_slot(my_ctrl, call) + 2 * p, call, my_ctrl, rank,
-                                STAGE_CALL_BARRIER, p, budget)
-            n_stop += note_stop(my_ctrl, seen, p, call, v, KEEP)
-            n_missing += ((seen & FLAG_MISSING) != 0).to(tl.int32)
-        if n_missing > 0:  # leave the call: a peer that comes late finds this and leaves too
+        if skip == 0:
+            # Every program writes (the same values): no program depends on another being resident.
             for p in range(world):
-                tl.store(record_slot(ctrl_ptr(table_ptr, p), call) + 2 * rank, flags | FLAG_GAVE_UP)
-        go = n_stop == 0
+                p_ctrl = ctrl_ptr(table_ptr, p)
+                tl.store(record_slot(p_ctrl, call) + 2 * rank, flags)
+                tl.store(record_slot(p_ctrl, call) + 2 * rank + 1, call)
+                notify(p_ctrl + BARRIER + rank, call)  # its release publishes the record
+            for p in range(world):
+                seen, v = meet_peer(my_ctrl + BARRIER + p, record_slot(my_ctrl, call) + 2 * p, call, my_ctrl, rank,
+                                    STAGE_CALL_BARRIER, p, budget)
+                n_stop += note_stop(my_ctrl, seen, p, call, v, KEEP)
+                n_missing += ((seen & FLAG_MISSING) != 0).to(tl.int32)
+            if n_missing > 0:  # leave the call: a peer that comes late finds this and leaves too
+                for p in range(world):
+                    tl.store(record_slot(ctrl_ptr(table_ptr, p), call) + 2 * rank, flags | FLAG_GAVE_UP)
+        go = (n_stop == 0) & (skip == 0)
     else:
         call = tl.load(my_ctrl + CALL, volatile=True)
         go = tl.load(my_ctrl + GO, volatile=True) == call
@@ -317,10 +335,10 @@ def next_task_split(my_ctrl, on_comm, split_at):
 
 @register_device_function
 @triton.jit
-def call_end(table_ptr, rank, call, OPENS: tl.constexpr = True):
+def call_end(table_ptr, rank, call, OPENS: tl.constexpr = True, skip=0):
     """Leave the launch; the last program out resets the launch's words and, for an opening
     launch, moves the call number on: CALL = call (plus RESYNC when a peer was ahead), and
-    GO = call when no program found a reason to stop."""
+    GO = call when no program found a reason to stop (skip != 0: no call, see call_begin)."""
     my_ctrl = ctrl_ptr(table_ptr, rank)
     n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     arrived = tl.atomic_add(my_ctrl + ARRIVALS, 1, sem="acq_rel", scope="gpu")
@@ -331,10 +349,11 @@ def call_end(table_ptr, rank, call, OPENS: tl.constexpr = True):
         tl.atomic_xchg(my_ctrl + ROLES, 0, sem="relaxed", scope="gpu")
         tl.atomic_xchg(my_ctrl + ABORT, 0, sem="relaxed", scope="gpu")
         if OPENS:
-            if tl.atomic_xchg(my_ctrl + NO_GO, 0, sem="relaxed", scope="gpu") == 0:
-                tl.atomic_xchg(my_ctrl + GO, call, sem="relaxed", scope="gpu")
-            resync = tl.atomic_xchg(my_ctrl + RESYNC, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(my_ctrl + CALL, call + resync, sem="release", scope="gpu")
+            if skip == 0:
+                if tl.atomic_xchg(my_ctrl + NO_GO, 0, sem="relaxed", scope="gpu") == 0:
+                    tl.atomic_xchg(my_ctrl + GO, call, sem="relaxed", scope="gpu")
+                resync = tl.atomic_xchg(my_ctrl + RESYNC, 0, sem="relaxed", scope="gpu")
+                tl.atomic_xchg(my_ctrl + CALL, call + resync, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -58,9 +58,14 @@ def buffer_scenarios() -> dict:
         mine = args if rank == (0 if key == "capacity" else 1) else (x, idx, w)
         _timed(res, key, lambda: buf.dispatch(*mine))
         res[key + "_after"] = round_trip()
-    # graph mode: rank 1's own mistake raises there at once; rank 0's call runs nothing and its
-    # check() raises; nobody waits
-    _timed(res, "graph_dtype", lambda: buf.dispatch(x.half() if rank == 1 else x, idx, w, sync=False))
+    # graph mode: rank 1's own mistake raises there at once; rank 0's dispatch runs nothing, nor
+    # does its combine along that handle (no call: the ranks stay in step), and its check()
+    # raises; nobody waits
+    def graph_step():
+        recv_x, handle = buf.dispatch(x.half() if rank == 1 else x, idx, w, sync=False)
+        buf.combine(recv_x, handle, w)
+
+    _timed(res, "graph_dtype", graph_step)
     _timed(res, "graph_dtype_check", buf.check)
     res["graph_dtype_after"] = round_trip()
     # a skipped call: rank 0 calls alone and times out; rank 1 arrives late at that call

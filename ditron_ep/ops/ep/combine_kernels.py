@@ -16,7 +16,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
+                                          notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
@@ -71,7 +72,8 @@ def ep_combine_kernel(
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
-    call_no, ok = call_begin(table_ptr, rank, world, budget)
+    skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)  # a graph-mode handle of a dispatch that did not go
+    call_no, ok = call_begin(table_ptr, rank, world, budget, skip=skip)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     n_blocks = tl.cdiv(T, BLOCK_T)
@@ -126,7 +128,7 @@ def ep_combine_kernel(
                     reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
                                   out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank, call_no, OPENS=True)
+    call_end(table_ptr, rank, call_no, OPENS=True, skip=skip)
 
 
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",

@@ -19,7 +19,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
+from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
+                                          notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
@@ -87,7 +88,10 @@ def ep_dispatch_kernel(
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
 ):
-    call_no, ok = call_begin(table_ptr, rank, world, budget, OPENS=ENTRY_BARRIER)
+    skip = 0
+    if ENTRY_BARRIER:  # a replay along a graph-mode handle of a dispatch that did not go is no call
+        skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)
+    call_no, ok = call_begin(table_ptr, rank, world, budget, OPENS=ENTRY_BARRIER, skip=skip)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     META: tl.constexpr = 1 + 2 * K
@@ -165,7 +169,7 @@ def ep_dispatch_kernel(
                                 else:
                                     tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
         t = next_task(my_ctrl)
-    call_end(table_ptr, rank, call_no, OPENS=ENTRY_BARRIER)
+    call_end(table_ptr, rank, call_no, OPENS=ENTRY_BARRIER, skip=skip)
 
 
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",

@@ -484,6 +484,7 @@ def ep_layout_kernel(
     tl.store(p_rec, tl.load(p_in + o_w[:, None] * row + E_local + 4 + o_f[None, :], mask=m_w[:, None], other=0),
              mask=m_w[:, None])
     if record_pending != 0:  # bit sets: OR-ed, not maxed (a max drops every smaller bit)
+        tl.debug_barrier()  # the scalar stores of src_info above, read back as a vector
         b_flags = tl.load(src_info_ptr + o_w * 2, mask=m_w, other=0)
         tl.store(pending_ptr, tl.load(pending_ptr) | tl.reduce(b_flags, 0, _bitwise_or))
     if BLOCK_M > 0:

@@ -217,7 +217,9 @@ class EPMoE(nn.Module):
                 fix += f", or build the layer with dtype={x.dtype} (or call .to({x.dtype}))"
             problem = f"x has dtype {x.dtype} but the experts are {self.w1.dtype}; {fix}"
         if problem:  # the peers' call on this layer raises at once too (it joins it flagged)
-            run_moe(self._slots, x, None, None, self.w1, self.w2, b1=self.b1, b2=self.b2, activation=self.activation,
+            # routing weights as the peers' router gives them (its gradient picks their path)
+            weights = torch.empty((0, self.topk), requires_grad=self.router_weight.requires_grad)
+            run_moe(self._slots, x, None, weights, self.w1, self.w2, b1=self.b1, b2=self.b2, activation=self.activation,
                     schedule=self.schedule, grad_dtype=self.grad_dtype, recompute=self.recompute,
                     error=DitronConfigError(problem))
         tokens = x.reshape(-1, self.hidden).contiguous()  # [T, H]

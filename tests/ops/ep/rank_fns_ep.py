@@ -592,6 +592,7 @@ def max_recv_rows_case() -> dict:
     below drops the rows past it (offsets stop there), and the next sync call raises
     CapacityError on every rank (the overflow was one rank's); the call after is right."""
     from ditron_ep.ops import CapacityError
+    from ditron_ep.runtime import DitronConfigError
 
     rank, W = dist.get_rank(), dist.get_world_size()
     E, H, K = 2 * W, 24, 2
@@ -615,8 +616,8 @@ def max_recv_rows_case() -> dict:
     try:
         buf.dispatch(x, idx, w)
         res["next_sync"] = "no error"
-    except CapacityError as err:
-        res["next_sync"] = f"CapacityError: {err}"
+    except (CapacityError, DitronConfigError) as err:
+        res["next_sync"] = f"{type(err).__name__}: {err}"
     res["after"] = bool(torch.equal(buf.combine(*buf.dispatch(x, idx, w), w), ref_out))
     try:
         buf.dispatch(x, idx, w, max_recv_rows=5)
