@@ -67,6 +67,16 @@ def differing(fields: dict[int, dict | None]) -> str:
     return "; ".join(f"{n}: " + ", ".join(f"rank {r} {f.get(n)!r}" for r, f in known.items()) for n in names)
 
 
+def per_group(registry: dict, group: dist.ProcessGroup | None, make: Callable[[dist.ProcessGroup | None], R]) -> R:
+    """The registry's entry for the process group (keyed by its name; None = the default group),
+    made by `make(group)` at first use: what the functional forms keep per group."""
+    g = group if group is not None else dist.group.WORLD
+    key = g.group_name if hasattr(g, "group_name") else id(g)
+    if key not in registry:
+        registry[key] = make(group)
+    return registry[key]
+
+
 class RebuildNeeded(Exception):
     """Every rank's request of this call (`fields`, up to `tokens` tokens) needs another buffer
     than the one the call reached; raised on every rank alike, caught by `CallSlot`."""

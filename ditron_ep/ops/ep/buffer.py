@@ -359,11 +359,9 @@ class EPBuffer:
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens, alloc=alloc)
         if flags:
             send.flags.fill_(flags)
-        if not record_pending:  # problems graph-mode calls left on this rank stop this call everywhere
-            mark_unread(send.flags, self._pending_flags)
         recv = exchange_layout(self.heap, send, self.num_experts, "ep/layout", self._sig_layout,
-                               self._fields if fields is None else fields, alloc=alloc,
-                               pending=self._pending_flags if record_pending else None, tokens=tokens)
+                               self._fields if fields is None else fields, alloc=alloc, pending=self._pending_flags,
+                               record_pending=record_pending, tokens=tokens)
         return send, recv
 
     def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
@@ -516,14 +514,6 @@ class EPBuffer:
     def _landed(self, num_tokens: int) -> torch.Tensor:
         """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
         return self.heap.local_view("ep/land")[:num_tokens].clone()
-
-
-def mark_unread(flags: torch.Tensor, pending_flags: torch.Tensor) -> None:
-    """A default-mode call's record gets FLAG_UNREAD while this rank holds problems recorded by
-    graph-mode calls (device ops, no sync): some are this rank's alone (an overflow of
-    max_recv_rows, a timeout it saw), so every rank stops the call and raises (this rank its own
-    problem) instead of one rank raising while its peers go on."""
-    flags.bitwise_or_((pending_flags != 0).to(torch.int32) * C.FLAG_UNREAD)
 
 
 def request_of(x: object, topk_idx: object, num_experts: int) -> dict | None:

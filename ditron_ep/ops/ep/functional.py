@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.ep.buffer import DispatchHandle, EPBuffer, request_of
-from ditron_ep.runtime.agreement import CallSlot
+from ditron_ep.runtime.agreement import CallSlot, per_group
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
 
@@ -69,11 +69,7 @@ _SLOTS: dict[object, BufferSlot] = {}
 
 def group_slot(group: dist.ProcessGroup | None) -> BufferSlot:
     """The process group's slot of the functional forms."""
-    g = group if group is not None else dist.group.WORLD
-    key = g.group_name if hasattr(g, "group_name") else id(g)
-    if key not in _SLOTS:
-        _SLOTS[key] = BufferSlot(group)
-    return _SLOTS[key]
+    return per_group(_SLOTS, group, BufferSlot)
 
 
 def get_buffer(group: dist.ProcessGroup | None = None) -> EPBuffer | None:

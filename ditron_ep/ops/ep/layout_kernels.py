@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.language.primitives import (FLAG_GAVE_UP, FLAG_MISSING, call_end, ctrl_ptr, heap_ptr, meet_peer,
+from ditron_ep.language.primitives import (FLAG_GAVE_UP, FLAG_MISSING, FLAG_UNREAD, call_end, ctrl_ptr, heap_ptr, meet_peer,
                                           note_stop, notify, unread_flag)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime import control as C
@@ -413,8 +413,9 @@ def ep_layout_kernel(
     records_ptr,     # out int32 (W, 2 + RECORD_FIELDS): every source's call number, T and request fields
     tile_start_ptr,  # out int32 (E_local + 1,) first row tile of each expert (BLOCK_M > 0)
     tiles_ptr,       # out int32 (n_tiles, 4): row tiles in GEMM order (BLOCK_M > 0; see _row_tile_map)
-    pending_ptr,     # int32 (1,): with record_pending, every rank's FLAG_* bits are OR-ed into it
-    record_pending,  # 1 in graph mode (the flags wait there for the next host-visible call), else 0
+    pending_ptr,     # int32 (1,): problems recorded by graph-mode calls, raised by the next host-visible call
+    record_pending,  # 1 in graph mode: every rank's FLAG_* bits are OR-ed into pending; 0 (default mode):
+                     # this rank's record gets FLAG_UNREAD while pending holds any (buffer.raise_pending_flags)
     rank, world, E_local, budget, n_tiles,
     ring_step,       # +1: sources are received in ring order rank, rank+1, ...; -1: rank, rank-1, ...
     BLOCK_W: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr = 0, BLOCK_I: tl.constexpr = 128,
@@ -436,6 +437,10 @@ def ep_layout_kernel(
     m_e = o_e < E_local
     o_f = tl.arange(0, _RECORD_FIELDS)
     flags = tl.load(flags_ptr) | unread_flag(my_ctrl)
+    if record_pending == 0:
+        # problems graph-mode calls left on this rank (some are its alone: a max_recv_rows overflow,
+        # a timeout it saw) stop this call on every rank; its host raises them, the others name it
+        flags |= tl.where(tl.load(pending_ptr) != 0, FLAG_UNREAD, 0)
     for i in range(world):
         i_dst = (rank - i + world) % world
         p_dst = heap_ptr(table_ptr, i_dst, layout_offset, tl.int32) + half + rank * row
@@ -554,8 +559,8 @@ def recv_layout_shapes(world_size: int, num_local_experts: int, tile_rows: int =
 def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
                     layout_name: str, sig_first: int, fields: torch.Tensor, *, tile_rows: int = 0,
                     tiles: torch.Tensor | None = None, ring_step: int = 1,
-                    alloc: Int32Alloc | None = None, pending: torch.Tensor | None = None,
-                    tokens: int | None = None) -> RecvLayout:
+                    alloc: Int32Alloc | None = None, pending: torch.Tensor,
+                    record_pending: bool = False, tokens: int | None = None) -> RecvLayout:
     """Launch the counts exchange (one program); returns the receive layout (no host sync).
 
     fields: int32 [RECORD_FIELDS] on the device, this call's request fields (the call record).
@@ -565,7 +570,9 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
     stages take them (rows that arrive first, first; see `_row_tile_map`); ring_step: +1 when
     sources are received in the order rank, rank + 1, ..., -1 for rank, rank - 1, ...
     alloc makes the returned tensors (shapes: `recv_layout_shapes`); default torch.empty.
-    pending: an int32 [1] tensor into which every rank's FLAG_* bits are OR-ed (graph mode).
+    pending: the owner's int32 [1] problems recorded by graph-mode calls; record_pending (graph
+    mode): every rank's FLAG_* bits are OR-ed into it; else this rank's record gets FLAG_UNREAD
+    while it holds any.
     tokens: the T this rank's record carries (default: the routing's; a flagged call joins
     with no routing but its request's T).
     """
@@ -582,8 +589,7 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
         send.topk_idx.shape[0] if tokens is None else tokens, heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,
         out.tokens_from, out.src_info, out.records, out.tile_start if tile_rows else out.num_recv,
-        tiles if tile_rows else out.num_recv, pending if pending is not None else out.num_recv,
-        int(pending is not None), heap.rank, W, e_local, heap.wait_budget,
+        tiles if tile_rows else out.num_recv, pending, int(record_pending), heap.rank, W, e_local, heap.wait_budget,
         tiles.shape[0] if tile_rows else 0, ring_step,
         BLOCK_W=triton.next_power_of_2(W), BLOCK_E=triton.next_power_of_2(e_local), BLOCK_M=tile_rows)
     return out

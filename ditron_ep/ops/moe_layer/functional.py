@@ -16,7 +16,7 @@ from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
 from ditron_ep.ops.moe_layer.fused import FusedMoE, validate_inputs
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import staged_moe
-from ditron_ep.runtime.agreement import CallSlot
+from ditron_ep.runtime.agreement import CallSlot, per_group
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.input_checks import check_dims
 from ditron_ep.runtime.mode import gemm_dtype_problem
@@ -52,11 +52,7 @@ _GROUP_SLOTS: dict[object, MoESlots] = {}
 
 
 def _group_slots(group: dist.ProcessGroup | None) -> MoESlots:
-    g = group if group is not None else dist.group.WORLD
-    key = g.group_name if hasattr(g, "group_name") else id(g)
-    if key not in _GROUP_SLOTS:
-        _GROUP_SLOTS[key] = MoESlots(group)
-    return _GROUP_SLOTS[key]
+    return per_group(_GROUP_SLOTS, group, MoESlots)
 
 
 def moe(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,

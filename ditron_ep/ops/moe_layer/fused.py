@@ -17,7 +17,6 @@ import triton
 from ditron_ep.compiler.lowering import lower
 from ditron_ep.compiler.plan import MoEPlan, MoESpec
 from ditron_ep.ops.ep.buffer import (
-    mark_unread,
     read_layout_status,
     record_fields,
     SUPPORTED_DTYPES,
@@ -370,13 +369,11 @@ class FusedMoE:
         send = build_send_layout(topk_idx, self.num_experts, self.world_size, self.max_tokens)
         if flags:
             send.flags.fill_(flags)
-        if not record_pending:
-            mark_unread(send.flags, self._pending_flags)
         # the counts exchange also builds the GEMM row-tile map (tile_start, "gemm/tiles")
         recv = exchange_layout(h, send, self.num_experts, "moe/layout", self._sig_layout,
                                self._fields if fields is None else fields,
                                tile_rows=self.plan.core.gate_up.block_m, tiles=self._tiles, ring_step=self._ring_step,
-                               pending=self._pending_flags if record_pending else None, tokens=tokens)
+                               pending=self._pending_flags, record_pending=record_pending, tokens=tokens)
         for lo, hi in self._zero_ranges:
             h.signals[lo:hi].zero_()
         return send, recv, topk_weights.to(torch.float32).contiguous()
