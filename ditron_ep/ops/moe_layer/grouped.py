@@ -24,6 +24,7 @@ import triton
 
 from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
 from ditron_ep.compiler.plan import is_positive_int
+from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
     build_tile_map,
@@ -34,6 +35,8 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
     grouped_wgrad_kernel,
     max_m_tiles,
 )
+from ditron_ep.ops.moe_layer import hopper_path
+from ditron_ep.ops.moe_layer.hopper_path import PATHS, default_hopper_configs, path_problem
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
@@ -70,6 +73,7 @@ def grouped_mlp(
     check: bool | None = None,
     grad_dtype: torch.dtype | None = None,
     save_preactivation: bool = True,
+    path: str = "auto",
 ) -> torch.Tensor:
     """The MLP of every local expert over its rows; returns y [rows, H] in x's dtype.
 
@@ -115,6 +119,13 @@ def grouped_mlp(
             them to the weights' dtype). The weights must then be leaf tensors (Parameters).
         save_preactivation: with gradients, keep z for the backward (memory: rows * n*I
             elements) or recompute it there (one more first GEMM).
+        path: "portable" (the `tl` kernels), "hopper" (the Gluon wgmma/TMA kernels,
+            `hopper_path.py`; DitronConfigError saying why when these inputs cannot take it) or
+            "auto" (default): hopper where `hopper_path.path_problem` finds nothing against it,
+            else portable. The two paths round differently (each deterministic, each bitwise
+            equal to itself run to run and for every grid); config, num_programs and group_rows
+            are the portable path's, the Hopper path's tiles come from the tuner
+            (compiler/tuner.py) or `hopper_path.default_hopper_configs`.
 
     Accumulation is fp32; the activation h is rounded to x's dtype before the second GEMM.
     """
@@ -150,8 +161,10 @@ def grouped_mlp(
         input_precision = "ieee" if device_type == "cpu" else "tf32"
     elif input_precision not in _PRECISIONS:
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
-    run = _Launches(tuple(config), num_programs, input_precision, group_rows, activation_code(activation),
-                    default_backward_configs(x.dtype, device_type))
+    act = activation_code(activation)
+    run = _Launches(kernel_choices(path, x, w1, w2, row_index, num_local, act, tuple(config),
+                                   biases=b1 is not None or b2 is not None),
+                    num_programs, input_precision, group_rows, act)
     if grad_dtype is not None and w1.dtype == grad_dtype:
         grad_dtype = None  # fp32 weights: their .grad is fp32 already
     if needs_grad and grad_dtype is not None:
@@ -166,16 +179,124 @@ def grouped_mlp(
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
 
 
+def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, config, *,
+                   biases: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
+    """(path, tile) of each expert-MLP kernel (tuner.KERNELS) for this call; `path` as grouped_mlp's.
+
+    "portable": the `tl` kernels, `config` (or the defaults) for the forward, the backward's
+    defaults. "hopper": every kernel on the Gluon path, its tuned tile when the tuner cache has
+    one, else `hopper_path.default_hopper_configs`; DitronConfigError saying why if these inputs
+    cannot take it. "auto": the tuner's choice per kernel when the cache has an entry for this
+    shape (and the Hopper path can run it), else all portable: an untuned machine computes
+    exactly what it computed before the tuner existed.
+    """
+    if path not in PATHS:
+        raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
+    device_type = _device_type(x.device)
+    up, down = config
+    portable = {"up": up, "down": down, **default_backward_configs(x.dtype, device_type)}
+    choices = {k: ("portable", cfg) for k, cfg in portable.items()}
+    if path == "portable":
+        return choices
+    tuned = tuned_choices(x.dtype, x.device, rows=x.shape[0], hidden=w1.shape[1], inter=w2.shape[1],
+                          num_local=num_local, activation_code=act)
+    hopper_tiles = {k: (t[1] if t is not None and t[0] == "hopper" else d)
+                    for k, d in default_hopper_configs().items() for t in [(tuned or {}).get(k)]}
+    problem = path_problem(x, w1, w2, row_index, hopper_tiles)
+    if problem is None and biases:
+        problem = "experts with biases run on the portable path"
+    if path == "hopper":
+        if problem:
+            raise DitronConfigError(f"path='hopper' cannot run this call: {problem}; pass path='auto' to fall back "
+                                    f"to the portable kernels")
+        return {k: ("hopper", cfg) for k, cfg in hopper_tiles.items()}
+    if problem or not tuned:
+        return choices
+    return {**choices, **tuned}
+
+
 class _Launches:
-    """The kernel launches of one grouped_mlp call on validated inputs (its settings bound)."""
+    """The kernel launches of one grouped_mlp call on validated inputs (its settings bound).
+    choices: kernel -> (path, tile), `kernel_choices`."""
 
-    def __init__(self, config, num_programs, input_precision, group_rows, act, backward_configs):
-        (self.up_cfg, self.down_cfg), self.num_programs = config, num_programs
+    def __init__(self, choices, num_programs, input_precision, group_rows, act):
+        self.choices, self.num_programs = choices, num_programs
         self.input_precision, self.group_rows, self.act = input_precision, group_rows, act
-        self.bwd = backward_configs  # core_config.default_backward_configs
 
-    def _maps(self, expert_offsets, *block_ms):
-        return {bm: build_tile_map(expert_offsets, bm) for bm in set(block_ms)}
+    def _on_hopper(self, kernel: str) -> bool:
+        return self.choices[kernel][0] == "hopper"
+
+    def _cfg(self, kernel: str) -> GemmTileConfig:
+        return self.choices[kernel][1]
+
+    def launch_up(self, x, w1, h, expert_offsets, row_index=None, b1=None, z=None, tile_start=None):
+        """The first GEMM with the activation, on its chosen path."""
+        cfg = self._cfg("up")
+        tiles = tile_start if tile_start is not None else build_tile_map(expert_offsets, cfg.block_m)
+        if self._on_hopper("up"):
+            hopper_path.launch_up(x, w1, h, z, expert_offsets, tiles, cfg, self.num_programs, self.act)
+        else:
+            launch_grouped_up(x, row_index, w1, h, expert_offsets, tiles, cfg, self.num_programs,
+                              self.input_precision, self.group_rows, act=self.act, b1=b1, z=z)
+
+    def _maps(self, expert_offsets, *kernels):
+        """build_tile_map for the block_m of each kernel (one map per distinct block_m)."""
+        maps = {}
+        for k in kernels:
+            bm = self._cfg(k).block_m
+            if bm not in maps:
+                maps[bm] = build_tile_map(expert_offsets, bm)
+        return {k: maps[self._cfg(k).block_m] for k in kernels}
+
+    def launch_down(self, h, w2, y, expert_offsets, tile_start, b2=None):
+        """y = h @ W2[e] (+ b2[e]) per expert's rows, rows past the last expert zero."""
+        cfg = self._cfg("down")
+        if self._on_hopper("down"):
+            hopper_path.launch_down(h, w2, y, expert_offsets, tile_start, cfg, self.num_programs)
+        else:
+            launch_grouped_down(h, w2, y, expert_offsets, tile_start, cfg, self.num_programs, self.input_precision,
+                                self.group_rows, b2=b2)
+
+    def launch_act_grad(self, dy, w2, z, dz, h, expert_offsets, tile_start):
+        """dh = dy @ W2[e]^T with the activation's backward fused: dz, and h recomputed from z."""
+        cfg = self._cfg("act_grad")
+        if self._on_hopper("act_grad"):
+            hopper_path.launch_act_grad(dy, w2, z, dz, h, expert_offsets, tile_start, cfg, self.num_programs, self.act)
+            return
+        rows, num_local, hidden, inter = dy.shape[0], w2.shape[0], w2.shape[2], w2.shape[1]
+        m_cap = max_m_tiles(rows, num_local, cfg.block_m)
+        grouped_act_grad_kernel[(min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)](
+            dy, w2, z, dz, h, tile_start, expert_offsets, rows, m_cap, hidden, inter, num_local,
+            min(self.group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, ACT=self.act,
+            **cfg.launch_options())
+
+    def launch_dgrad(self, dz, w1, dx, expert_offsets, tile_start):
+        """dx = dz @ W1[e]^T per expert's rows, rows past the last expert zero."""
+        cfg = self._cfg("dgrad")
+        if self._on_hopper("dgrad"):
+            hopper_path.launch_dgrad(dz, w1, dx, expert_offsets, tile_start, cfg, self.num_programs)
+            return
+        rows, num_local, hidden, width = dz.shape[0], w1.shape[0], w1.shape[1], w1.shape[2]
+        m_cap = max_m_tiles(rows, num_local, cfg.block_m)
+        grouped_dgrad_kernel[(min(self.num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)](
+            dz, w1, dx, tile_start, expert_offsets, rows, m_cap, width, hidden, num_local,
+            min(self.group_rows, m_cap), *w1.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+            BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, **cfg.launch_options())
+
+    def launch_wgrad(self, a, b, g, gb, expert_offsets):
+        """g[e] = a[R_e]^T @ b[R_e] per expert (gb: also the column sums of b[R_e], portable only:
+        kernel_choices keeps calls with biases off the Hopper path)."""
+        cfg = self._cfg("wgrad")
+        if self._on_hopper("wgrad"):
+            hopper_path.launch_wgrad(a, b, g, expert_offsets, cfg, self.num_programs)
+            return
+        rows, m_dim, n_dim, num_local = a.shape[0], a.shape[1], b.shape[1], g.shape[0]
+        n_tiles = num_local * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
+        grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
+            a, b, g, gb if gb is not None else g, expert_offsets, rows, m_dim, n_dim, num_local,
+            BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
+            HAS_BIAS=gb is not None, **cfg.launch_options())
 
     def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out, z=None):
         """y [rows, H] (into `out` when given); z: also write the pre-activation there."""
@@ -190,11 +311,9 @@ class _Launches:
         if rows == 0:
             return out
         h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-        maps = self._maps(expert_offsets, self.up_cfg.block_m, self.down_cfg.block_m)
-        launch_grouped_up(x, row_index, w1, h, expert_offsets, maps[self.up_cfg.block_m], self.up_cfg,
-                          self.num_programs, self.input_precision, self.group_rows, act=self.act, b1=b1, z=z)
-        launch_grouped_down(h, w2, out, expert_offsets, maps[self.down_cfg.block_m], self.down_cfg,
-                            self.num_programs, self.input_precision, self.group_rows, b2=b2)
+        maps = self._maps(expert_offsets, "up", "down")
+        self.launch_up(x, w1, h, expert_offsets, row_index, b1, z, maps["up"])
+        self.launch_down(h, w2, out, expert_offsets, maps["down"], b2)
         return out
 
     def backward(self, x, expert_offsets, w1, w2, z, grad_y, need_x, need_w, need_b1, need_b2, grad_dtype):
@@ -217,28 +336,15 @@ class _Launches:
         dy = grad_y.contiguous()
         dz = torch.empty((rows, width), dtype=dt, device=dev)
         h = torch.empty((rows, inter), dtype=dt, device=dev)
-        cfg, dcfg, wcfg = self.bwd["act_grad"], self.bwd["dgrad"], self.bwd["wgrad"]
-        maps = self._maps(expert_offsets, cfg.block_m, dcfg.block_m)
-        tiles = maps[cfg.block_m]
-        m_cap = max_m_tiles(rows, num_local, cfg.block_m)
-        block_e = triton.next_power_of_2(num_local)
-        grid = (min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
-        grouped_act_grad_kernel[grid](
-            dy, w2, z[0], dz, h, tiles, expert_offsets, rows, m_cap, hidden, inter, num_local,
-            min(self.group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, BLOCK_E=block_e,
-            INPUT_PRECISION=self.input_precision, ACT=self.act, **cfg.launch_options())
+        maps = self._maps(expert_offsets, "act_grad", "dgrad")
+        self.launch_act_grad(dy, w2, z[0], dz, h, expert_offsets, maps["act_grad"])
         z.clear()
 
         def wgrad(a, b, need_g, need_gb):
             """(g [E_local, a cols, b cols], gb [E_local, b cols]) per expert over its rows."""
-            m_dim, n_dim = a.shape[1], b.shape[1]
-            g = torch.empty((num_local, m_dim, n_dim), dtype=wdt, device=dev)
-            gb = torch.empty((num_local, n_dim), dtype=wdt, device=dev) if need_gb else None
-            n_tiles = num_local * triton.cdiv(m_dim, wcfg.block_m) * triton.cdiv(n_dim, wcfg.block_n)
-            grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
-                a, b, g, gb if gb is not None else g, expert_offsets, rows, m_dim, n_dim, num_local,
-                BM=wcfg.block_m, BN=wcfg.block_n, BK=wcfg.block_k, INPUT_PRECISION=self.input_precision,
-                HAS_BIAS=need_gb, **wcfg.launch_options())
+            g = torch.empty((num_local, a.shape[1], b.shape[1]), dtype=wdt, device=dev)
+            gb = torch.empty((num_local, b.shape[1]), dtype=wdt, device=dev) if need_gb else None
+            self.launch_wgrad(a, b, g, gb, expert_offsets)
             return g if need_g else None, gb
 
         # W2's gradients first, so that h is freed before the larger ones are allocated
@@ -247,13 +353,31 @@ class _Launches:
         dx = None
         if need_x:
             dx = torch.empty(x.shape, dtype=dt, device=dev)
-            m_cap2 = max_m_tiles(rows, num_local, dcfg.block_m)
-            grouped_dgrad_kernel[(min(self.num_programs, m_cap2 * triton.cdiv(hidden, dcfg.block_n)),)](
-                dz, w1, dx, maps[dcfg.block_m], expert_offsets, rows, m_cap2, width, hidden, num_local,
-                min(self.group_rows, m_cap2), *w1.stride(), BM=dcfg.block_m, BN=dcfg.block_n, BK=dcfg.block_k,
-                BLOCK_E=block_e, INPUT_PRECISION=self.input_precision, **dcfg.launch_options())
+            self.launch_dgrad(dz, w1, dx, expert_offsets, maps["dgrad"])
         dw1, db1 = wgrad(x, dz, need_w, need_b1) if need_w or need_b1 else (None, None)
         return dx, dw1, dw2, db1, db2
+
+
+def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_offsets, w1, w2, bufs: dict,
+                    num_programs: int, act: int):
+    """(fn, out): `fn()` runs one expert-MLP kernel (tuner.KERNELS) on `choice` = (path, tile) over
+    the buffers of a forward + backward (bufs: z, h, y, dz, dx, dy, g1), `out` the tensor it
+    writes. For the tuner and the grouped_gemm benchmark (tf32 for fp32 inputs, M-tile-major
+    order)."""
+    run = _Launches({k: choice for k in ("up", "down", "act_grad", "dgrad", "wgrad")}, num_programs, "tf32", 1, act)
+    tiles = build_tile_map(expert_offsets, choice[1].block_m)
+    b = bufs
+    if kernel == "up":
+        return (lambda: run.launch_up(x, w1, b["h"], expert_offsets, z=b["z"], tile_start=tiles)), b["h"]
+    if kernel == "down":
+        return (lambda: run.launch_down(b["h"], w2, b["y"], expert_offsets, tiles)), b["y"]
+    if kernel == "act_grad":
+        return (lambda: run.launch_act_grad(b["dy"], w2, b["z"], b["dz"], b["h"], expert_offsets, tiles)), b["dz"]
+    if kernel == "dgrad":
+        return (lambda: run.launch_dgrad(b["dz"], w1, b["dx"], expert_offsets, tiles)), b["dx"]
+    if kernel == "wgrad":
+        return (lambda: run.launch_wgrad(x, b["dz"], b["g1"], None, expert_offsets)), b["g1"]
+    raise ValueError(f"unknown kernel {kernel!r}")
 
 
 class _GroupedMLP(torch.autograd.Function):
@@ -280,9 +404,7 @@ class _GroupedMLP(torch.autograd.Function):
         if not z_box and x.shape[0]:  # recompute the pre-activation: the first GEMM again
             z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
             h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
-            cfg = run.up_cfg
-            launch_grouped_up(x, None, w1, h, expert_offsets, build_tile_map(expert_offsets, cfg.block_m), cfg,
-                              run.num_programs, run.input_precision, run.group_rows, act=run.act, b1=b1, z=z)
+            run.launch_up(x, w1, h, expert_offsets, b1=b1, z=z)
             del h
             z_box = [z]
             del z

@@ -1,0 +1,286 @@
+"""Autotuner over the plan's Core level: GEMM tile configs of the expert MLP's kernels.
+
+A choice is searched on the GPU (`tune_grouped_mlp`: every candidate compiled, checked bitwise
+against the default's output where the path's bits do not depend on the tile, and timed; the
+fastest kept) and cached per key — op, shape bucket, dtype, world size, device name — in a JSON
+file the user can ship with a model (`TuneCache`; `DITRON_TUNE_CACHE` names it, default
+`~/.cache/ditron_ep/tuned_gemms.json`). A lookup that misses returns the deterministic defaults
+(`hopper_path.default_hopper_configs`, `core_config.default_gemm_configs`), so an untuned machine
+runs exactly what it ran before the tuner existed. The choice depends on nothing but the key, so
+every rank that reads the same file makes the same choice; a tile that can change result bits
+is therefore part of the plan's identity (`describe_choice` prints it, with where it came from).
+
+Shape buckets: rows rounded up to a power of two (>= 128: the row count moves with routing, the
+best tile does not move within a factor of two); H, I and the expert count exact (the weights).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ditron_ep.compiler.core_config import GemmTileConfig
+
+__all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TuneCache", "TuneKey", "choice_text", "default_cache_path",
+           "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "rows_bucket", "tune_grouped_mlp",
+           "tuned_choices"]
+
+CACHE_ENV = "DITRON_TUNE_CACHE"
+CACHE_VERSION = 1
+
+
+def default_cache_path() -> Path:
+    """$DITRON_TUNE_CACHE, else ~/.cache/ditron_ep/tuned_gemms.json."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "ditron_ep" / "tuned_gemms.json"
+
+
+def rows_bucket(rows: int) -> int:
+    """The power of two >= rows (at least 128) that a row count is tuned under."""
+    return max(128, 1 << max(0, int(rows) - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneKey:
+    """What a tuned choice is valid for."""
+
+    op: str                 # e.g. "grouped_mlp.hopper.swiglu"
+    shape: tuple[int, ...]  # bucketed: (rows bucket, H, I, E_local)
+    dtype: str              # "bfloat16"
+    world_size: int
+    device: str             # torch.cuda.get_device_name()
+
+    def text(self) -> str:
+        return f"{self.op}|{'x'.join(map(str, self.shape))}|{self.dtype}|W{self.world_size}|{self.device}"
+
+    @classmethod
+    def parse(cls, text: str) -> TuneKey:
+        try:
+            op, shape, dtype, world, device = text.split("|", 4)
+            if not world.startswith("W"):
+                raise ValueError
+            return cls(op, tuple(int(v) for v in shape.split("x")), dtype, int(world[1:]), device)
+        except ValueError:
+            raise ValueError(f"tune cache key {text!r}: expected op|d0xd1x...|dtype|W<world>|device") from None
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def mlp_key(op: str, dtype: torch.dtype, device: torch.device, *, rows: int, hidden: int, inter: int, num_local: int,
+            world_size: int | None = None) -> TuneKey:
+    """The key of a grouped-MLP kernel family at this shape."""
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else device.type
+    return TuneKey(op, (rows_bucket(rows), hidden, inter, num_local), str(dtype).removeprefix("torch."),
+                   _world_size() if world_size is None else world_size, name)
+
+
+Choice = tuple  # (path, GemmTileConfig): path "portable" or "hopper"
+PATH_NAMES = ("portable", "hopper")
+
+
+def choice_text(choice: Choice) -> str:
+    return f"{choice[0]}:{choice[1]}"
+
+
+def parse_choice(text: str) -> Choice:
+    """ "hopper:BM128-BN256-BK64-w8-s4" -> ("hopper", GemmTileConfig(128, 256, 64, 8, 4))."""
+    path, sep, cfg = text.partition(":")
+    if not sep or path not in PATH_NAMES:
+        raise ValueError(f"kernel choice {text!r}: expected <path>:<tile> with path in {PATH_NAMES}")
+    return path, GemmTileConfig.parse(cfg)
+
+
+class TuneCache:
+    """The JSON file of tuned choices: {"version": 1, "entries": {key text: {"choices": {kernel:
+    "path:BM..-BN..-BK..-w..-s.."}, "ms": {kernel: median ms}, "measured": ISO time}}}. Read once
+    per process and file version (mtime); written atomically (temp file + rename)."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else default_cache_path()
+        self._entries: dict[str, dict] | None = None
+        self._mtime: float | None = None
+
+    def entries(self) -> dict[str, dict]:
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            self._entries, self._mtime = {}, None
+            return self._entries
+        if self._entries is None or mtime != self._mtime:
+            try:
+                data = json.loads(self.path.read_text())
+            except ValueError as exc:
+                raise ValueError(f"{self.path} is not valid JSON ({exc}): delete it or point {CACHE_ENV} "
+                                 f"elsewhere") from None
+            if not isinstance(data, dict) or data.get("version") != CACHE_VERSION \
+                    or not isinstance(data.get("entries"), dict):
+                raise ValueError(f"{self.path} is not a ditron_ep tune cache (version {CACHE_VERSION}): "
+                                 f"delete it or point {CACHE_ENV} elsewhere")
+            for text in data["entries"]:
+                TuneKey.parse(text)
+            self._entries, self._mtime = data["entries"], mtime
+        return self._entries
+
+    def get(self, key: TuneKey) -> dict[str, Choice] | None:
+        """The tuned choices of `key` (kernel -> (path, tile)), or None (a miss)."""
+        entry = self.entries().get(key.text())
+        if entry is None:
+            return None
+        try:
+            return {k: parse_choice(v) for k, v in entry["choices"].items()}
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"{self.path}: entry {key.text()!r} is malformed ({exc}); delete it or re-tune") from None
+
+    def put(self, key: TuneKey, choices: dict[str, Choice], ms: dict[str, float] | None = None) -> None:
+        """Record `choices` for `key` and write the file."""
+        entries = dict(self.entries())
+        entries[key.text()] = {"choices": {k: choice_text(v) for k, v in choices.items()},
+                               "ms": {k: round(v, 5) for k, v in (ms or {}).items()},
+                               "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".tune-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.path)
+        self._entries, self._mtime = entries, self.path.stat().st_mtime
+
+
+_CACHES: dict[Path, TuneCache] = {}
+
+
+def _cache(path: str | os.PathLike | None = None) -> TuneCache:
+    p = Path(path) if path is not None else default_cache_path()
+    if p not in _CACHES:
+        _CACHES[p] = TuneCache(p)
+    return _CACHES[p]
+
+
+KERNELS = ("up", "down", "act_grad", "dgrad", "wgrad")
+
+
+def mlp_op(activation_code: int) -> str:
+    return f"grouped_mlp.act{activation_code}"
+
+
+def tuned_choices(dtype: torch.dtype, device: torch.device, *, rows: int, hidden: int, inter: int, num_local: int,
+                  activation_code: int = 0, cache: TuneCache | None = None) -> dict[str, Choice] | None:
+    """The tuned (path, tile) of each expert-MLP kernel at this shape, or None when the cache has
+    no entry (the caller's deterministic defaults apply)."""
+    if device.type != "cuda":
+        return None
+    key = mlp_key(mlp_op(activation_code), dtype, device, rows=rows, hidden=hidden, inter=inter, num_local=num_local)
+    return (cache or _cache()).get(key)
+
+
+def describe_choices(choices: dict[str, Choice], tuned: dict[str, Choice] | None) -> str:
+    """One line per kernel: its path and tile, and whether the tuner chose it."""
+    return "\n".join(f"  {k}: {p} {cfg} ({'tuned' if tuned and tuned.get(k) == (p, cfg) else 'default'})"
+                     for k, (p, cfg) in choices.items())
+
+
+def hopper_candidates(kernel: str) -> list[GemmTileConfig]:
+    """Tiles the search tries for one Hopper kernel: 128 rows over two warpgroups (or 256 rows,
+    two row blocks a warpgroup), BN 128 / 256 (the gated first GEMM: 64 / 128 a half), BK 64
+    (128-byte rows: the 128-byte swizzle), 3 or 4 stages where they fit 220 KiB."""
+    nj = 2 if kernel == "up" else 1
+    out = []
+    for bm, bns in ((128, (64, 128) if kernel in ("up", "act_grad") else (128, 256)), (256, (128,))):
+        for bn in bns:
+            stage_bytes = (bm * 64 + nj * 64 * bn) * 2
+            for stages in (3, 4):
+                if stages * stage_bytes <= 220 * 1024:
+                    out.append(GemmTileConfig(bm, bn, 64, 8, stages))
+    return out
+
+
+def _median_ms(fn: Callable[[], None], reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def tune_grouped_mlp(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
+                     activation: str = "swiglu", reps: int = 10, cache: TuneCache | None = None,
+                     log: Callable[[str], None] | None = None) -> dict[str, Choice]:
+    """Search the (path, tile) of each expert-MLP kernel at this shape on the GPU and record the
+    fastest in the cache; returns the choices. Candidates: the portable default tile and the
+    Hopper tiles of `hopper_candidates` (when the Hopper path can run these inputs). Every
+    candidate's output must be finite and within 2 % of the portable default's largest value
+    (the paths round differently); one that fails or does not compile is skipped and logged.
+    Kernels are searched in data-flow order, each reading the chosen previous one's output."""
+    from ditron_ep.compiler.core_config import default_gemm_configs
+    from ditron_ep.ops.moe_layer import hopper_path
+    from ditron_ep.ops.moe_layer.experts import activation_code, width_factor
+    from ditron_ep.ops.moe_layer.grouped import kernel_choices, kernel_launcher
+
+    act = activation_code(activation)
+    rows, hidden = x.shape
+    inter, width, num_local = w2.shape[1], w1.shape[2], w1.shape[0]
+    if x.device.type != "cuda" or width != width_factor(activation) * inter:
+        raise ValueError(f"tune_grouped_mlp needs CUDA inputs and w1 of width {width_factor(activation)} * I = "
+                         f"{width_factor(activation) * inter}, got {x.device} and {width}")
+    dev, dt = x.device, x.dtype
+    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    chosen = kernel_choices("portable", x, w1, w2, None, num_local, act, default_gemm_configs(dt, "cuda"))
+    hopper_ok = hopper_path.path_problem(x, w1, w2, None, hopper_path.default_hopper_configs()) is None
+    bufs = {"z": torch.empty((rows, width), dtype=dt, device=dev), "h": torch.empty((rows, inter), dtype=dt, device=dev),
+            "y": torch.empty((rows, hidden), dtype=dt, device=dev), "dz": torch.empty((rows, width), dtype=dt, device=dev),
+            "dx": torch.empty_like(x), "dy": torch.randn((rows, hidden), dtype=dt, device=dev) * 0.1,
+            "g1": torch.empty(w1.shape, dtype=dt, device=dev)}
+    best_ms: dict[str, float] = {}
+    for kernel in KERNELS:
+        candidates = [chosen[kernel]] + ([("hopper", c) for c in hopper_candidates(kernel)] if hopper_ok else [])
+        ref = None
+        best = (float("inf"), chosen[kernel])
+        for choice in candidates:
+            try:
+                fn, out = kernel_launcher(kernel, choice, x, expert_offsets, w1, w2, bufs, programs, act)
+                out.fill_(float("nan"))
+                fn()
+                got = out.float()
+                if ref is None:
+                    ref, scale = got.clone(), got.abs().max().item() or 1.0
+                err = (got - ref).abs().max().item()
+                if not err <= 0.02 * scale:
+                    raise ValueError(f"output differs from the portable default's by {err:.3g} (scale {scale:.3g})")
+                ms = _median_ms(fn, reps)
+            except Exception as exc:  # noqa: BLE001 - a candidate that fails is skipped, not fatal
+                if log:
+                    log(f"{kernel} {choice_text(choice)}: skipped ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''})")
+                continue
+            if log:
+                log(f"{kernel} {choice_text(choice)}: {ms:.4f} ms")
+            if ms < best[0]:
+                best = (ms, choice)
+        chosen[kernel], best_ms[kernel] = best[1], best[0]
+        fn, _ = kernel_launcher(kernel, best[1], x, expert_offsets, w1, w2, bufs, programs, act)
+        fn()  # the chosen kernel's output feeds the next kernel's search
+    key = mlp_key(mlp_op(act), dt, dev, rows=rows, hidden=hidden, inter=inter, num_local=num_local)
+    (cache or _cache()).put(key, chosen, best_ms)
+    return chosen
