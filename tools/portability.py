@@ -267,6 +267,9 @@ def _ast_source(entry: KernelSignature):
         else:
             raise ValueError(f"argument {name!r} of {entry.name} has neither a type in the signature nor "
                              f"a constexpr value: pass it to register_kernel")
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        return GluonASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
@@ -413,6 +416,8 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                                "use run_portability_check(), which compiles in a TRITON_INTERPRET=0 subprocess")
         for entry, label in zip(entries, _display_labels(entries)):
             for target in targets:
+                if not entry.compiles_for(target.backend, target.arch):
+                    continue
                 start = time.perf_counter()
                 error, shared, called, narrow, irreducible = None, None, (), None, None
                 with _CaptureStderr() as captured:

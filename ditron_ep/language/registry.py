@@ -36,6 +36,10 @@ class KernelSignature:
     options: tuple[tuple[str, Any], ...]
     aligned: bool
     multiples_of_16: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()  # e.g. ("cuda:90",): compile only for these; () = every target
+
+    def compiles_for(self, backend: str, arch: object) -> bool:
+        return not self.targets or f"{backend}:{arch}" in self.targets or backend in self.targets
 
     @property
     def name(self) -> str:
@@ -75,7 +79,7 @@ def qualified_name(fn: Any) -> str:
 
 def register_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, object] | None = None, *,
                     label: str = "", options: dict[str, Any] | None = None, aligned: bool = True,
-                    multiples_of_16: Iterable[str] = ()) -> Any:
+                    multiples_of_16: Iterable[str] = (), targets: Iterable[str] = ()) -> Any:
     """Record one compile signature of a ``@triton.jit`` kernel for the portability check.
 
     ``signature`` maps every non-constexpr argument to a Triton type string ("*bf16", "*i64",
@@ -85,6 +89,10 @@ def register_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, ob
     them for torch tensors at launch. ``multiples_of_16`` names integer arguments that real launches
     pass as multiples of 16 (hidden sizes, heap offsets): Triton specialises those at launch, and
     its vectorisation and pipelining depend on it, so the check compiles what really runs.
+    ``targets`` limits the check to some targets ("cuda:90", "hip"): a kernel written for one
+    architecture (the Gluon Hopper kernels) is not compiled for the others. Gluon kernels
+    (``@gluon.jit``) are registered the same way, tensor descriptors typed as
+    "tensordesc<bf16[128, 64],NVMMASharedLayout(...)>".
     Call once per configuration worth checking; returns ``fn``.
     """
     if not _is_jit(fn):
@@ -101,6 +109,7 @@ def register_kernel(fn: Any, signature: dict[str, str], constexprs: dict[str, ob
         options=tuple(sorted((options or {}).items())),
         aligned=aligned,
         multiples_of_16=tuple(multiples_of_16),
+        targets=tuple(targets),
     )
     not_ints = [n for n in entry.multiples_of_16 if signature.get(n) not in ("i32", "i64")]
     if not_ints:

@@ -38,6 +38,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import act_fwd, act_grad, grouped_tile
 
 __all__ = ["EPI_ACT_GRAD", "EPI_STORE", "EPI_UP", "hopper_rows_gemm_kernel", "hopper_wgrad_kernel", "mma_layout"]
@@ -79,6 +81,7 @@ def _rows_layout(BN, num_warps):
     return gl.BlockedLayout([1, 8], [32 // tpw_n, tpw_n], [num_warps, 1], [1, 0])
 
 
+@register_device_function
 @gluon.jit
 def _tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM: gl.constexpr, BLOCK_E: gl.constexpr,
                  num_warps: gl.constexpr):
@@ -91,6 +94,7 @@ def _tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM: gl.
     return e, row0, gl.where(row0 >= 0, gl.minimum(row_end - row0, BM), 0)
 
 
+@register_device_function
 @gluon.jit
 def _rows_tile(q, pid, nprog, KS, n_m, n_n, group_rows, tile_start_ptr, expert_off_ptr, E_local, rows_cap,
                BM: gl.constexpr, BN: gl.constexpr, BLOCK_E: gl.constexpr, num_warps: gl.constexpr):
@@ -102,6 +106,7 @@ def _rows_tile(q, pid, nprog, KS, n_m, n_n, group_rows, tile_start_ptr, expert_o
     return e, row0, n_rows, t_n * BN
 
 
+@register_device_function
 @gluon.jit
 def _issue_rows_load(a_desc, b_desc, bars, a_bufs, b_bufs, q, k, e, row0, n0, K, N, pred,
                      B_T: gl.constexpr, NJ: gl.constexpr, STAGES: gl.constexpr):
@@ -210,6 +215,7 @@ def hopper_rows_gemm_kernel(
         _zero_rows_past_experts(out_ptr, expert_off_ptr, rows_cap, N, E_local, BM, BN, num_warps)
 
 
+@register_device_function
 @gluon.jit
 def _rows_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_start_ptr, expert_off_ptr, rows_cap,
                          m_tiles_cap, K, N, E_local, group_rows, B_T: gl.constexpr, NJ: gl.constexpr,
@@ -239,6 +245,7 @@ def _rows_load_partition(a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_star
             kk = 0
 
 
+@register_device_function
 @gluon.jit
 def _rows_mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, z_ptr, h_ptr, tile_start_ptr, expert_off_ptr, rows_cap,
                         m_tiles_cap, K, N, E_local, group_rows, B_T: gl.constexpr, EPI: gl.constexpr,
@@ -322,6 +329,7 @@ def hopper_rows_gemm_ws_kernel(
         _zero_rows_past_experts(out_ptr, expert_off_ptr, rows_cap, N, E_local, BM, BN, num_warps)
 
 
+@register_device_function
 @gluon.jit
 def _rows_epilogue(acc, acc_u, out_ptr, z_ptr, h_ptr, row0, n_rows, n0, N, layout: gl.constexpr, EPI: gl.constexpr,
                    ACT: gl.constexpr, SAVE_Z: gl.constexpr, NJ: gl.constexpr, GATED: gl.constexpr,
@@ -364,6 +372,7 @@ def _rows_epilogue(acc, acc_u, out_ptr, z_ptr, h_ptr, row0, n_rows, n0, N, layou
         gl.store(h_ptr + r[:, None] * N + o_n[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+@register_device_function
 @gluon.jit
 def _zero_rows_past_experts(y_ptr, expert_off_ptr, rows_cap, N, E_local, BM: gl.constexpr, BN: gl.constexpr,
                             num_warps: gl.constexpr):
@@ -385,6 +394,7 @@ def _zero_rows_past_experts(y_ptr, expert_off_ptr, rows_cap, N, E_local, BM: gl.
 
 # ---- wgrad: g[e] = a[R_e]^T @ b[R_e] per expert, its rows BK at a time in row order
 
+@register_device_function
 @gluon.jit
 def _wgrad_tile(t, n_m, n_n, expert_off_ptr, rows_cap, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
     """Tile t (expert-major, as grouped_wgrad_kernel) -> (e, i0, j0, first row, end row, row blocks)."""
@@ -396,16 +406,17 @@ def _wgrad_tile(t, n_m, n_n, expert_off_ptr, rows_cap, BM: gl.constexpr, BN: gl.
     return e, t_m * BM, t_n * BN, lo, hi, gl.cdiv(hi - lo, BK)
 
 
+@register_device_function
 @gluon.jit
 def _wgrad_next(lt, lc, l_i0, l_j0, l_lo, l_nc, n_tiles, nprog, n_m, n_n, expert_off_ptr, rows_cap,
                 BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
     """Advance the load side by one row block, passing over tiles without rows (empty experts)."""
     lc += 1
-    while (lc >= l_nc) & (lt < n_tiles):
+    while (lc >= l_nc) & (lt < n_tiles):  # no branch inside: a branch here made the loop irreducible
         lt += nprog
         lc = 0
-        if lt < n_tiles:
-            _e, l_i0, l_j0, l_lo, _hi, l_nc = _wgrad_tile(lt, n_m, n_n, expert_off_ptr, rows_cap, BM, BN, BK)
+        _e, l_i0, l_j0, l_lo, _hi, l_nc = _wgrad_tile(gl.minimum(lt, n_tiles - 1), n_m, n_n, expert_off_ptr, rows_cap,
+                                                      BM, BN, BK)
     return lt, lc, l_i0, l_j0, l_lo, l_nc
 
 
@@ -502,3 +513,51 @@ def hopper_wgrad_kernel(
                  acc.to(g_ptr.dtype.element_ty), mask=(gi < M)[:, None] & (gj < N)[None, :])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+
+
+# ---- compile signatures (portability check: sm_90 only, these kernels are Hopper's)
+
+def tensordesc_type(dtype: str, block: list[int]) -> str:
+    """The signature type of a TMA descriptor argument: `dtype` ("bf16") tiles of `block`."""
+    elem = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    return f"tensordesc<{dtype}[{', '.join(map(str, block))}],{gl.NVMMASharedLayout.get_default_for(block, elem)!r}>"
+
+
+def register_hopper_configs(dtype: str, configs: dict[str, GemmTileConfig], *, label: str,
+                            num_local_experts: int = 32, warp_specialized: bool = False) -> None:
+    """Register one compile signature of each Hopper kernel (hopper_path.HOPPER_KERNELS) with these
+    tiles: the gated and a plain first GEMM, the second, act_grad, dgrad, wgrad."""
+    rows_kernel = hopper_rows_gemm_ws_kernel if warp_specialized else hopper_rows_gemm_kernel
+    ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
+    ptrs = {"out_ptr": f"*{dtype}", "z_ptr": f"*{dtype}", "h_ptr": f"*{dtype}", "tile_start_ptr": "*i32",
+            "expert_off_ptr": "*i32"}
+    block_e = triton.next_power_of_2(num_local_experts)
+    for kernel, epi, act, b_t in (("up", 1, 0, False), ("up", 1, 2, False), ("down", 0, 0, False),
+                                  ("act_grad", 2, 0, True), ("dgrad", 0, 0, True)):
+        cfg = configs[kernel]
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        register_kernel(rows_kernel,
+                        {"a_desc": tensordesc_type(dtype, [bm, bk]),
+                         "b_desc": tensordesc_type(dtype, [bn, bk] if b_t else [bk, bn]), **ptrs, **ints},
+                        {"B_T": b_t, "EPI": epi, "ACT": act, "SAVE_Z": True, "BM": bm, "BN": bn, "BK": bk,
+                         "STAGES": cfg.num_stages, "BLOCK_E": block_e, "num_warps": cfg.num_warps},
+                        label=f"{label} {kernel}-act{act}{'-ws' if warp_specialized else ''} {cfg}",
+                        options={"num_warps": cfg.num_warps}, multiples_of_16=["K", "N"], targets=("cuda:90",))
+    cfg = configs["wgrad"]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    register_kernel(hopper_wgrad_kernel,
+                    {"a_desc": tensordesc_type(dtype, [bk, bm]), "b_desc": tensordesc_type(dtype, [bk, bn]),
+                     "g_ptr": f"*{dtype}", "expert_off_ptr": "*i32",
+                     **{n: "i32" for n in ("rows_cap", "M", "N", "E_local")}},
+                    {"BM": bm, "BN": bn, "BK": bk, "STAGES": cfg.num_stages, "num_warps": cfg.num_warps},
+                    label=f"{label} wgrad {cfg}", options={"num_warps": cfg.num_warps}, multiples_of_16=["M", "N"],
+                    targets=("cuda:90",))
+
+
+def _hopper_defaults() -> dict[str, GemmTileConfig]:
+    from ditron_ep.ops.moe_layer.hopper_path import default_hopper_configs
+    return default_hopper_configs()
+
+
+register_hopper_configs("bf16", _hopper_defaults(), label="bf16")
+register_hopper_configs("bf16", _hopper_defaults(), label="bf16", warp_specialized=True)
