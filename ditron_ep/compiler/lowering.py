@@ -204,8 +204,11 @@ def plan_routing(spec: MoESpec) -> RoutingPlan:
 
 def plan_core(spec: MoESpec, routing: RoutingPlan) -> CorePlan:
     """Core level: the GEMM tile programs and the copy blocks (dispatch copies chunk_rows rows)."""
+    from ditron_ep.compiler.tuner import planned_expert_gemms
+
     return CorePlan(gate_up=spec.gate_up_config, down=spec.down_config,
-                    block_rows=routing.chunk_rows, block_h=spec.block_h)
+                    block_rows=routing.chunk_rows, block_h=spec.block_h,
+                    expert_gemms=planned_expert_gemms(spec))
 
 
 def plan_queue(spec: MoESpec, routing: RoutingPlan,

@@ -466,13 +466,20 @@ class CorePlan:
     down: GemmTileConfig
     block_rows: int          # rows per dispatch copy block (= routing.chunk_rows)
     block_h: int             # hidden columns per copy / reduce block
+    # (kernel, "path:tile (tuned|default)") of the staged schedule's and the backward's expert
+    # GEMMs (grouped_mlp, compiler/tuner.py): part of the plan's identity, as they set result bits
+    expert_gemms: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
-        return "\n".join([
+        lines = [
             "Core level (CorePlan)",
             f"  gemm_gate_up: {self.gate_up}   gemm_down: {self.down}",
             f"  copy blocks: block_rows={self.block_rows}  block_h={self.block_h}",
-        ])
+        ]
+        if self.expert_gemms:
+            lines.append("  staged / backward expert GEMMs: "
+                         + "  ".join(f"{k}={v}" for k, v in self.expert_gemms))
+        return "\n".join(lines)
 
 
 # ============================================================================================

@@ -30,7 +30,7 @@ import torch
 from ditron_ep.compiler.core_config import GemmTileConfig
 
 __all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TuneCache", "TuneKey", "choice_text", "default_cache_path",
-           "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "rows_bucket", "tune_grouped_mlp",
+           "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "planned_expert_gemms", "rows_bucket", "tune_grouped_mlp",
            "tuned_choices"]
 
 CACHE_ENV = "DITRON_TUNE_CACHE"
@@ -193,6 +193,27 @@ def describe_choices(choices: dict[str, Choice], tuned: dict[str, Choice] | None
     """One line per kernel: its path and tile, and whether the tuner chose it."""
     return "\n".join(f"  {k}: {p} {cfg} ({'tuned' if tuned and tuned.get(k) == (p, cfg) else 'default'})"
                      for k, (p, cfg) in choices.items())
+
+
+def planned_expert_gemms(spec) -> tuple[tuple[str, str], ...]:
+    """(kernel, "path:tile (tuned|default)") of the expert GEMMs a plan's staged schedule and
+    backward run (grouped_mlp on the layer's received rows, SwiGLU), for CorePlan: the tuned
+    choice when this machine's cache has one for the spec's shape, else the portable defaults
+    (core_config.default_gemm_configs, default_backward_configs)."""
+    from ditron_ep.compiler.core_config import default_backward_configs, default_gemm_configs
+
+    dtype = getattr(torch, spec.dtype)
+    up, down = default_gemm_configs(dtype, spec.device_type)
+    choices = {k: ("portable", cfg) for k, cfg in
+               {"up": up, "down": down, **default_backward_configs(dtype, spec.device_type)}.items()}
+    tuned = None
+    if spec.device_type == "cuda" and torch.cuda.is_available() and torch.version.hip is None:
+        tuned = tuned_choices(dtype, torch.device("cuda", torch.cuda.current_device()),
+                              rows=spec.max_tokens * spec.topk, hidden=spec.hidden, inter=spec.ffn_hidden,
+                              num_local=spec.num_experts // spec.world_size)
+        choices.update(tuned or {})
+    return tuple((k, f"{choice_text(c)} ({'tuned' if tuned and k in tuned else 'default'})")
+                 for k, c in choices.items())
 
 
 def hopper_candidates(kernel: str) -> list[GemmTileConfig]:
