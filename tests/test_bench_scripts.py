@@ -101,6 +101,12 @@ def test_gpu_defaults(name: str) -> None:
     if name == "deepspeed_moe":  # the drop-in issue's DeepSpeed block: H=4096, I=4H, E=16, top-2, T=4096
         assert b.shapes["torch"] == Shape(4096, 16, 2, 16384) and b.tokens["torch"] == (4096,)
         return
+    if name == "dense_gemm":  # the GEMM+collective issue's M (K, N: --opt kn, default every pair)
+        assert b.tokens["torch"] == (128, 1024, 8192)
+        return
+    if name == "expert_gemms":  # the GEMM-core issue's T at the layer shape
+        assert b.shapes["torch"] == Shape(7168, 64, 8, 2048) and b.tokens["torch"] == (128, 1024, 4096)
+        return
     ep = name in ("dispatch", "combine", "dispatch_combine")
     assert b.shapes["torch"] == (Shape(7168, 256, 8) if ep else Shape(7168, 64, 8, 2048))
     # training is timed at the training issue's token counts

@@ -359,12 +359,15 @@ class _Launches:
 
 
 def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_offsets, w1, w2, bufs: dict,
-                    num_programs: int, act: int):
+                    num_programs: int, act: int, input_precision: str | None = None):
     """(fn, out): `fn()` runs one expert-MLP kernel (tuner.KERNELS) on `choice` = (path, tile) over
     the buffers of a forward + backward (bufs: z, h, y, dz, dx, dy, g1), `out` the tensor it
-    writes. For the tuner and the grouped_gemm benchmark (tf32 for fp32 inputs, M-tile-major
-    order)."""
-    run = _Launches({k: choice for k in ("up", "down", "act_grad", "dgrad", "wgrad")}, num_programs, "tf32", 1, act)
+    writes. For the tuner and the expert_gemms / dense_gemm benchmarks (fp32 inputs: tf32 on a
+    GPU, ieee under the interpreter; M-tile-major order)."""
+    if input_precision is None:
+        input_precision = "tf32" if x.is_cuda else "ieee"
+    run = _Launches({k: choice for k in ("up", "down", "act_grad", "dgrad", "wgrad")}, num_programs,
+                    input_precision, 1, act)
     tiles = build_tile_map(expert_offsets, choice[1].block_m)
     b = bufs
     if kernel == "up":
