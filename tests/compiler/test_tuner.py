@@ -141,3 +141,30 @@ def test_describe_choices_marks_tuned_ones():
     text = tuner.describe_choices({"up": a, "down": b}, {"down": b})
     assert "up: portable BM16-BN16-BK32-w4-s1 (default)" in text
     assert "down: hopper BM128-BN128-BK64-w8-s4 (tuned)" in text
+
+
+def test_auto_follows_a_tuned_entry_unless_the_caller_chose_the_forward_tiles(monkeypatch):
+    """kernel_choices with a cache entry (faked: the CPU has no device name to key it by)."""
+    from ditron_ep.ops.moe_layer import grouped
+
+    x, off, w1, w2 = _inputs()
+    config = default_gemm_configs(torch.float32, "cpu")
+    tuned = {"up": ("hopper", C(128, 128, 64, 8, 3)), "down": ("portable", C(64, 128, 64, 4, 4)),
+             "dgrad": ("hopper", C(256, 128, 64, 8, 4))}
+    monkeypatch.setattr(grouped, "tuned_choices", lambda *a, **k: dict(tuned))
+    monkeypatch.setattr(grouped, "path_problem", lambda *a, **k: None)
+    got = kernel_choices("auto", x, w1, w2, None, 3, 0, config)
+    assert got["up"] == tuned["up"] and got["down"] == tuned["down"] and got["dgrad"] == tuned["dgrad"]
+    assert got["wgrad"][0] == "portable"
+    mine = kernel_choices("auto", x, w1, w2, None, 3, 0, config, user_tiles=True)
+    assert mine["up"] == ("portable", config[0]) and mine["down"] == ("portable", config[1])
+    assert mine["dgrad"] == tuned["dgrad"]
+    # path="hopper": every kernel on the Hopper path, tuned Hopper tiles where the entry has them
+    forced = kernel_choices("hopper", x, w1, w2, None, 3, 0, config)
+    assert all(p == "hopper" for p, _ in forced.values())
+    assert forced["up"] == tuned["up"] and forced["down"] == ("hopper", hopper_path.default_hopper_configs()["down"])
+    # biases keep a call off the Hopper path: "auto" falls back to portable, "hopper" raises
+    assert all(p == "portable" for p, _ in kernel_choices("auto", x, w1, w2, None, 3, 0, config,
+                                                           biases=True).values())
+    with pytest.raises(DitronConfigError, match="biases"):
+        kernel_choices("hopper", x, w1, w2, None, 3, 0, config, biases=True)

@@ -145,6 +145,7 @@ def grouped_mlp(
     if needs_grad and out is not None:
         raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
     device_type = _device_type(x.device)
+    user_tiles = config is not None
     if config is None:
         config = default_gemm_configs(x.dtype, device_type)
     if not isinstance(config, (tuple, list)) or len(config) != 2 \
@@ -163,7 +164,7 @@ def grouped_mlp(
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
     act = activation_code(activation)
     run = _Launches(kernel_choices(path, x, w1, w2, row_index, num_local, act, tuple(config),
-                                   biases=b1 is not None or b2 is not None),
+                                   biases=b1 is not None or b2 is not None, user_tiles=user_tiles),
                     num_programs, input_precision, group_rows, act)
     if grad_dtype is not None and w1.dtype == grad_dtype:
         grad_dtype = None  # fp32 weights: their .grad is fp32 already
@@ -180,7 +181,7 @@ def grouped_mlp(
 
 
 def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, config, *,
-                   biases: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
+                   biases: bool = False, user_tiles: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
     """(path, tile) of each expert-MLP kernel (tuner.KERNELS) for this call; `path` as grouped_mlp's.
 
     "portable": the `tl` kernels, `config` (or the defaults) for the forward, the backward's
@@ -188,7 +189,8 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
     one, else `hopper_path.default_hopper_configs`; DitronConfigError saying why if these inputs
     cannot take it. "auto": the tuner's choice per kernel when the cache has an entry for this
     shape (and the Hopper path can run it), else all portable: an untuned machine computes
-    exactly what it computed before the tuner existed.
+    exactly what it computed before the tuner existed. user_tiles: `config` was the caller's
+    (grouped_mlp's config=), so the forward GEMMs keep it on the portable path under "auto".
     """
     if path not in PATHS:
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
@@ -200,6 +202,10 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
         return choices
     tuned = tuned_choices(x.dtype, x.device, rows=x.shape[0], hidden=w1.shape[1], inter=w2.shape[1],
                           num_local=num_local, activation_code=act)
+    if path == "auto" and not tuned:
+        return choices
+    if tuned and user_tiles:  # the caller's forward tiles stand
+        tuned = {k: v for k, v in tuned.items() if k not in ("up", "down")}
     hopper_tiles = {k: (t[1] if t is not None and t[0] == "hopper" else d)
                     for k, d in default_hopper_configs().items() for t in [(tuned or {}).get(k)]}
     problem = path_problem(x, w1, w2, row_index, hopper_tiles)
