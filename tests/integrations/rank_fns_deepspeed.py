@@ -158,3 +158,57 @@ def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
         if label == "ditron_ep":  # whether the experts' weights were read where ZeRO put them
             runs["in_place"] = bool(model.moe.deepspeed_moe._ditron_in_place)
     return runs
+
+
+def checkpoint_case(zero_stage: int, steps: int, seed: int, ckpt_dir: str) -> dict:
+    """Checkpoints through DeepSpeed's engine (`save_checkpoint` / `load_checkpoint`, ZeRO
+    `zero_stage`): a run of DeepSpeed's own MoE saved halfway resumes in a replace_moe'd model, and
+    a replace_moe'd run saved halfway resumes in DeepSpeed's own; this rank's losses of the second
+    halves, against the uninterrupted DeepSpeed run's."""
+    deepspeed = _init_deepspeed()
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from ditron_ep.integrations.deepspeed import replace_moe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(seed * 31 + rank)
+    data = [(torch.randn(12, H, generator=gen), torch.randn(12, H, generator=gen)) for _ in range(steps)]
+    config = {"train_micro_batch_size_per_gpu": 12, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10 ** 9}
+    half = steps // 2
+
+    def engine(replaced: bool):
+        model = TinyMoEModel(2 * world, world, seed)
+        if replaced:
+            assert replace_moe(model) == 1
+        groups = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "params"})
+        return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1), config=config)[0]
+
+    def train(eng, batches) -> list[float]:
+        losses = []
+        for x, target in batches:
+            y, l_aux = eng(x)
+            loss = ((y - target) ** 2).mean() + 0.01 * l_aux
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss.detach()))
+        return losses
+
+    theirs = engine(False)
+    first = train(theirs, data[:half])
+    theirs.save_checkpoint(ckpt_dir, tag="deepspeed")
+    full = first + train(theirs, data[half:])
+    ours = engine(True)
+    ours.load_checkpoint(ckpt_dir, tag="deepspeed")
+    resumed_ours = train(ours, data[half:])
+    ours_first = engine(True)
+    train(ours_first, data[:half])
+    ours_first.save_checkpoint(ckpt_dir, tag="ditron_ep")
+    back = engine(False)
+    back.load_checkpoint(ckpt_dir, tag="ditron_ep")
+    resumed_theirs = train(back, data[half:])
+    fresh = train(engine(True), data[half:half + 1])  # no checkpoint: what a load that did nothing gives
+    return {"full": full[half:], "deepspeed -> ditron_ep": resumed_ours, "ditron_ep -> deepspeed": resumed_theirs,
+            "fresh": fresh}

@@ -123,3 +123,16 @@ def test_unsupported_version_raises(monkeypatch):
     with pytest.raises(DitronConfigError, match="DeepSpeed 0.14.0 is not supported.*supported: 0.19.8"):
         integration.replace_moe(nn.Linear(2, 2))
     assert torch.nn.Linear  # the model was not touched
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_engine_checkpoints_load_across_the_replacement(emulated_cluster, tmp_path, zero_stage):
+    """engine.save_checkpoint of DeepSpeed's own MoE halfway through 6 steps loads into a
+    replace_moe'd model under deepspeed.initialize and resumes with the same losses, and the
+    other way round (the expert parameters keep their names, tags and optimizer groups)."""
+    for rank, runs in enumerate(emulated_cluster(2).run(fns.checkpoint_case, zero_stage, 6, 5, str(tmp_path))):
+        for label in ("deepspeed -> ditron_ep", "ditron_ep -> deepspeed"):
+            for step, (got, want) in enumerate(zip(runs[label], runs["full"])):
+                assert abs(got - want) <= 1e-5 * abs(want), (rank, label, step, runs)
+            assert len(runs[label]) == len(runs["full"]) == 3
+        assert abs(runs["fresh"][0] - runs["full"][0]) > 1e-3 * abs(runs["full"][0]), "the check cannot fail"
