@@ -1,0 +1,191 @@
+"""GEMM + collective ops of tensor parallelism, with autograd: AllGather+GEMM, GEMM+ReduceScatter,
+GEMM+AllReduce, on the process group's ranks.
+
+    all_gather_matmul(a, b)      a [M, K] on each rank, b [K, N]   -> cat_r(a_r) @ b          [W*M, N]
+    matmul_reduce_scatter(a, b)  a [W*M, K] on each rank, b [K, N] -> rows r*M:(r+1)*M of Σ_ranks a @ b
+    matmul_all_reduce(a, b)      a [M, K] on each rank, b [K, N]   -> Σ_ranks a_r @ b_r        [M, N]
+
+This module runs them on their **sequential schedule** — the collective, then (or before) the
+GEMM, as separate steps: torch.distributed moves the rows, `gemm.matmul` (the expert-MLP
+kernels with one expert) multiplies. It is the schedule the overlapped kernels of the GEMM +
+collective issue must equal bit for bit; those kernels are not built yet.
+
+Determinism: every GEMM output element is one fp32 accumulation over K in order; the reductions
+(GEMM+RS, GEMM+AR and the gradients that are reductions) keep each rank's partial in fp32 and add
+the partials in rank order 0, 1, ..., W-1 in fp32, then cast once: bitwise run to run, and
+GEMM+AR's result is bitwise identical on every rank. AllGather+GEMM is bitwise equal to an
+all-gather followed by the same GEMM kernel.
+
+Bad input — tensors that are not 2-D, inner dimensions that do not match, dtypes or devices that
+differ, shapes that differ between ranks, rows not divisible by W — raises a DitronConfigError on
+every rank before any row moves (`runtime.agreement.agree`: one small gather of every rank's
+verdict and shapes).
+
+Gradients (each a GEMM + collective of the other kind):
+    all_gather_matmul:     da = reduce-scatter of dy @ bᵀ (this rank's rows),  db = gatheredᵀ @ dy
+    matmul_reduce_scatter: da = all-gather(dy) @ bᵀ,                            db = aᵀ @ all-gather(dy)
+    matmul_all_reduce:     da = dy @ bᵀ,                                        db = aᵀ @ dy
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.ops.tp.gemm import matmul
+from ditron_ep.runtime.agreement import agree
+
+__all__ = ["all_gather_matmul", "all_gather_rows", "matmul_all_reduce", "matmul_reduce_scatter",
+           "reduce_scatter_rows", "sum_in_rank_order"]
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("the GEMM + collective ops need torch.distributed initialised (every rank of `group` "
+                           "calls them); on a CPU run them under ditron_ep.runtime.EmulatedCluster")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _describe(t: object) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _pair_problem(a: object, b: object) -> str | None:
+    """Why (a, b) is not a pair of 2-D tensors with a @ b defined, same dtype and device."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return f"a and b must be tensors, got {_describe(a)} and {_describe(b)}"
+    if a.dim() != 2 or b.dim() != 2:
+        return f"a and b must be 2-D, got a {tuple(a.shape)} and b {tuple(b.shape)}"
+    if a.shape[1] != b.shape[0]:
+        return f"a's columns ({a.shape[1]}) must equal b's rows ({b.shape[0]}): a {tuple(a.shape)}, b {tuple(b.shape)}"
+    if a.dtype != b.dtype:
+        return f"a and b must have one dtype, got {a.dtype} and {b.dtype}"
+    if a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype must be float32, float16 or bfloat16, got {a.dtype}"
+    if a.device != b.device:
+        return f"a and b must be on one device, got {a.device} and {b.device}"
+    return None
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """cat over ranks (rank order) of every rank's x [M, ...] -> [W*M, ...]."""
+    world, _ = _world(group)
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=group)
+    return out
+
+
+def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """Σ_r parts[r] over the first dimension, r = 0, 1, ... in order, in parts' dtype (fp32 here)."""
+    acc = parts[0].clone()
+    for r in range(1, parts.shape[0]):
+        acc.add_(parts[r])
+    return acc
+
+
+def reduce_scatter_rows(partial: torch.Tensor, group: dist.ProcessGroup | None, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's rows [M, ...] of Σ_ranks partial [W*M, ...] (fp32), added in rank order, cast once."""
+    world, _ = _world(group)
+    recv = torch.empty_like(partial)
+    dist.all_to_all_single(recv, partial.contiguous(), group=group)  # recv[s*M:(s+1)*M]: rank s's partial of my rows
+    return sum_in_rank_order(recv.view(world, -1, *partial.shape[1:])).to(dtype)
+
+
+def _all_reduce_rows(partial: torch.Tensor, group: dist.ProcessGroup | None, dtype: torch.dtype) -> torch.Tensor:
+    """Σ_ranks partial (fp32), added in rank order on every rank (bitwise identical everywhere), cast once."""
+    world, _ = _world(group)
+    return sum_in_rank_order(all_gather_rows(partial, group).view(world, *partial.shape)).to(dtype)
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group, return_gathered):
+        gathered = all_gather_rows(a, group)
+        ctx.save_for_backward(gathered, b)
+        ctx.group, ctx.rows = group, a.shape[0]
+        y = matmul(gathered, b)
+        if return_gathered:
+            ctx.mark_non_differentiable(gathered)
+            return y, gathered
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, *_):
+        gathered, b = ctx.saved_tensors
+        da = db = None
+        if ctx.needs_input_grad[0]:
+            da = reduce_scatter_rows(matmul(dy, b.t(), out_dtype=torch.float32), ctx.group, gathered.dtype)
+        if ctx.needs_input_grad[1]:
+            db = matmul(gathered.t(), dy)
+        return da, db, None, None
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        ctx.group = group
+        return reduce_scatter_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        dy_all = all_gather_rows(dy, ctx.group)
+        da = matmul(dy_all, b.t()) if ctx.needs_input_grad[0] else None
+        db = matmul(a.t(), dy_all) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class _MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, group):
+        ctx.save_for_backward(a, b)
+        return _all_reduce_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        a, b = ctx.saved_tensors
+        da = matmul(dy, b.t()) if ctx.needs_input_grad[0] else None
+        db = matmul(a.t(), dy) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+def _agree(group, what: str, a, b, problem: str | None, **same: object) -> None:
+    if problem is None:
+        same = {"a's columns": a.shape[1], "dtype": str(a.dtype), **same}
+    agree(group, what, problem, same if problem is None else None)
+
+
+def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                      return_gathered: bool = False):
+    """cat_r(a_r) @ b: a [M, K] on every rank (the same M and K), b [K, N] (its own N per rank);
+    returns y [W*M, N] (and the gathered a [W*M, K] when return_gathered). Collective."""
+    world, _ = _world(group)
+    problem = _pair_problem(a, b)
+    _agree(group, "all_gather_matmul", a, b, problem, **({"a's rows": a.shape[0]} if problem is None else {}))
+    return _AllGatherMatmul.apply(a, b, group, bool(return_gathered))
+
+
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Rows [r*M, (r+1)*M) of Σ_ranks a @ b on rank r: a [W*M, K], b [K, N] (the same shapes on
+    every rank); returns [M, N]. Collective."""
+    world, _ = _world(group)
+    problem = _pair_problem(a, b)
+    if problem is None and a.shape[0] % world:
+        problem = f"a's rows ({a.shape[0]}) must be a multiple of the group's {world} ranks"
+    _agree(group, "matmul_reduce_scatter", a, b, problem,
+           **({"a's rows": a.shape[0], "b's columns": b.shape[1]} if problem is None else {}))
+    return _MatmulReduceScatter.apply(a, b, group)
+
+
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Σ_ranks a_r @ b_r on every rank (bitwise the same everywhere): a [M, K], b [K, N], M and N
+    the same on every rank (K may differ). Collective."""
+    world, _ = _world(group)
+    problem = _pair_problem(a, b)
+    same = {"a's rows": a.shape[0], "b's columns": b.shape[1]} if problem is None else {}
+    if problem is None:  # K is each rank's own (a row-parallel shard): agree on M, N and dtype only
+        agree(group, "matmul_all_reduce", None, {**same, "dtype": str(a.dtype)})
+    else:
+        agree(group, "matmul_all_reduce", problem)
+    return _MatmulAllReduce.apply(a, b, group)

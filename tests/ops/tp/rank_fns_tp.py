@@ -1,0 +1,147 @@
+"""Rank-side checks of the tensor-parallel ops (imported by name in emulated rank processes)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ditron_ep.ops import (ColumnParallelLinear, RowParallelLinear, all_gather_matmul, matmul_all_reduce,
+                           matmul_reduce_scatter)
+from ditron_ep.ops.tp.naive import all_gather_matmul_ref, matmul_all_reduce_ref, matmul_reduce_scatter_ref
+
+
+def _gather_list(t: torch.Tensor) -> list[torch.Tensor]:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, t.detach())
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)) if want.numel() else 0.0
+
+
+def ops_case(m: int, k: int, n: int, seed: int) -> dict:
+    """Each op forward + backward against float64 torch on every rank's operands (fp32, shapes off
+    any tile grid, each rank its own b); then the same call again, bitwise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    errs, bitwise = {}, {}
+
+    # ---- all_gather_matmul: a [m, k], b [k, n_r] (each rank its own columns)
+    a = torch.randn(m, k, generator=g)
+    b = torch.randn(k, n + rank, generator=g)
+    gout = torch.randn(world * m, n + rank, generator=g)
+    runs = []
+    for _ in range(2):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y, gathered = all_gather_matmul(la, lb, return_gathered=True)
+        (y * gout).sum().backward()
+        runs.append((y.detach(), gathered, la.grad, lb.grad))
+    a_all, b_all, g_all = _gather_list(a), _gather_list(b), _gather_list(gout)
+    ad = [t.double().requires_grad_() for t in a_all]
+    bd = [t.double().requires_grad_() for t in b_all]
+    total = sum(((torch.cat(ad) @ bd[r]) * g_all[r].double()).sum() for r in range(world))
+    total.backward()
+    y, gathered, da, db = runs[0]
+    errs["ag y"] = _rel(y, all_gather_matmul_ref(a_all, b))
+    errs["ag gathered"] = _rel(gathered, torch.cat(a_all).double())
+    errs["ag da"] = _rel(da, ad[rank].grad)
+    errs["ag db"] = _rel(db, bd[rank].grad)
+    bitwise["ag"] = all(torch.equal(x, z) for x, z in zip(runs[0], runs[1]))
+
+    # ---- matmul_reduce_scatter: a [W*m, k], b [k, n] (the same shapes everywhere)
+    a = torch.randn(world * m, k, generator=g)
+    b = torch.randn(k, n, generator=g)
+    gout = torch.randn(m, n, generator=g)
+    runs = []
+    for _ in range(2):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y = matmul_reduce_scatter(la, lb)
+        (y * gout).sum().backward()
+        runs.append((y.detach(), la.grad, lb.grad))
+    a_all, b_all, g_all = _gather_list(a), _gather_list(b), _gather_list(gout)
+    ad = [t.double().requires_grad_() for t in a_all]
+    bd = [t.double().requires_grad_() for t in b_all]
+    full = sum(x @ z for x, z in zip(ad, bd))
+    (full * torch.cat(g_all).double()).sum().backward()
+    y, da, db = runs[0]
+    errs["rs y"] = _rel(y, matmul_reduce_scatter_ref(a_all, b_all, rank))
+    errs["rs da"] = _rel(da, ad[rank].grad)
+    errs["rs db"] = _rel(db, bd[rank].grad)
+    bitwise["rs"] = all(torch.equal(x, z) for x, z in zip(runs[0], runs[1]))
+
+    # ---- matmul_all_reduce: a [m, k_r], b [k_r, n] (each rank its own K)
+    a = torch.randn(m, k + 2 * rank, generator=g)
+    b = torch.randn(k + 2 * rank, n, generator=g)
+    gout = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))  # the same upstream gradient everywhere
+    runs = []
+    for _ in range(2):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y = matmul_all_reduce(la, lb)
+        (y * gout).sum().backward()
+        runs.append((y.detach(), la.grad, lb.grad))
+    a_all, b_all = _gather_list(a), _gather_list(b)
+    ad = [t.double().requires_grad_() for t in a_all]
+    bd = [t.double().requires_grad_() for t in b_all]
+    (sum(x @ z for x, z in zip(ad, bd)) * gout.double()).sum().backward()
+    y, da, db = runs[0]
+    errs["ar y"] = _rel(y, matmul_all_reduce_ref(a_all, b_all))
+    errs["ar da"] = _rel(da, ad[rank].grad)
+    errs["ar db"] = _rel(db, bd[rank].grad)
+    bitwise["ar"] = all(torch.equal(x, z) for x, z in zip(runs[0], runs[1]))
+    same_everywhere = all(torch.equal(t, y) for t in _gather_list(y))
+    return {"errs": errs, "bitwise": bitwise, "ar_same_on_every_rank": same_everywhere}
+
+
+def bad_input_case(kind: str) -> str:
+    """The error every rank raises for one kind of bad input (rank 1 alone wrong where it can be)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = torch.randn(4 * world, 8), torch.randn(8, 6)
+    try:
+        if kind == "rows differ":  # all_gather_matmul needs one M on every rank
+            all_gather_matmul(torch.randn(4 + (rank == 1), 8), b)
+        elif kind == "not divisible":
+            matmul_reduce_scatter(torch.randn(4 * world + 1, 8), b)
+        elif kind == "inner mismatch on one rank":
+            matmul_all_reduce(a, torch.randn(8 + (rank == 1), 6))
+        elif kind == "dtype":
+            matmul_all_reduce(a, b.double() if rank == 1 else b)
+        elif kind == "1-D":
+            all_gather_matmul(torch.randn(8), b)
+        else:
+            raise AssertionError(kind)
+    except ValueError as exc:
+        dist.barrier()  # the ranks are still in step: the next collective works
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: int) -> dict:
+    """A TP MLP block (ColumnParallel -> GELU -> RowParallel, from the same nn.Linears on every rank)
+    against the unsharded block: outputs and every gradient (weights: this rank's shard)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(seed)
+    fc1, fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+    x = torch.randn(tokens, hidden)
+    gout = torch.randn(tokens, hidden)
+    col = ColumnParallelLinear.from_linear(fc1, sequence_parallel=seq_parallel)
+    row = RowParallelLinear.from_linear(fc2, sequence_parallel=seq_parallel)
+    rows = slice(rank * tokens // world, (rank + 1) * tokens // world)
+    xin = (x[rows] if seq_parallel else x).clone().requires_grad_()
+    y = row(torch.nn.functional.gelu(col(xin)))
+    (y * (gout[rows] if seq_parallel else gout)).sum().backward()
+    ref_x = x.double().requires_grad_()
+    f1, f2 = nn.Linear(hidden, ffn).double(), nn.Linear(ffn, hidden).double()
+    f1.load_state_dict(fc1.state_dict())
+    f2.load_state_dict(fc2.state_dict())
+    ref = f2(torch.nn.functional.gelu(f1(ref_x)))
+    (ref * gout.double()).sum().backward()
+    shard1 = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    bias2 = row.bias.grad
+    if seq_parallel:  # each rank's bias gradient covers its rows: the group's sum is the full one
+        parts = _gather_list(bias2)
+        bias2 = sum(parts)
+    return {"y": _rel(y, ref[rows] if seq_parallel else ref),
+            "dx": _rel(xin.grad, ref_x.grad[rows] if seq_parallel else ref_x.grad),
+            "dW1": _rel(col.weight.grad, f1.weight.grad[shard1]), "db1": _rel(col.bias.grad, f1.bias.grad[shard1]),
+            "dW2": _rel(row.weight.grad, f2.weight.grad[:, shard1]), "db2": _rel(bias2, f2.bias.grad)}
