@@ -101,6 +101,9 @@ def test_gpu_defaults(name: str) -> None:
     if name == "deepspeed_moe":  # the drop-in issue's DeepSpeed block: H=4096, I=4H, E=16, top-2, T=4096
         assert b.shapes["torch"] == Shape(4096, 16, 2, 16384) and b.tokens["torch"] == (4096,)
         return
+    if name == "gemm_collectives":  # the GEMM+collective issue's M per rank (its (op, K, N) table)
+        assert b.tokens["torch"] == (128, 1024, 4096, 8192)
+        return
     if name == "dense_gemm":  # the GEMM+collective issue's M (K, N: --opt kn, default every pair)
         assert b.tokens["torch"] == (128, 1024, 8192)
         return

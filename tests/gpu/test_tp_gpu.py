@@ -1,0 +1,104 @@
+"""Tensor-parallel GEMM + collective ops on CUDA ranks (bf16), under torchrun
+(tests/gpu/run_gpu_suite.sh): each op and its gradients against float64 torch over every rank's
+operands, bitwise run to run, GEMM+AR bitwise identical on every rank, and the TP MLP block
+(replicated and sequence-parallel) against the unsharded block. Bodies record problems and
+assert after their last collective (conftest.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ditron_ep  # noqa: F401
+from ditron_ep.ops import (ColumnParallelLinear, RowParallelLinear, all_gather_matmul, matmul_all_reduce,
+                           matmul_reduce_scatter)
+
+TOL = 2e-2  # bf16 operands, fp32 accumulation
+
+
+def _all(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _rel(got, want) -> float:
+    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("m, k, n", [(200, 512, 384), (64, 1024, 256)])
+def test_tp_ops_match_float64_and_repeat_bitwise(dist_env, m, k, n):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(rank + 7)
+    problems = []
+    for op in ("ag", "rs", "ar"):
+        rows = world * m if op == "rs" else m
+        a = torch.randn(rows, k, generator=g, device=dev).to(torch.bfloat16)
+        b = (torch.randn(k, n, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
+        out_rows = world * m if op == "ag" else m
+        gout = torch.randn(out_rows, n, generator=torch.Generator(device=dev).manual_seed(5 + (rank if op != "ar" else 0)),
+                           device=dev).to(torch.bfloat16)
+        fn = {"ag": all_gather_matmul, "rs": matmul_reduce_scatter, "ar": matmul_all_reduce}[op]
+        runs = []
+        for _ in range(2):
+            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            y = fn(la, lb)
+            (y.float() * gout.float()).sum().backward()
+            runs.append((y.detach(), la.grad, lb.grad))
+        if not all(torch.equal(x, z) for x, z in zip(*runs)):
+            problems.append(f"{op}: a second call changed bits")
+        a_all, b_all, g_all = _all(a), _all(b), _all(gout)
+        ad = [t.double().requires_grad_() for t in a_all]
+        bd = [t.double().requires_grad_() for t in b_all]
+        if op == "ag":
+            total = sum(((torch.cat(ad) @ bd[r]) * g_all[r].double()).sum() for r in range(world))
+            want_y = torch.cat(ad).detach() @ bd[rank].detach()
+        elif op == "rs":
+            full = sum(x @ z for x, z in zip(ad, bd))
+            total = (full * torch.cat(g_all).double()).sum()
+            want_y = full.detach()[rank * m:(rank + 1) * m]
+        else:
+            full = sum(x @ z for x, z in zip(ad, bd))
+            total = (full * gout.double()).sum()
+            want_y = full.detach()
+        total.backward()
+        y, da, db = runs[0]
+        for name, got, want in (("y", y, want_y), ("da", da, ad[rank].grad), ("db", db, bd[rank].grad)):
+            if not _rel(got, want) < TOL:
+                problems.append(f"{op} {name}: rel err {_rel(got, want):.2e}")
+        if op == "ar" and not all(torch.equal(t, y) for t in _all(y)):
+            problems.append("GEMM+AR: ranks differ")
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("seq_parallel", [False, True], ids=["replicated", "sequence-parallel"])
+def test_tp_mlp_block_matches_the_unsharded_block(dist_env, seq_parallel):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(11)
+    tokens, hidden, ffn = 256, 512, 1024
+    fc1, fc2 = nn.Linear(hidden, ffn).to(dev), nn.Linear(ffn, hidden).to(dev)
+    x = torch.randn(tokens, hidden, device=dev)
+    gout = torch.randn(tokens, hidden, device=dev)
+    col = ColumnParallelLinear.from_linear(fc1.to(torch.bfloat16), sequence_parallel=seq_parallel)
+    row = RowParallelLinear.from_linear(fc2.to(torch.bfloat16), sequence_parallel=seq_parallel)
+    rows = slice(rank * tokens // world, (rank + 1) * tokens // world)
+    xin = (x[rows] if seq_parallel else x).to(torch.bfloat16).requires_grad_()
+    y = row(torch.nn.functional.gelu(col(xin)))
+    (y.float() * (gout[rows] if seq_parallel else gout)).sum().backward()
+    f1, f2 = fc1.double(), fc2.double()
+    ref_x = x.to(torch.bfloat16).double().requires_grad_()
+    ref = f2(torch.nn.functional.gelu(f1(ref_x)))
+    (ref * gout.double()).sum().backward()
+    bias2 = row.bias.grad.float()
+    if seq_parallel:
+        bias2 = sum(_all(bias2))
+    shard = slice(rank * ffn // world, (rank + 1) * ffn // world)
+    errs = {"y": _rel(y, ref[rows] if seq_parallel else ref),
+            "dx": _rel(xin.grad, ref_x.grad[rows] if seq_parallel else ref_x.grad),
+            "dW1": _rel(col.weight.grad, f1.weight.grad[shard]), "dW2": _rel(row.weight.grad, f2.weight.grad[:, shard]),
+            "db2": _rel(bias2, f2.bias.grad)}
+    bad = {k: v for k, v in errs.items() if not v < TOL}
+    assert not bad, errs
