@@ -59,6 +59,25 @@ def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same:
     return max(v for _, _, v in posts)
 
 
+def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object],
+                device: torch.device) -> None:
+    """`agree` for ops on the data path: every rank posts one fixed-size int64 row — its problem
+    flag and the `same` fields as words (field_word) — in one all_gather on `device` (no pickling);
+    only when a row is flagged or differs does it fall back to `agree`, which builds the message and
+    raises on every rank. `same` must have the same keys on every rank (a rank with a problem still
+    passes them, any values)."""
+    world = dist.get_world_size(group)
+    words = torch.tensor([1 if problem else 0, *(field_word(v) for v in same.values())], dtype=torch.int64,
+                         device=device)
+    rows = torch.empty(world * words.numel(), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(rows, words, group=group)
+    host = rows.cpu().view(world, -1)
+    if bool(host[:, 0].any()) or bool((host[:, 1:] != host[0, 1:]).any()):
+        agree(group, what, problem, None if problem else same)
+        raise DitronConfigError(f"{what}: the ranks' arguments differ ({', '.join(same)})")  # agree raised already
+
+
 def differing(fields: dict[int, dict | None]) -> str:
     """'' when every rank's fields (rank -> {name: value}) agree, else each differing field with
     every rank's value ("hidden: rank 0 32, rank 1 48")."""

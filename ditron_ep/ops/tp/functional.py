@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.tp.gemm import matmul
-from ditron_ep.runtime.agreement import agree
+from ditron_ep.runtime.agreement import agree_words
 
 __all__ = ["all_gather_matmul", "all_gather_rows", "matmul_all_reduce", "matmul_reduce_scatter",
            "reduce_scatter_rows", "sum_in_rank_order"]
@@ -150,10 +150,18 @@ class _MatmulAllReduce(torch.autograd.Function):
         return da, db, None
 
 
-def _agree(group, what: str, a, b, problem: str | None, **same: object) -> None:
-    if problem is None:
-        same = {"a's columns": a.shape[1], "dtype": str(a.dtype), **same}
-    agree(group, what, problem, same if problem is None else None)
+def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...]) -> None:
+    """Every rank's verdict and `fields` (of a, b: "rows", "K", "N", "dtype") compared in one small
+    all_gather (agreement.agree_words); DitronConfigError on every rank if any rank has a problem
+    or a field differs."""
+    def value(f: str) -> object:
+        if problem is not None:
+            return 0
+        return {"rows": a.shape[0], "K": a.shape[1], "N": b.shape[1], "dtype": a.dtype}[f]
+    device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    agree_words(group, what, problem, {f: value(f) for f in fields}, device)
 
 
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -162,7 +170,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
     returns y [W*M, N] (and the gathered a [W*M, K] when return_gathered). Collective."""
     world, _ = _world(group)
     problem = _pair_problem(a, b)
-    _agree(group, "all_gather_matmul", a, b, problem, **({"a's rows": a.shape[0]} if problem is None else {}))
+    _agree(group, "all_gather_matmul", a, b, problem, ("rows", "K", "dtype"))
     return _AllGatherMatmul.apply(a, b, group, bool(return_gathered))
 
 
@@ -173,8 +181,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.Proce
     problem = _pair_problem(a, b)
     if problem is None and a.shape[0] % world:
         problem = f"a's rows ({a.shape[0]}) must be a multiple of the group's {world} ranks"
-    _agree(group, "matmul_reduce_scatter", a, b, problem,
-           **({"a's rows": a.shape[0], "b's columns": b.shape[1]} if problem is None else {}))
+    _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype"))
     return _MatmulReduceScatter.apply(a, b, group)
 
 
@@ -183,9 +190,5 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
     the same on every rank (K may differ). Collective."""
     world, _ = _world(group)
     problem = _pair_problem(a, b)
-    same = {"a's rows": a.shape[0], "b's columns": b.shape[1]} if problem is None else {}
-    if problem is None:  # K is each rank's own (a row-parallel shard): agree on M, N and dtype only
-        agree(group, "matmul_all_reduce", None, {**same, "dtype": str(a.dtype)})
-    else:
-        agree(group, "matmul_all_reduce", problem)
+    _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype"))  # K: each rank's own shard
     return _MatmulAllReduce.apply(a, b, group)
