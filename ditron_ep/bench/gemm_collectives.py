@@ -9,6 +9,8 @@ Rows of one (op, K, N):
     ours <op>           ditron_ep.ops.all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce
                         (their sequential schedule: agreement, collective, our GEMM; fp32 partials
                         added in rank order);
+    ours overlap AG+GEMM  all_gather_matmul(schedule="overlap"): one persistent launch, copies and
+                        GEMM tiles in one queue; checked bitwise against "ours";
     NCCL+cuBLAS <op>    all_gather_into_tensor + torch.mm / torch.mm + reduce_scatter_tensor /
                         torch.mm + all_reduce (gloo on emulated ranks);
     cuBLAS alone <op>   torch.mm of the op's GEMM on this rank (the time an overlapped kernel
@@ -93,6 +95,15 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
             rel = relative_errors(ctx, want, {"ours": got})["ours"]
             out.append(ctx.measure(name("ours", op, k, n), ours, work, *tolerance_check(rel, TOLERANCES[dt][0]),
                                    details=details))
+            if op == "ag":  # the overlapped schedule: bitwise the sequential one
+                over = lambda a=a, b=b: all_gather_matmul(a, b, group=grp, schedule="overlap")
+                try:
+                    same = torch.equal(guarded(ctx, f"{name('ours overlap', op, k, n)} (check)", over), got)
+                    out.append(ctx.measure(name("ours overlap", op, k, n), over, work,
+                                           "bitwise = ours" if same else "FAIL: differs from ours", same,
+                                           details=details))
+                except StageFailed as exc:
+                    out.append(Measurement(name("ours overlap", op, k, n), work=work, ok=False, error=str(exc)))
             out.append(ctx.measure(name("NCCL+cuBLAS", op, k, n), base, work, "reference", True, details=details))
             del a, b, alone_a
     return out
@@ -104,6 +115,9 @@ def plan_gemm_collectives(req: BenchRequest, tokens: int, options: Mapping[str, 
     for op, k, n in cases(tokens, options, on_gpu):
         ours.append(Impl(name("ours", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
                                                           name("cuBLAS alone", op, k, n))))
+        if op == "ag":
+            ours.append(Impl(name("ours overlap", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
+                                                                      name("cuBLAS alone", op, k, n))))
         base += [Impl(name("NCCL+cuBLAS", op, k, n), "baseline"), Impl(name("cuBLAS alone", op, k, n), "reference")]
     return (*ours, *base)
 

@@ -102,3 +102,22 @@ def test_tp_mlp_block_matches_the_unsharded_block(dist_env, seq_parallel):
             "db2": _rel(bias2, f2.bias.grad)}
     bad = {k: v for k, v in errs.items() if not v < TOL}
     assert not bad, errs
+
+
+@pytest.mark.parametrize("m, k, n", [(200, 512, 384), (1000, 1024, 768)])
+def test_overlapped_all_gather_matmul_equals_sequential_bitwise(dist_env, m, k, n):
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(rank + 3)
+    a = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+    b = (torch.randn(k, n, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
+    gout = torch.randn(dist.get_world_size() * m, n, generator=g, device=dev).to(torch.bfloat16)
+    outs = {}
+    for schedule in ("sequential", "overlap", "overlap"):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y, gathered = all_gather_matmul(la, lb, return_gathered=True, schedule=schedule)
+        (y.float() * gout.float()).sum().backward()
+        outs.setdefault(schedule, []).append((y.detach(), gathered, la.grad, lb.grad))
+    ref = outs["sequential"][0]
+    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    assert not differ, f"overlap differs from sequential in outputs {differ} (y, gathered, da, db)"

@@ -99,11 +99,16 @@ def _all_reduce_rows(partial: torch.Tensor, group: dist.ProcessGroup | None, dty
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group, return_gathered):
-        gathered = all_gather_rows(a, group)
+    def forward(ctx, a, b, group, return_gathered, overlap):
+        if overlap:
+            from ditron_ep.ops.tp.fused import overlapped_all_gather_matmul
+
+            y, gathered = overlapped_all_gather_matmul(a, b, group, return_gathered=True)
+        else:
+            gathered = all_gather_rows(a, group)
+            y = matmul(gathered, b)
         ctx.save_for_backward(gathered, b)
         ctx.group, ctx.rows = group, a.shape[0]
-        y = matmul(gathered, b)
         if return_gathered:
             ctx.mark_non_differentiable(gathered)
             return y, gathered
@@ -117,7 +122,7 @@ class _AllGatherMatmul(torch.autograd.Function):
             da = reduce_scatter_rows(matmul(dy, b.t(), out_dtype=torch.float32), ctx.group, gathered.dtype)
         if ctx.needs_input_grad[1]:
             db = matmul(gathered.t(), dy)
-        return da, db, None, None
+        return da, db, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
@@ -150,28 +155,36 @@ class _MatmulAllReduce(torch.autograd.Function):
         return da, db, None
 
 
-def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...]) -> None:
+def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...], schedule: str = "sequential") -> None:
     """Every rank's verdict and `fields` (of a, b: "rows", "K", "N", "dtype") compared in one small
     all_gather (agreement.agree_words); DitronConfigError on every rank if any rank has a problem
     or a field differs."""
     def value(f: str) -> object:
         if problem is not None:
             return 0
-        return {"rows": a.shape[0], "K": a.shape[1], "N": b.shape[1], "dtype": a.dtype}[f]
+        return {"rows": a.shape[0], "K": a.shape[1], "N": b.shape[1], "dtype": a.dtype, "schedule": schedule}[f]
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     agree_words(group, what, problem, {f: value(f) for f in fields}, device)
 
 
+SCHEDULES = ("sequential", "overlap")
+
+
 def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-                      return_gathered: bool = False):
+                      return_gathered: bool = False, schedule: str = "sequential"):
     """cat_r(a_r) @ b: a [M, K] on every rank (the same M and K), b [K, N] (its own N per rank);
-    returns y [W*M, N] (and the gathered a [W*M, K] when return_gathered). Collective."""
+    returns y [W*M, N] (and the gathered a [W*M, K] when return_gathered). Collective.
+    schedule "overlap": one persistent launch on a symmetric heap that multiplies each chunk of
+    rows as it lands (fused.py), bitwise equal to "sequential" (the all-gather, then the GEMM)."""
     world, _ = _world(group)
     problem = _pair_problem(a, b)
-    _agree(group, "all_gather_matmul", a, b, problem, ("rows", "K", "dtype"))
-    return _AllGatherMatmul.apply(a, b, group, bool(return_gathered))
+    if problem is None and schedule not in SCHEDULES:
+        problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
+    _agree(group, "all_gather_matmul", a, b, problem, ("rows", "K", "dtype", "schedule"),
+           schedule=schedule)
+    return _AllGatherMatmul.apply(a, b, group, bool(return_gathered), schedule == "overlap")
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -145,3 +145,24 @@ def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: i
             "dx": _rel(xin.grad, ref_x.grad[rows] if seq_parallel else ref_x.grad),
             "dW1": _rel(col.weight.grad, f1.weight.grad[shard1]), "db1": _rel(col.bias.grad, f1.bias.grad[shard1]),
             "dW2": _rel(row.weight.grad, f2.weight.grad[:, shard1]), "db2": _rel(bias2, f2.bias.grad)}
+
+
+def overlap_case(m: int, k: int, n: int, seed: int) -> dict:
+    """all_gather_matmul(schedule="overlap") against "sequential": y, the gathered rows and both
+    gradients bit for bit, for two calls in a row (the second reuses the heap) and one with more
+    rows (the heap is rebuilt on every rank)."""
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    same = []
+    for rows in (m, m, 2 * m + 3):
+        a = torch.randn(rows, k, generator=g)
+        b = torch.randn(k, n + rank, generator=g)
+        gout = torch.randn(dist.get_world_size() * rows, n + rank, generator=g)
+        outs = {}
+        for schedule in ("sequential", "overlap"):
+            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            y, gathered = all_gather_matmul(la, lb, return_gathered=True, schedule=schedule)
+            (y * gout).sum().backward()
+            outs[schedule] = (y.detach(), gathered, la.grad, lb.grad)
+        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+    return {"same": same}

@@ -37,3 +37,9 @@ def test_tp_mlp_block_matches_the_unsharded_block(emulated_cluster, seq_parallel
     for rank, errs in enumerate(emulated_cluster(2).run(fns.modules_case, seq_parallel, 10, 24, 40, 3)):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, (rank, errs)
+
+
+@pytest.mark.parametrize("world, m, k, n", [(2, 21, 40, 24), (3, 5, 19, 13)])
+def test_overlapped_all_gather_matmul_equals_sequential_bitwise(emulated_cluster, world, m, k, n):
+    for rank, rep in enumerate(emulated_cluster(world).run(fns.overlap_case, m, k, n, 4)):
+        assert all(all(call) for call in rep["same"]), (rank, rep)
