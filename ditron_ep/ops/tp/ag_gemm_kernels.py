@@ -4,7 +4,7 @@ compute at the granularity of a chunk of rows.
 
     y = cat_r(a_r) @ b      a_r [M, K] on rank r, b [K, N] (this rank's), y [W*M, N]
 
-Tasks, in queue order (every program takes the next ticket, `next_task`):
+Tasks, in queue order (every program takes the next ticket, `next_task_split`):
   - copy (chunk c, destination d), d = rank, rank+1, ... (the own shard first): rows
     c*CHUNK .. of this rank's a are written into rank d's landing buffer at rows rank*M + c*CHUNK
     (their place in the gathered matrix), then (source rank, chunk) is stamped with the call number
@@ -14,15 +14,20 @@ Tasks, in queue order (every program takes the next ticket, `next_task`):
     chunks holding the tile's rows (they may span shards), then the tile with
     `grouped_gemm_kernels.rows_gemm_acc` — the code and tile config of `gemm.matmul`, so y is
     bitwise the sequential schedule's (all-gather, then matmul of the gathered rows).
-Copies precede every GEMM in the queue and wait on nothing, so every wait is on a task some program
-already holds (no deadlock for any grid, under the interpreter one program runs them all).
+Role split (comm_programs > 0): the first comm_programs programs to arrive take the copy
+tickets, the others the GEMM tickets from a second counter, so the own shard's tiles start while
+the peers' rows are still being copied; a copy program that drains its queue turns to GEMM tiles.
+comm_programs = 0: every program takes the copies first. Copies wait on nothing and come first in
+their queue, so every wait is on a task some program already holds (no deadlock for any grid;
+under the interpreter one program runs them all).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from ditron_ep.language.primitives import call_begin, call_end, copy_rows, ctrl_ptr, heap_ptr, next_task, notify, wait
+from ditron_ep.language.primitives import (call_begin, call_end, copy_rows, ctrl_ptr, heap_ptr, next_task_split, notify,
+                                          take_role, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import rows_gemm_acc
 from ditron_ep.runtime.heap import register_stage
@@ -55,7 +60,7 @@ def ag_gemm_kernel(
     sig_table_ptr,  # int64 (W,) signal bases
     land_offset,    # bytes: symmetric (W*M_cap, K) landing buffer, a's dtype
     sig_first,      # W * n_chunks signals: (source rank, chunk)
-    M, K, N, rank, world, budget, s_bk, s_bn, n_chunks_cap,
+    M, K, N, rank, world, budget, s_bk, s_bn, n_chunks_cap, comm_programs,
     CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -68,9 +73,11 @@ def ag_gemm_kernel(
     rows = world * M
     n_n = tl.cdiv(N, BN)
     n_gemm = tl.cdiv(rows, BM) * n_n
-    t = next_task(my_ctrl)
+    split_at = tl.where(comm_programs > 0, n_copy, 0)
+    on_comm = take_role(my_ctrl, comm_programs)
+    t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     while t < n_copy + n_gemm:
-        if ok:
+        if ok & (t >= 0):  # -1: a copy program found its queue drained; no task this turn
             if t < n_copy:
                 c = t // world
                 d = (rank + t % world) % world
@@ -100,13 +107,13 @@ def ag_gemm_kernel(
                     r = (row0 + o_m).to(tl.int64)
                     tl.store(y_ptr + r[:, None] * N + o_n[None, :], acc.to(y_ptr.dtype.element_ty),
                              mask=(o_m < n_rows)[:, None] & (o_n < N)[None, :])
-        t = next_task(my_ctrl)
+        t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     call_end(table_ptr, rank, call_no)
 
 
 _SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "table_ptr": "*i64", "sig_table_ptr": "*i64",
         "land_offset": "i64", "sig_first": "i32", "M": "i32", "K": "i32", "N": "i32", "rank": "i32", "world": "i32",
-        "budget": "i32", "s_bk": "i32", "s_bn": "i32", "n_chunks_cap": "i32"}
+        "budget": "i32", "s_bk": "i32", "s_bn": "i32", "n_chunks_cap": "i32", "comm_programs": "i32"}
 register_kernel(ag_gemm_kernel, _SIG, {"CHUNK": 128, "BLOCK_C": 256, "BM": 128, "BN": 128, "BK": 64,
                                        "INPUT_PRECISION": "tf32"},
                 label="bf16", options={"num_warps": 8, "num_stages": 2},

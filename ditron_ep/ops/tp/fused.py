@@ -52,10 +52,17 @@ class AllGatherMatmulHeap:
         self.rows_cap, self.k, self.dtype = rows_cap, k, dtype
 
 
+# Copy programs of the role split on a GPU: enough to keep NVLink busy with per-program tile copies,
+# few enough to leave the GEMM most SMs (one program a rank reads and writes ~16 KiB a step).
+COMM_PROGRAMS = 16
+
+
 def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-                                 return_gathered: bool = False):
+                                 return_gathered: bool = False, comm_programs: int | None = None):
     """y = cat_r(a_r) @ b in one launch (arguments already checked and agreed on every rank);
-    the gathered rows too when asked (a copy out of the heap)."""
+    the gathered rows too when asked (a copy out of the heap). comm_programs: programs that copy
+    while the others multiply (default COMM_PROGRAMS on a GPU, 0 under the interpreter); the bits
+    do not depend on it."""
     from ditron_ep.ops.tp.ag_gemm_kernels import ag_gemm_kernel
 
     world = dist.get_world_size(group)
@@ -72,6 +79,7 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     ag_gemm_kernel[(programs,)](
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
         m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), state.n_chunks_cap,
+        (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs,
         CHUNK=cfg.block_m, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
     h.check_error()

@@ -165,4 +165,9 @@ def overlap_case(m: int, k: int, n: int, seed: int) -> dict:
             (y * gout).sum().backward()
             outs[schedule] = (y.detach(), gathered, la.grad, lb.grad)
         same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        # the role split (a copy program, which turns to GEMM tiles once its queue drains)
+        from ditron_ep.ops.tp.fused import overlapped_all_gather_matmul
+        with torch.no_grad():
+            same[-1].append(torch.equal(overlapped_all_gather_matmul(a, b, None, comm_programs=1),
+                                        outs["sequential"][0]))
     return {"same": same}
