@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m ditron_ep",
         description="ditron_ep: expert-parallel MoE megakernels in stock Triton.")
     parser.add_argument("--version", action="version", version=f"ditron_ep {ditron_ep.__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,check,bench,tune}")
     sub.add_parser("info", help="versions, execution mode, backends, devices and GPU topology",
                    description="Print versions, execution mode, backends, devices and GPU topology.")
     check = sub.add_parser(
@@ -146,6 +146,25 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     defaults = [n for n, b in BENCHMARKS.items() if b.default]
     options = "\n".join(f"  {o.key} ({', '.join(n for n, b in BENCHMARKS.items() if o in b.options)}): {o.help}"
                         for o in dict.fromkeys(o for b in BENCHMARKS.values() for o in b.options))
+    tune = sub.add_parser(
+        "tune", help="search the expert GEMMs' tiles and paths on this GPU, into the tuner cache",
+        description="Search the (path, tile) of each of the expert MLP's six GEMMs (forward, act_grad, dgrad, "
+                    "wgrad) at a layer's per-rank shape on this process's GPU, and record the fastest in the tuner "
+                    "cache ($DITRON_TUNE_CACHE, default ~/.cache/ditron_ep/tuned_gemms.json; --cache). "
+                    "grouped_mlp(path='auto'), the staged schedule and every backward then use them on machines "
+                    "that read the same file (docs/gemm.md). One entry per token count: rows = T * topk.")
+    tune.add_argument("--tokens", type=_positive_int, nargs="+", default=[4096], metavar="T",
+                      help="tokens per rank, one entry each (default 4096)")
+    tune.add_argument("--hidden", type=_positive_int, default=7168, metavar="H")
+    tune.add_argument("--inter", type=_positive_int, default=2048, metavar="I", help="expert FFN width")
+    tune.add_argument("--experts", type=_positive_int, default=64, metavar="E", help="experts in all")
+    tune.add_argument("--topk", type=_positive_int, default=8, metavar="K")
+    tune.add_argument("--world-size", type=_positive_int, default=2, metavar="W",
+                      help="ranks of the job the entry is for (E/W local experts; part of the cache key)")
+    tune.add_argument("--activation", default="swiglu")
+    tune.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    tune.add_argument("--reps", type=_positive_int, default=10, help="timed calls per candidate (median)")
+    tune.add_argument("--cache", type=Path, default=None, metavar="PATH", help="the cache file to write")
     bench = sub.add_parser(
         "bench", help="benchmarks against baselines measured in the same run",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -295,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_info(_console())
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "tune":
+            return cmd_tune(args)
         return cmd_check(args)
     except DitronConfigError as exc:
         _console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
@@ -791,3 +812,39 @@ def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["R
         plot(doc, args.plot)
         console.print(f"wrote {args.plot}", markup=False, highlight=False)
     return exit_status(rows)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """`tune`: tuner.tune_grouped_mlp at each token count on this process's GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DitronConfigError("tune times kernels on a CUDA GPU and none is visible here; run it on the GPU "
+                                "machine the model will train or serve on")
+    if args.experts % args.world_size:
+        raise DitronConfigError(f"--experts {args.experts} is not a multiple of --world-size {args.world_size}")
+    from ditron_ep.compiler import tuner
+    from ditron_ep.ops.moe_layer.experts import check_activation, width_factor
+
+    check_activation(args.activation)
+    console = _console()
+    cache = tuner.TuneCache(args.cache) if args.cache is not None else None
+    dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    e_local = args.experts // args.world_size
+    width = width_factor(args.activation) * args.inter
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w1 = (torch.randn(e_local, args.hidden, width, generator=gen, device=dev) / args.hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(e_local, args.inter, args.hidden, generator=gen, device=dev) / args.inter ** 0.5).to(dtype)
+    for t in args.tokens:
+        rows = t * args.topk  # the rows a rank receives on average: T * K over its E/W experts
+        sizes = [rows // e_local + (e < rows % e_local) for e in range(e_local)]
+        offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        x = torch.randn(rows, args.hidden, generator=gen, device=dev).to(dtype)
+        chosen = tuner.tune_grouped_mlp(x, offsets, w1, w2, activation=args.activation, reps=args.reps, cache=cache,
+                                        world_size=args.world_size,
+                                        log=lambda line: console.print(f"  {escape(line)}", highlight=False))
+        console.print(f"T={t} (rows {rows}, {e_local} local experts): "
+                      + ", ".join(f"{k}={tuner.choice_text(v)}" for k, v in chosen.items()), highlight=False)
+    console.print(f"wrote {(cache or tuner.TuneCache()).path}", highlight=False)
+    return EXIT_OK

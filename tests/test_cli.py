@@ -179,10 +179,20 @@ def test_plan_cases() -> None:
     (["check", "--backend", "nccl"], "invalid choice: 'nccl'"),
     (["launch"], "invalid choice: 'launch'"),
     ([], "required"),
-], ids=["world0", "world-text", "backend", "command", "no-command"])
+    (["tune", "--tokens", "0"], "must be a positive integer, got 0"),
+    (["tune", "--dtype", "fp32"], "invalid choice: 'fp32'"),
+], ids=["world0", "world-text", "backend", "command", "no-command", "tune-tokens", "tune-dtype"])
 def test_bad_arguments_exit_2(argv: list[str], message: str, capsys) -> None:
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_tune_without_a_gpu_says_where_to_run_it(capsys) -> None:
+    """The tuner times kernels: on a machine without CUDA `tune` exits 2 saying so (the search itself
+    runs in tests/gpu/test_hopper_gemm_gpu.py)."""
+    assert cli.main(["tune", "--tokens", "128"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "tune times kernels on a CUDA GPU and none is visible here" in err, err
 
 
 def test_torch_backend_without_torchrun_exits_2(monkeypatch, capsys) -> None:

@@ -247,13 +247,14 @@ def _median_ms(fn: Callable[[], None], reps: int) -> float:
 
 def tune_grouped_mlp(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *,
                      activation: str = "swiglu", reps: int = 10, cache: TuneCache | None = None,
-                     log: Callable[[str], None] | None = None) -> dict[str, Choice]:
+                     log: Callable[[str], None] | None = None, world_size: int | None = None) -> dict[str, Choice]:
     """Search the (path, tile) of each expert-MLP kernel at this shape on the GPU and record the
     fastest in the cache; returns the choices. Candidates: the portable default tile and the
     Hopper tiles of `hopper_candidates` (when the Hopper path can run these inputs). Every
     candidate's output must be finite and within 2 % of the portable default's largest value
     (the paths round differently); one that fails or does not compile is skipped and logged.
-    Kernels are searched in data-flow order, each reading the chosen previous one's output."""
+    Kernels are searched in data-flow order, each reading the chosen previous one's output.
+    world_size: the job's, for the key (default this process's torch.distributed world, or 1)."""
     from ditron_ep.compiler.core_config import default_gemm_configs
     from ditron_ep.ops.moe_layer import hopper_path
     from ditron_ep.ops.moe_layer.experts import activation_code, width_factor
@@ -302,6 +303,7 @@ def tune_grouped_mlp(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Te
         chosen[kernel], best_ms[kernel] = best[1], best[0]
         fn, _ = kernel_launcher(kernel, best[1], x, expert_offsets, w1, w2, bufs, programs, act)
         fn()  # the chosen kernel's output feeds the next kernel's search
-    key = mlp_key(mlp_op(act), dt, dev, rows=rows, hidden=hidden, inter=inter, num_local=num_local)
+    key = mlp_key(mlp_op(act), dt, dev, rows=rows, hidden=hidden, inter=inter, num_local=num_local,
+                  world_size=world_size)
     (cache or _cache()).put(key, chosen, best_ms)
     return chosen
