@@ -4,16 +4,19 @@
 `AllGatherMatmulHeap` holds one group's heap: a landing buffer for the gathered rows and one signal
 per (source rank, chunk of rows). It is built at the first call and rebuilt, on every rank together,
 when a call needs more rows, another K or another dtype (every rank knows the call's shapes: they
-were agreed on before anything moves, functional._agree). The GEMM tile config and launch options
-are `gemm.matmul`'s, so every output tile is computed by the same code with the same tile.
+were agreed on before anything moves, functional._agree). Each launch follows a verified
+`compiler.tp_plan.AGGemmPlan` (chunk size, role split, GEMM tile): its tile is `gemm.matmul`'s, so
+every output tile is computed by the same code with the same tile.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 import triton
 
-from ditron_ep.compiler.core_config import default_gemm_configs
+from ditron_ep.compiler.tp_plan import AGGemmPlan, lower_ag_gemm
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -69,23 +72,32 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     m, k = a.shape
     n = b.shape[1]
     on_gpu = a.device.type == "cuda"
-    cfg = default_gemm_configs(a.dtype, "hip" if on_gpu and torch.version.hip else a.device.type)[1]
+    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    plan = _plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type,
+                 (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs)
+    cfg = plan.tile
     state = per_group(_HEAPS, group, AllGatherMatmulHeap)
-    state.ensure(world * m, k, a.dtype, a.device, cfg.block_m)
+    state.ensure(world * m, k, a.dtype, a.device, plan.chunk_rows)
     h = state.heap
     y = torch.empty((world * m, n), dtype=a.dtype, device=a.device)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
     elt = a.element_size()
     ag_gemm_kernel[(programs,)](
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
-        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), state.n_chunks_cap,
-        (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs,
-        CHUNK=cfg.block_m, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),
+        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), state.n_chunks_cap, plan.comm_programs,
+        CHUNK=plan.chunk_rows, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
     h.check_error()
     if return_gathered:
         return y, h.local_view("tp/land")[:world * m].clone()
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str, comm_programs: int) -> AGGemmPlan:
+    """The verified plan of this call's shape (compiler/tp_plan.py): its chunk size, role split and
+    GEMM tile drive the launch."""
+    return lower_ag_gemm(world, m, k, n, dtype, device_type, comm_programs=comm_programs)
 
 
 def free_heaps() -> None:

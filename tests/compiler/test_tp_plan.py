@@ -1,0 +1,61 @@
+"""The AllGather+GEMM plan (compiler/tp_plan.py): lowered plans verify for ragged shapes and print
+their levels; plans the verifier must reject (a chunk that never lands, a tile that waits for too
+few chunks, an output tile computed twice, a GEMM tile other than the sequential schedule's,
+bad parameters) raise PlanError naming the problem."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.plan import PlanError
+from ditron_ep.compiler.tp_plan import AGGemmPlan, lower_ag_gemm, verify_ag_gemm
+
+
+@pytest.mark.parametrize("world, rows, n, chunk", [(2, 21, 24, None), (3, 5, 13, None), (4, 37, 50, 8), (2, 1, 1, None),
+                                                   (3, 16, 32, 16)])
+def test_lowered_plans_verify(world, rows, n, chunk):
+    plan = lower_ag_gemm(world, rows, 40, n, "float32", "cpu", chunk_rows=chunk)
+    assert plan.verified
+    text = plan.describe()
+    assert "verified" in text and "Task level" in text and "Device level" in text and "Core level" in text
+    assert dataclasses.replace(plan, comm_programs=3).verified is False  # any change needs a new verification
+
+
+def _broken(name: str):
+    class Broken(AGGemmPlan):
+        def copy_task(self, rank, t):
+            c, d = super().copy_task(rank, t)
+            return (c, rank) if name == "copy" and rank == 1 and c == 0 else (c, d)
+
+        def waits(self, t_m):
+            got = super().waits(t_m)
+            return got[:-1] if name == "waits" and len(got) > 1 else got
+
+        def gemm_task(self, rank, g):
+            t_m, t_n = super().gemm_task(rank, g)
+            return (0, 0) if name == "twice" and g == 1 else (t_m, t_n)
+    return Broken
+
+
+@pytest.mark.parametrize("name, match", [("copy", "never land"), ("waits", "waits for"),
+                                         ("twice", "other than once")])
+def test_plans_the_verifier_must_reject(name, match):
+    good = lower_ag_gemm(3, 21, 40, 24, "float32", "cpu", chunk_rows=4)
+    fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}
+    with pytest.raises(PlanError, match=match):
+        verify_ag_gemm(_broken(name)(**fields))
+
+
+def test_a_tile_other_than_the_sequential_ones_is_rejected():
+    good = lower_ag_gemm(2, 21, 40, 24, "float32", "cpu")
+    with pytest.raises(PlanError, match="not the sequential schedule's"):
+        verify_ag_gemm(dataclasses.replace(good, tile=GemmTileConfig(32, 32, 16, 4, 1)))
+
+
+@pytest.mark.parametrize("field, value", [("chunk_rows", 0), ("rows", -1), ("comm_programs", -2)])
+def test_bad_parameters_are_rejected(field, value):
+    good = lower_ag_gemm(2, 21, 40, 24, "float32", "cpu")
+    with pytest.raises(PlanError, match=field):
+        verify_ag_gemm(dataclasses.replace(good, **{field: value}))
