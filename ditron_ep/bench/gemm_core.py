@@ -33,7 +33,7 @@ from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape, boolean,
                                   positive_int, tolerance_check)
 from ditron_ep.check.tolerances import TOLERANCES
-from ditron_ep.compiler.core_config import default_backward_configs, default_gemm_configs
+from ditron_ep.compiler.core_config import default_expert_configs, default_gemm_configs
 
 KERNELS = ("up", "down", "act_grad", "dgrad", "wgrad W1", "wgrad W2")
 PATHS = ("portable", "hopper")
@@ -150,8 +150,7 @@ def _choices(ctx: BenchContext, case, num_local: int) -> dict[str, dict[str, tup
     from ditron_ep.compiler.tuner import tuned_choices
     from ditron_ep.ops.moe_layer.hopper_path import default_hopper_configs
 
-    up, down = default_gemm_configs(ctx.dtype, "cuda" if ctx.on_cuda else "cpu")
-    portable = {"up": up, "down": down, **default_backward_configs(ctx.dtype, "cuda" if ctx.on_cuda else "cpu")}
+    portable = default_expert_configs(ctx.dtype, "cuda" if ctx.on_cuda else "cpu")
     paths = {"portable": {k: ("portable", c) for k, c in portable.items()},
              "hopper": {k: ("hopper", c) for k, c in default_hopper_configs().items()}}
     if ctx.options.get("tuned", False):

@@ -23,7 +23,12 @@ import re
 
 import torch
 
-__all__ = ["DEVICE_TYPES", "GemmTileConfig", "default_backward_configs", "default_gemm_configs"]
+__all__ = ["DEVICE_TYPES", "EXPERT_GEMMS", "GemmTileConfig", "default_backward_configs", "default_expert_configs",
+           "default_gemm_configs"]
+
+# The expert MLP's GEMM kernels, each with its own (path, tile) in grouped_mlp: the first GEMM with
+# the activation, the second, the activation-gradient GEMM, dgrad and wgrad.
+EXPERT_GEMMS = ("up", "down", "act_grad", "dgrad", "wgrad")
 
 DEVICE_TYPES = ("cpu", "cuda", "hip")
 
@@ -127,3 +132,11 @@ def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, 
     up, down = default_gemm_configs(dtype, device_type)
     wgrad = GemmTileConfig(128, 256, 64, 8, 3) if (device_type, dtype in _HALF) == ("cuda", True) else up
     return {"act_grad": up, "dgrad": down, "wgrad": wgrad}
+
+
+def default_expert_configs(dtype: torch.dtype, device_type: str,
+                           forward: tuple[GemmTileConfig, GemmTileConfig] | None = None) -> dict[str, GemmTileConfig]:
+    """The portable tile of each of EXPERT_GEMMS: `forward` (gate-up, down), else
+    default_gemm_configs, and default_backward_configs."""
+    up, down = forward if forward is not None else default_gemm_configs(dtype, device_type)
+    return {"up": up, "down": down, **default_backward_configs(dtype, device_type)}

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs
 
 __all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TuneCache", "TuneKey", "choice_text", "default_cache_path",
            "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "planned_expert_gemms", "rows_bucket", "tune_grouped_mlp",
@@ -172,7 +172,7 @@ def _cache(path: str | os.PathLike | None = None) -> TuneCache:
     return _CACHES[p]
 
 
-KERNELS = ("up", "down", "act_grad", "dgrad", "wgrad")
+KERNELS = EXPERT_GEMMS
 
 
 def mlp_op(activation_code: int) -> str:
@@ -199,13 +199,9 @@ def planned_expert_gemms(spec) -> tuple[tuple[str, str], ...]:
     """(kernel, "path:tile (tuned|default)") of the expert GEMMs a plan's staged schedule and
     backward run (grouped_mlp on the layer's received rows, SwiGLU), for CorePlan: the tuned
     choice when this machine's cache has one for the spec's shape, else the portable defaults
-    (core_config.default_gemm_configs, default_backward_configs)."""
-    from ditron_ep.compiler.core_config import default_backward_configs, default_gemm_configs
-
+    (core_config.default_expert_configs)."""
     dtype = getattr(torch, spec.dtype)
-    up, down = default_gemm_configs(dtype, spec.device_type)
-    choices = {k: ("portable", cfg) for k, cfg in
-               {"up": up, "down": down, **default_backward_configs(dtype, spec.device_type)}.items()}
+    choices = {k: ("portable", cfg) for k, cfg in default_expert_configs(dtype, spec.device_type).items()}
     tuned = None
     if spec.device_type == "cuda" and torch.cuda.is_available() and torch.version.hip is None:
         tuned = tuned_choices(dtype, torch.device("cuda", torch.cuda.current_device()),

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
+from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs, default_gemm_configs
 from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
@@ -182,7 +182,7 @@ def grouped_mlp(
 
 def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, config, *,
                    biases: bool = False, user_tiles: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
-    """(path, tile) of each expert-MLP kernel (tuner.KERNELS) for this call; `path` as grouped_mlp's.
+    """(path, tile) of each expert-MLP kernel (core_config.EXPERT_GEMMS) for this call; `path` as grouped_mlp's.
 
     "portable": the `tl` kernels, `config` (or the defaults) for the forward, the backward's
     defaults. "hopper": every kernel on the Gluon path, its tuned tile when the tuner cache has
@@ -194,9 +194,7 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
     """
     if path not in PATHS:
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
-    device_type = _device_type(x.device)
-    up, down = config
-    portable = {"up": up, "down": down, **default_backward_configs(x.dtype, device_type)}
+    portable = default_expert_configs(x.dtype, _device_type(x.device), config)
     choices = {k: ("portable", cfg) for k, cfg in portable.items()}
     if path == "portable":
         return choices
@@ -366,13 +364,13 @@ class _Launches:
 
 def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_offsets, w1, w2, bufs: dict,
                     num_programs: int, act: int, input_precision: str | None = None):
-    """(fn, out): `fn()` runs one expert-MLP kernel (tuner.KERNELS) on `choice` = (path, tile) over
+    """(fn, out): `fn()` runs one expert-MLP kernel (core_config.EXPERT_GEMMS) on `choice` = (path, tile) over
     the buffers of a forward + backward (bufs: z, h, y, dz, dx, dy, g1), `out` the tensor it
     writes. For the tuner and the expert_gemms / dense_gemm benchmarks (fp32 inputs: tf32 on a
     GPU, ieee under the interpreter; M-tile-major order)."""
     if input_precision is None:
         input_precision = "tf32" if x.is_cuda else "ieee"
-    run = _Launches({k: choice for k in ("up", "down", "act_grad", "dgrad", "wgrad")}, num_programs,
+    run = _Launches({k: choice for k in EXPERT_GEMMS}, num_programs,
                     input_precision, 1, act)
     tiles = build_tile_map(expert_offsets, choice[1].block_m)
     b = bufs

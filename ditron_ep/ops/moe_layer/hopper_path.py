@@ -13,14 +13,14 @@ from __future__ import annotations
 import torch
 import triton
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig
 from ditron_ep.runtime.mode import kernels_interpreted
 
 __all__ = ["HOPPER_KERNELS", "PATHS", "default_hopper_configs", "device_problem", "launch_act_grad", "launch_dgrad",
            "launch_down", "launch_up", "launch_wgrad", "path_problem", "weight_problem"]
 
 PATHS = ("auto", "portable", "hopper")
-HOPPER_KERNELS = ("up", "down", "act_grad", "dgrad", "wgrad")
+HOPPER_KERNELS = EXPERT_GEMMS  # the Hopper path has a kernel for each
 WARP_SPECIALIZED = True  # row GEMMs: one producer warp + consumer warpgroups (else all warps do both)
 
 # Starting tiles (the tuner, compiler/tuner.py, may replace them per shape): 128-row tiles over
