@@ -125,6 +125,13 @@ class _AllGatherMatmul(torch.autograd.Function):
         return da, db, None, None, None
 
 
+def matmul_grads(ctx, a: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> tuple:
+    """(da, db) of y = a @ b for the inputs that need them: dy @ bᵀ and aᵀ @ dy (`gemm.matmul`)."""
+    da = matmul(dy, b.t()) if ctx.needs_input_grad[0] else None
+    db = matmul(a.t(), dy) if ctx.needs_input_grad[1] else None
+    return da, db
+
+
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, group):
@@ -135,10 +142,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
-        dy_all = all_gather_rows(dy, ctx.group)
-        da = matmul(dy_all, b.t()) if ctx.needs_input_grad[0] else None
-        db = matmul(a.t(), dy_all) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        return (*matmul_grads(ctx, a, b, all_gather_rows(dy, ctx.group)), None)
 
 
 class _MatmulAllReduce(torch.autograd.Function):
@@ -149,10 +153,7 @@ class _MatmulAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        a, b = ctx.saved_tensors
-        da = matmul(dy, b.t()) if ctx.needs_input_grad[0] else None
-        db = matmul(a.t(), dy) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        return (*matmul_grads(ctx, *ctx.saved_tensors, dy), None)
 
 
 def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...], schedule: str = "sequential") -> None:
@@ -178,7 +179,7 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
     returns y [W*M, N] (and the gathered a [W*M, K] when return_gathered). Collective.
     schedule "overlap": one persistent launch on a symmetric heap that multiplies each chunk of
     rows as it lands (fused.py), bitwise equal to "sequential" (the all-gather, then the GEMM)."""
-    world, _ = _world(group)
+    _world(group)  # torch.distributed must be initialised
     problem = _pair_problem(a, b)
     if problem is None and schedule not in SCHEDULES:
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
@@ -201,7 +202,7 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.Proce
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Σ_ranks a_r @ b_r on every rank (bitwise the same everywhere): a [M, K], b [K, N], M and N
     the same on every rank (K may differ). Collective."""
-    world, _ = _world(group)
+    _world(group)  # torch.distributed must be initialised
     problem = _pair_problem(a, b)
     _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype"))  # K: each rank's own shard
     return _MatmulAllReduce.apply(a, b, group)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ditron_ep.ops.tp.functional import (_world, all_gather_matmul, all_gather_rows, matmul_all_reduce,
-                                        matmul_reduce_scatter, sum_in_rank_order)
+                                        matmul_grads, matmul_reduce_scatter, sum_in_rank_order)
 from ditron_ep.ops.tp.gemm import matmul
 from ditron_ep.runtime.errors import DitronConfigError
 
@@ -79,6 +79,22 @@ def _split(total: int, world: int, what: str) -> int:
 
 
 class _ParallelLinear(nn.Module):
+    def _shard(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """This rank's parts of a whole layer's weight and bias."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, **kw):
+        """This rank's shard of `linear` (the same on every rank): see the subclass's `_shard`."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    dtype=linear.weight.dtype, device=linear.weight.device, **kw)
+        weight, bias = layer._shard(linear.weight, linear.bias)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            if bias is not None:
+                layer.bias.copy_(bias)
+        return layer
+
     def _init(self, weight_shape, fan_in: int, bias_size: int | None, dtype, device) -> None:
         self.weight = nn.Parameter(torch.empty(weight_shape, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(bias_size, dtype=dtype, device=device)) if bias_size else None
@@ -105,17 +121,10 @@ class ColumnParallelLinear(_ParallelLinear):
         self.out_per_rank = _split(out_features, self.world, "out_features")
         self._init((self.out_per_rank, in_features), in_features, self.out_per_rank if bias else None, dtype, device)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, **kw) -> ColumnParallelLinear:
-        """This rank's shard of `linear` (the same on every rank): rows r*out/W:(r+1)*out/W of its weight."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device=linear.weight.device, **kw)
-        rows = slice(layer.rank * layer.out_per_rank, (layer.rank + 1) * layer.out_per_rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer
+    def _shard(self, weight, bias):
+        """Rows r*out/W:(r+1)*out/W of the weight and the bias."""
+        rows = slice(self.rank * self.out_per_rank, (self.rank + 1) * self.out_per_rank)
+        return weight[rows], None if bias is None else bias[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -148,17 +157,10 @@ class RowParallelLinear(_ParallelLinear):
         if self.bias is not None:
             self.bias.sequence_parallel = self.sequence_parallel
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, group: dist.ProcessGroup | None = None, **kw) -> RowParallelLinear:
-        """This rank's shard of `linear`: columns r*in/W:(r+1)*in/W of its weight, the whole bias."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
-                    dtype=linear.weight.dtype, device=linear.weight.device, **kw)
-        cols = slice(layer.rank * layer.in_per_rank, (layer.rank + 1) * layer.in_per_rank)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    def _shard(self, weight, bias):
+        """Columns r*in/W:(r+1)*in/W of the weight, the whole bias."""
+        cols = slice(self.rank * self.in_per_rank, (self.rank + 1) * self.in_per_rank)
+        return weight[:, cols], bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -183,7 +185,4 @@ class _LocalMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        a, b = ctx.saved_tensors
-        da = matmul(dy, b.t()) if ctx.needs_input_grad[0] else None
-        db = matmul(a.t(), dy) if ctx.needs_input_grad[1] else None
-        return da, db
+        return matmul_grads(ctx, *ctx.saved_tensors, dy)
