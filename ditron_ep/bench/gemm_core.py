@@ -240,17 +240,20 @@ def _sms(ctx: BenchContext) -> int:
     return torch.cuda.get_device_properties(ctx.device).multi_processor_count if ctx.on_cuda else 1
 
 
+def with_sustained(impl: Impl, sustain: bool) -> list[Impl]:
+    """`impl`, and with `sustain` its sustained row (against the baselines' sustained rows)."""
+    if not sustain:
+        return [impl]
+    return [impl, Impl(sustained_name(impl.name), impl.kind, tuple(sustained_name(a) for a in impl.against))]
+
+
 def plan_expert_gemms(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
-    sus = options.get("sustain", 0.0) and on_gpu
+    sus = bool(options.get("sustain", 0.0)) and on_gpu
     ours, base = [], []
     for kernel in KERNELS:
         for path in (PATHS if on_gpu else ("portable",)):
-            ours.append(Impl(ours_name(kernel, path), against=(torch_name(kernel),)))
-            if sus:
-                ours.append(Impl(sustained_name(ours_name(kernel, path)), against=(sustained_name(torch_name(kernel)),)))
-        base.append(Impl(torch_name(kernel), "baseline"))
-        if sus:
-            base.append(Impl(sustained_name(torch_name(kernel)), "baseline"))
+            ours += with_sustained(Impl(ours_name(kernel, path), against=(torch_name(kernel),)), sus)
+        base += with_sustained(Impl(torch_name(kernel), "baseline"), sus)
     return (*ours, *base)
 
 
@@ -324,18 +327,13 @@ def run_dense_gemm(ctx: BenchContext, tokens: int) -> list[Measurement]:
 
 
 def plan_dense_gemm(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
-    sus = options.get("sustain", 0.0) and on_gpu
+    sus = bool(options.get("sustain", 0.0)) and on_gpu
     ours, base = [], []
     for k, n in _kns(options, on_gpu):
         blas = dense_name("cuBLAS", k, n)
         for path in (PATHS if on_gpu else ("portable",)):
-            name = dense_name(f"ours {path}", k, n)
-            ours.append(Impl(name, against=(blas,)))
-            if sus:
-                ours.append(Impl(sustained_name(name), against=(sustained_name(blas),)))
-        base.append(Impl(blas, "baseline"))
-        if sus:
-            base.append(Impl(sustained_name(blas), "baseline"))
+            ours += with_sustained(Impl(dense_name(f"ours {path}", k, n), against=(blas,)), sus)
+        base += with_sustained(Impl(blas, "baseline"), sus)
     return (*ours, *base)
 
 
