@@ -124,9 +124,9 @@ class TinyMoEModel(nn.Module):
         return self.out(y), l_aux
 
 
-def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
-    """`steps` SGD steps of TinyMoEModel under deepspeed.initialize (ZeRO `zero_stage`), with
-    DeepSpeed's own MoE and with replace_moe: this rank's losses of both runs."""
+def _training(zero_stage: int, steps: int, seed: int):
+    """(this rank's `steps` batches, engine(replaced) -> a TinyMoEModel under deepspeed.initialize
+    with SGD and ZeRO `zero_stage` (replaced: replace_moe first), train(engine, batches) -> losses)."""
     deepspeed = _init_deepspeed()
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -138,45 +138,6 @@ def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
     config = {"train_micro_batch_size_per_gpu": 12, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10 ** 9}
-    runs = {}
-    for label in ("deepspeed", "ditron_ep"):
-        model = TinyMoEModel(2 * world, world, seed)
-        if label == "ditron_ep":
-            assert replace_moe(model) == 1
-        groups = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "params"})
-        optimizer = torch.optim.SGD(groups, lr=0.1)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-        losses = []
-        for x, target in data:
-            y, l_aux = engine(x)
-            loss = ((y - target) ** 2).mean() + 0.01 * l_aux
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-        runs[label] = losses
-        if label == "ditron_ep":  # whether the experts' weights were read where ZeRO put them
-            runs["in_place"] = bool(model.moe.deepspeed_moe._ditron_in_place)
-    return runs
-
-
-def checkpoint_case(zero_stage: int, steps: int, seed: int, ckpt_dir: str) -> dict:
-    """Checkpoints through DeepSpeed's engine (`save_checkpoint` / `load_checkpoint`, ZeRO
-    `zero_stage`): a run of DeepSpeed's own MoE saved halfway resumes in a replace_moe'd model, and
-    a replace_moe'd run saved halfway resumes in DeepSpeed's own; this rank's losses of the second
-    halves, against the uninterrupted DeepSpeed run's."""
-    deepspeed = _init_deepspeed()
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-    from ditron_ep.integrations.deepspeed import replace_moe
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    gen = torch.Generator().manual_seed(seed * 31 + rank)
-    data = [(torch.randn(12, H, generator=gen), torch.randn(12, H, generator=gen)) for _ in range(steps)]
-    config = {"train_micro_batch_size_per_gpu": 12, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10 ** 9}
-    half = steps // 2
 
     def engine(replaced: bool):
         model = TinyMoEModel(2 * world, world, seed)
@@ -196,6 +157,28 @@ def checkpoint_case(zero_stage: int, steps: int, seed: int, ckpt_dir: str) -> di
             losses.append(float(loss.detach()))
         return losses
 
+    return data, engine, train
+
+
+def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
+    """`steps` SGD steps of TinyMoEModel under deepspeed.initialize (ZeRO `zero_stage`), with
+    DeepSpeed's own MoE and with replace_moe: this rank's losses of both runs."""
+    data, engine, train = _training(zero_stage, steps, seed)
+    runs = {"deepspeed": train(engine(False), data)}
+    ours = engine(True)
+    runs["ditron_ep"] = train(ours, data)
+    # whether the experts' weights were read where ZeRO put them
+    runs["in_place"] = bool(ours.module.moe.deepspeed_moe._ditron_in_place)
+    return runs
+
+
+def checkpoint_case(zero_stage: int, steps: int, seed: int, ckpt_dir: str) -> dict:
+    """Checkpoints through DeepSpeed's engine (`save_checkpoint` / `load_checkpoint`, ZeRO
+    `zero_stage`): a run of DeepSpeed's own MoE saved halfway resumes in a replace_moe'd model, and
+    a replace_moe'd run saved halfway resumes in DeepSpeed's own; this rank's losses of the second
+    halves, against the uninterrupted DeepSpeed run's."""
+    data, engine, train = _training(zero_stage, steps, seed)
+    half = steps // 2
     theirs = engine(False)
     first = train(theirs, data[:half])
     theirs.save_checkpoint(ckpt_dir, tag="deepspeed")
