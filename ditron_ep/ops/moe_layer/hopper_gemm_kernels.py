@@ -125,6 +125,34 @@ def _issue_rows_load(a_desc, b_desc, bars, a_bufs, b_bufs, q, k, e, row0, n0, K,
             tma.async_copy_global_to_shared(b_desc, [e * K + k, N + n0], bar, b_bufs.index(s * NJ + 1), pred)
 
 
+@register_device_function
+@gluon.jit
+def _mma_step(a_bufs, b_bufs, s, acc, acc_u, use_acc, B_T: gl.constexpr, NJ: gl.constexpr):
+    """Issue stage s's MMAs (A tile x B tile, read transposed when B_T; NJ = 2: the up columns into
+    acc_u too) and wait until only they are in flight: the previous step's MMAs have retired."""
+    if B_T:
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ), acc, use_acc=use_acc, is_async=True)
+    if NJ == 2:
+        acc_u = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ + 1), acc_u, use_acc=use_acc, is_async=True)
+        acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_u))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+    return acc, acc_u
+
+
+@register_device_function
+@gluon.jit
+def _mma_drain(acc, acc_u, NJ: gl.constexpr):
+    """Wait for every MMA in flight: the tile's accumulators are final."""
+    if NJ == 2:
+        acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
+    else:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return acc, acc_u
+
+
 @gluon.jit
 def hopper_rows_gemm_kernel(
     a_desc,          # A [rows_cap, K], block [BM, BK]
@@ -181,17 +209,7 @@ def hopper_rows_gemm_kernel(
         for kk in range(KS):
             s = q % STAGES
             mbarrier.wait(bars.index(s), (q // STAGES) & 1)
-            if B_T:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                    is_async=True)
-            else:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ), acc, use_acc=kk > 0, is_async=True)
-            if NJ == 2:
-                acc_u = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ + 1), acc_u, use_acc=kk > 0,
-                                      is_async=True)
-                acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_u))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            acc, acc_u = _mma_step(a_bufs, b_bufs, s, acc, acc_u, kk > 0, B_T, NJ)
             # step q - 1's MMA has retired: its stage takes step q + STAGES - 1's loads
             lq = q + STAGES - 1
             if lq % KS == 0:
@@ -201,10 +219,7 @@ def hopper_rows_gemm_kernel(
             _issue_rows_load(a_desc, b_desc, bars, a_bufs, b_bufs, lq, (lq % KS) * BK, ld_e, ld_row0, ld_n0, K, N,
                              lq < total, B_T, NJ, STAGES)
             q += 1
-        if NJ == 2:
-            acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, acc_u = _mma_drain(acc, acc_u, NJ)
         e, row0, n_rows, n0 = _rows_tile(q - 1, pid, nprog, KS, n_m, n_n, group_rows, tile_start_ptr, expert_off_ptr,
                                          E_local, rows_cap, BM, BN, BLOCK_E, num_warps)
         _rows_epilogue(acc, acc_u, out_ptr, z_ptr, h_ptr, row0, n_rows, n0, N, layout, EPI, ACT, SAVE_Z, NJ, GATED,
@@ -268,25 +283,12 @@ def _rows_mma_partition(a_bufs, b_bufs, ready, empty, out_ptr, z_ptr, h_ptr, til
         for kk in range(KS):
             s = q % STAGES
             mbarrier.wait(ready.index(s), (q // STAGES) & 1)
-            if B_T:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
-                                    is_async=True)
-            else:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ), acc, use_acc=kk > 0, is_async=True)
-            if NJ == 2:
-                acc_u = warpgroup_mma(a_bufs.index(s), b_bufs.index(s * NJ + 1), acc_u, use_acc=kk > 0,
-                                      is_async=True)
-                acc, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_u))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            acc, acc_u = _mma_step(a_bufs, b_bufs, s, acc, acc_u, kk > 0, B_T, NJ)
             if kk > 0:  # step q - 1's MMAs retired in both warpgroups: its stage goes back to the producer
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index((q - 1) % STAGES), count=1)
             q += 1
-        if NJ == 2:
-            acc, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_u))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc, acc_u = _mma_drain(acc, acc_u, NJ)
         gl.thread_barrier()
         mbarrier.arrive(empty.index((q - 1) % STAGES), count=1)
         e, row0, n_rows, n0 = _rows_tile(q - 1, pid, nprog, KS, n_m, n_n, group_rows, tile_start_ptr, expert_off_ptr,
