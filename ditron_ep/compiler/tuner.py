@@ -8,7 +8,8 @@ file the user can ship with a model (`TuneCache`; `DITRON_TUNE_CACHE` names it, 
 (`hopper_path.default_hopper_configs`, `core_config.default_gemm_configs`), so an untuned machine
 runs exactly what it ran before the tuner existed. The choice depends on nothing but the key, so
 every rank that reads the same file makes the same choice; a tile that can change result bits
-is therefore part of the plan's identity (`describe_choice` prints it, with where it came from).
+is therefore part of the plan's identity (`planned_expert_gemms` records it in `CorePlan.expert_gemms`,
+with where it came from; `describe_choices` prints a call's choices).
 
 Shape buckets: rows rounded up to a power of two (>= 128: the row count moves with routing, the
 best tile does not move within a factor of two); H, I and the expert count exact (the weights).
