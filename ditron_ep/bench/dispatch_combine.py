@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ditron_ep.bench.alltoall import AllToAll, gather_routing
+from ditron_ep.bench.deepep import DEEPEP_COMBINE, DEEPEP_DISPATCH, measure_deepep
 from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
@@ -338,6 +339,9 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
         if "eager" in modes:
             out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
             out += measure_combine(ctx, case)[0]
+            if ctx.on_cuda:
+                out += measure_deepep(ctx, case.inp, ctx.shape.experts, ctx.shape.hidden,
+                                      {k: case.work(ctx, k) for k in ("dispatch", "combine")})
         if "graph" in modes and ctx.on_cuda:
             out += measure_graphs(ctx, case)
         return [*out, *(measure_a2a(ctx, case, name, kind) for name, kind in
@@ -361,15 +365,18 @@ def plan_combine(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_
 def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, Any],
                           on_gpu: bool) -> tuple[Impl, ...]:
     d, c, rt = (A2A_DISPATCH,), (A2A_COMBINE,), (A2A_ROUND_TRIP,)
+    eager = "eager" in options["mode"]
+    deepep = (DEEPEP_DISPATCH, DEEPEP_COMBINE) if eager and on_gpu else ()
     ours: list[Impl] = []
-    if "eager" in options["mode"]:
-        ours += [Impl("layout"), Impl("dispatch kernel", against=d), Impl("EPBuffer.dispatch", against=d),
-                 Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=c)]
+    if eager:
+        ours += [Impl("layout"), Impl("dispatch kernel", against=d),
+                 Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])),
+                 Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:
         ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
                  Impl("graph: combine, 0 tokens")]
-    return _plan(*ours, baselines=(*d, *c, *rt))
+    return _plan(*ours, baselines=(*d, *c, *rt, *deepep))
 
 
 def validate_ep(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> str | None:

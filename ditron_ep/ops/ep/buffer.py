@@ -31,6 +31,7 @@ from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
+from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
@@ -430,7 +431,7 @@ class EPBuffer:
         False for a replay along an old handle (combine's backward)."""
         h = self.heap
         dummy_f = self._dummy_f32
-        ep_dispatch_kernel[(self.num_programs,)](
+        fast(ep_dispatch_kernel)[(self.num_programs,)](
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
@@ -445,7 +446,7 @@ class EPBuffer:
         h = self.heap
         T = handle.num_tokens
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
-        ep_combine_kernel[(self.num_programs,)](
+        fast(ep_combine_kernel)[(self.num_programs,)](
             y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
             handle.send.topk_idx, w if w is not None else self._dummy_f32, out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
@@ -464,13 +465,19 @@ class EPBuffer:
                       sync: bool, max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
         send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
-        # Queued before the host read below, so the GPU fills them while the host waits.
-        # -1 = "no row": after a timed-out graph-mode dispatch, combine gathers through no garbage
-        # index (a timed-out column slice may still leave its columns of recv_x unwritten; the
-        # timeout is raised by the next host-visible call, and this rank's next launches refuse
-        # all work until then).
-        recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
-        recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
+        # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
+        # k routed elsewhere), unless a wait times out. A timeout raises in this call when the
+        # call reads the error slot (sync and check_errors): then no combine sees these, and two
+        # fill launches are saved. Otherwise -1 = "no row", so that a combine after a timed-out
+        # call gathers through no garbage index (a timed-out column slice may still leave its
+        # columns of recv_x unwritten; the timeout is raised by the next host-visible call, and
+        # this rank's next launches refuse all work until then).
+        if sync and self.check_errors:
+            recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
+            recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
+        else:
+            recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
+            recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
         capped = None
         if sync:
             rows_cap = num_rows = self._rows_from_status(recv, captured)

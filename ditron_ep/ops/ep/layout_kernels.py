@@ -19,6 +19,7 @@ from ditron_ep.language.primitives import (FLAG_GAVE_UP, FLAG_MISSING, FLAG_UNRE
                                           note_stop, notify, unread_flag)
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime import control as C
+from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap, register_stage
 
 STAGE_LAYOUT = tl.constexpr(register_stage(2, "ep layout: counts exchange"))
@@ -128,18 +129,18 @@ def build_send_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
                   BLOCK_W=triton.next_power_of_2(W))
     prefix = out["prefix"]  # row b: totals of the blocks before b
     if one_program if one_program is not None else n_blk <= ONE_PROGRAM_MAX_BLOCKS:
-        send_layout_one_program_kernel[(1,)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
+        fast(send_layout_one_program_kernel)[(1,)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
                                              out["send_idx"], out["flags"], T, E, E // W, W, max_tokens, n_blk,
                                              **consts)
         return _send_layout(out, prefix[n_blk], E, W)
     counts = torch.empty((n_blk + 1, n_col), dtype=torch.int32, device=dev)
     if n_blk:
-        send_layout_count_kernel[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
+        fast(send_layout_count_kernel)[(n_blk,)](topk_idx, counts, T, E, E // W, W, max_tokens, **consts)
     else:
         counts.zero_()
     bc = 128
-    column_prefix_kernel[(triton.cdiv(n_col, bc),)](counts, prefix, n_blk + 1, n_col, BR=16, BC=bc)
-    send_layout_place_kernel[(max(n_blk, 1),)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
+    fast(column_prefix_kernel)[(triton.cdiv(n_col, bc),)](counts, prefix, n_blk + 1, n_col, BR=16, BC=bc)
+    fast(send_layout_place_kernel)[(max(n_blk, 1),)](topk_idx, prefix, out["topk_idx"], out["pos"], out["slot"],
                                                out["send_idx"], out["flags"], T, E, E // W, W, max_tokens, n_blk,
                                                **consts)
     return _send_layout(out, prefix[n_blk], E, W)
@@ -584,7 +585,7 @@ def exchange_layout(heap: SymmetricHeap, send: SendLayout, num_experts: int,
         raise ValueError("tile_rows > 0 needs `tiles`, an int32 [n_tiles, 4] tensor")
     if ring_step not in (1, -1):
         raise ValueError(f"ring_step must be 1 or -1, got {ring_step}")
-    ep_layout_kernel[(1,)](
+    fast(ep_layout_kernel)[(1,)](
         send.counts, send.tokens_to, send.flags, fields,
         send.topk_idx.shape[0] if tokens is None else tokens, heap.ptr_table, heap.signal_table,
         heap.offset_of(layout_name), sig_first, out.num_recv, out.expert_off, out.src_off,

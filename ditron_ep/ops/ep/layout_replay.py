@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ditron_ep.ops.ep.layout_kernels import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
+from ditron_ep.runtime.fast_launch import current_stream
 
 __all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebuild_layout", "view_recipe"]
 
@@ -104,7 +105,7 @@ class CapturedLayout:
         reading `status`."""
         self.topk_idx.copy_(topk_idx)
         self.graph.replay()
-        self.ready.record()
+        self.ready.record(current_stream() if self.topk_idx.is_cuda else None)
         flat = self.arena.flat
         if self.recipes is None:
             self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))

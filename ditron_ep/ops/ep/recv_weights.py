@@ -45,8 +45,10 @@ class _DispatchedWeights(torch.autograd.Function):
     def backward(ctx, grad_rows):
         h = ctx.handle
         rows = h.recv_rows.long()                                   # [W, MAXT, K] row index, -1 if none
+        # entries of slots past a source's token count are not written by the dispatch
+        received = torch.arange(rows.shape[1], device=rows.device)[None, :] < h.recv.tokens_from[:, None]
         g = torch.cat([grad_rows.to(torch.float32), grad_rows.new_zeros(1, dtype=torch.float32)])
-        sent_back = g[torch.where(rows >= 0, rows, g.shape[0] - 1)]  # [W, MAXT, K]: zeros where no row
+        sent_back = g[torch.where(received[:, :, None] & (rows >= 0), rows, g.shape[0] - 1)]  # zeros where no row
         got = torch.empty_like(sent_back)
         dist.all_to_all_single(got, sent_back.contiguous(), group=ctx.group)  # got[r]: rank r's for our slots
         slot = h.send.slot.long()                                    # [T, W] staging slot on rank r, -1 if none

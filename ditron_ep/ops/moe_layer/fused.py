@@ -35,6 +35,7 @@ from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import agree
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
+from ditron_ep.runtime.fast_launch import current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 from ditron_ep.runtime.mode import gemm_dtype_problem
@@ -389,7 +390,7 @@ class FusedMoE:
         timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
             TIMER_HIP if torch.version.hip else TIMER_CUDA)
         timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
-        moe_fused_kernel[(dev.num_programs,)](
+        fast(moe_fused_kernel)[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2,
             b1 if b1 is not None else w1, b2 if b2 is not None else w2, out, trace_buf, timer_buf,
@@ -432,7 +433,7 @@ class FusedMoE:
 
     def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:
         side = x.numel() * x.element_size() >= _SIDE_COPY_BYTES
-        stream = torch.cuda.current_stream(x.device)
+        stream = current_stream(x.device.index)
         # one host call for the input copies: each copy_ took ~8-14 µs of host time on a lent H200
         # host, and at T=128 the GPU waits for the host (bench/results/HISTORY.md: replay_steps)
         if side:
@@ -532,7 +533,7 @@ class FusedMoE:
             self._status_host = self._pinned_status()
             self._status_event = torch.cuda.Event()
         self._status_host.copy_(words, non_blocking=True)
-        self._status_event.record()
+        self._status_event.record(current_stream())
         return self._status_host, self._status_event
 
     def _pinned_status(self) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
 from ditron_ep.ops.moe_layer import hopper_path
 from ditron_ep.ops.moe_layer.hopper_path import PATHS, default_hopper_configs, path_problem
 from ditron_ep.runtime.errors import DitronConfigError
+from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
 __all__ = ["MAX_LOCAL_EXPERTS", "add_main_grad", "check_grad_dtype", "grouped_mlp", "launch_grouped_down",
@@ -269,7 +270,7 @@ class _Launches:
             return
         rows, num_local, hidden, inter = dy.shape[0], w2.shape[0], w2.shape[2], w2.shape[1]
         m_cap = max_m_tiles(rows, num_local, cfg.block_m)
-        grouped_act_grad_kernel[(min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)](
+        fast(grouped_act_grad_kernel)[(min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)](
             dy, w2, z, dz, h, tile_start, expert_offsets, rows, m_cap, hidden, inter, num_local,
             min(self.group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, ACT=self.act,
@@ -283,7 +284,7 @@ class _Launches:
             return
         rows, num_local, hidden, width = dz.shape[0], w1.shape[0], w1.shape[1], w1.shape[2]
         m_cap = max_m_tiles(rows, num_local, cfg.block_m)
-        grouped_dgrad_kernel[(min(self.num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)](
+        fast(grouped_dgrad_kernel)[(min(self.num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)](
             dz, w1, dx, tile_start, expert_offsets, rows, m_cap, width, hidden, num_local,
             min(self.group_rows, m_cap), *w1.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, **cfg.launch_options())
@@ -297,7 +298,7 @@ class _Launches:
             return
         rows, m_dim, n_dim, num_local = a.shape[0], a.shape[1], b.shape[1], g.shape[0]
         n_tiles = num_local * triton.cdiv(m_dim, cfg.block_m) * triton.cdiv(n_dim, cfg.block_n)
-        grouped_wgrad_kernel[(min(self.num_programs, n_tiles),)](
+        fast(grouped_wgrad_kernel)[(min(self.num_programs, n_tiles),)](
             a, b, g, gb if gb is not None else g, expert_offsets, rows, m_dim, n_dim, num_local,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
             HAS_BIAS=gb is not None, **cfg.launch_options())
@@ -455,7 +456,7 @@ def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch
     num_local, hidden = w1.shape[0], w1.shape[1]
     m_cap = max_m_tiles(rows, num_local, cfg.block_m)
     grid = (min(num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
-    grouped_up_kernel[grid](
+    fast(grouped_up_kernel)[grid](
         x, row_index if row_index is not None else expert_offsets, w1, b1 if b1 is not None else w1, h,
         z if z is not None else h, tile_start, expert_offsets,
         rows, m_cap, hidden, inter, num_local, min(group_rows, m_cap),  # no int32 overflow of group * N-tiles
@@ -474,7 +475,7 @@ def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expe
     num_local, inter = w2.shape[0], w2.shape[1]
     m_cap = max_m_tiles(rows, num_local, cfg.block_m)
     grid = (min(num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)
-    grouped_down_kernel[grid](
+    fast(grouped_down_kernel)[grid](
         h, w2, b2 if b2 is not None else w2, y, tile_start, expert_offsets, rows, m_cap, inter, hidden, num_local,
         min(group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, HAS_B2=b2 is not None,

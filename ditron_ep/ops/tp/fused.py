@@ -19,6 +19,7 @@ import triton
 from ditron_ep.compiler.tp_plan import AGGemmPlan, lower_ag_gemm
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
+from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
 
 __all__ = ["AllGatherMatmulHeap", "overlapped_all_gather_matmul"]
@@ -82,7 +83,7 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     y = torch.empty((world * m, n), dtype=a.dtype, device=a.device)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
     elt = a.element_size()
-    ag_gemm_kernel[(programs,)](
+    fast(ag_gemm_kernel)[(programs,)](
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
         m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), state.n_chunks_cap, plan.comm_programs,
         CHUNK=plan.chunk_rows, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),

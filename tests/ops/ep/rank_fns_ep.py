@@ -378,7 +378,7 @@ class _RerunGraph:
 
 
 class _DoneEvent:
-    def record(self) -> None:
+    def record(self, stream=None) -> None:
         pass
 
     def synchronize(self) -> None:  # CPU kernels have finished when they return

@@ -1,0 +1,127 @@
+"""DeepEP v1 as a baseline of the EP benchmarks, measured in the same run when `deep_ep` imports.
+
+DeepEP is not a dependency: build it on the GPU machine from the sources in the repository's
+shared anchors (`bash build_deepep.sh deepep-v1-c5facf5-intranode.tar.gz /tmp/deepep`, about a
+minute) and put it on PYTHONPATH; without it the rows say it is absent. Intranode (NVLink) only.
+
+Rows, eager calls timed by the benchmark's rule like ours:
+  DeepEP layout+dispatch  `get_dispatch_layout` then `dispatch` with `get_dispatch_config`
+                          (what an eager `EPBuffer.dispatch`, which computes its layout, compares with);
+  DeepEP combine          `combine` of the rows it received (identity experts) with `get_combine_config`.
+Each at `Buffer.num_sms` 20, 24 and 32; the row is the fastest, the others are in its details.
+Checks: the tokens DeepEP received == the tokens the all_to_all baseline moved to this rank (one
+copy per (token, rank)); combine's output == x times the number of ranks the token went to,
+within the dtype's rtol.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ditron_ep.bench.ep_inputs import Inputs
+from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded
+from ditron_ep.bench.spec import BenchContext, Measurement
+from ditron_ep.check.tolerances import TOLERANCES
+
+__all__ = ["DEEPEP_COMBINE", "DEEPEP_DISPATCH", "SM_BUDGETS", "deepep_absent", "measure_deepep"]
+
+DEEPEP_DISPATCH, DEEPEP_COMBINE = "DeepEP layout+dispatch", "DeepEP combine"
+SM_BUDGETS = (20, 24, 32)
+_ABSENT = ("deep_ep does not import here ({}): build it on this machine with build_deepep.sh from the "
+           "shared anchors and put it on PYTHONPATH")
+
+
+def _deep_ep() -> Any:
+    import deep_ep  # noqa: PLC0415 - optional, GPU-only
+    return deep_ep
+
+
+def deepep_absent() -> str | None:
+    """Why DeepEP cannot be measured here, or None."""
+    try:
+        _deep_ep()
+    except Exception as exc:  # noqa: BLE001 - any import failure means absent
+        return _ABSENT.format(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _fastest(ctx: BenchContext, impl: str, fns: dict[int, Callable[[], object]], work: float | None,
+             check: str, ok: bool, details: dict[str, Any]) -> Measurement:
+    """Time fns[sms] for each SM budget; the fastest median is the row, every median in its details."""
+    rows = {sms: ctx.measure(impl, fn, work, check, ok, details=dict(details)) for sms, fn in fns.items()}
+    timed = {s: m for s, m in rows.items() if m.times_us}
+    if not timed:
+        return next(iter(rows.values()))
+    med = {s: sorted(m.times_us)[len(m.times_us) // 2] for s, m in timed.items()}
+    best = min(med, key=med.get)
+    row = timed[best]
+    row.details.update({"num_sms": best, "median_us_by_num_sms": med})
+    return row
+
+
+def measure_deepep(ctx: BenchContext, inp: Inputs, experts: int, hidden: int,
+                   work: dict[str, tuple[float | None, dict[str, Any]]]) -> list[Measurement]:
+    """The two DeepEP rows for this config (`work`: the dispatch / combine work and details of ours)."""
+    why = deepep_absent()
+    if why is not None:
+        return [Measurement(n, work=work[k][0], ok=False, error=why)
+                for n, k in ((DEEPEP_DISPATCH, "dispatch"), (DEEPEP_COMBINE, "combine"))]
+    deep_ep = _deep_ep()
+    W = ctx.world
+    group = ctx.group if ctx.group is not None else dist.group.WORLD
+    hint = 0
+    for sms in SM_BUDGETS:  # one buffer large enough for every budget's channels
+        deep_ep.Buffer.set_num_sms(sms)
+        hint = max(hint, deep_ep.Buffer.get_dispatch_config(W).get_nvl_buffer_size_hint(hidden * inp.x.element_size(), W),
+                   deep_ep.Buffer.get_combine_config(W).get_nvl_buffer_size_hint(hidden * inp.x.element_size(), W))
+    idx = inp.idx.to(torch.int64)
+    w = inp.w.to(torch.float32)
+    configs = {}
+    for sms in SM_BUDGETS:
+        deep_ep.Buffer.set_num_sms(sms)
+        configs[sms] = (deep_ep.Buffer.get_dispatch_config(W), deep_ep.Buffer.get_combine_config(W))
+
+    def dispatch(sms: int) -> Callable[[], tuple]:
+        def call() -> tuple:
+            per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+            return buf.dispatch(inp.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, config=configs[sms][0])
+        return call
+
+    buf = None
+    try:
+        buf = guarded(ctx, "DeepEP Buffer", lambda: deep_ep.Buffer(group, hint, 0, explicitly_destroy=True))
+        recv_x, _, _, _, handle, _ = guarded(ctx, "DeepEP dispatch (check)", dispatch(SM_BUDGETS[0]))
+        tokens_in = sum(inp.tokens_sent[s][ctx.rank] for s in range(W))
+        ok_d = all_ranks(ctx, recv_x.shape[0] == tokens_in)
+        combined = guarded(ctx, "DeepEP combine (check)",
+                           lambda: buf.combine(recv_x, handle, config=configs[SM_BUDGETS[0]][1])[0])
+        hits = (torch.zeros(idx.shape[0], W + 1, dtype=torch.int64, device=idx.device)
+                .scatter_(1, torch.where(idx >= 0, idx // (experts // W), W), 1)[:, :W].sum(1))
+        want = inp.x.to(torch.float32) * hits[:, None]
+        err = ((combined.to(torch.float32) - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        ok_c = all_ranks(ctx, err <= TOLERANCES[ctx.dtype][0])
+    except StageFailed as exc:
+        if buf is not None:
+            _destroy(ctx, buf)
+        return [Measurement(n, work=work[k][0], ok=False, error=str(exc))
+                for n, k in ((DEEPEP_DISPATCH, "dispatch"), (DEEPEP_COMBINE, "combine"))]
+    out = [
+        _fastest(ctx, DEEPEP_DISPATCH, {s: dispatch(s) for s in SM_BUDGETS}, work["dispatch"][0],
+                 "ok: received tokens == the baseline's" if ok_d else "FAIL: received tokens differ from the baseline's",
+                 ok_d, work["dispatch"][1]),
+        _fastest(ctx, DEEPEP_COMBINE,
+                 {s: (lambda s=s: buf.combine(recv_x, handle, config=configs[s][1])) for s in SM_BUDGETS},
+                 work["combine"][0], f"{'ok' if ok_c else 'FAIL'}: rel err {err:.1e} vs x * ranks reached",
+                 ok_c, work["combine"][1]),
+    ]
+    _destroy(ctx, buf)
+    return out
+
+
+def _destroy(ctx: BenchContext, buf: Any) -> None:
+    torch.cuda.synchronize(ctx.device)
+    dist.barrier(group=ctx.group)
+    buf.destroy()

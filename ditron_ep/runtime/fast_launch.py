@@ -1,0 +1,123 @@
+"""Launch a compiled Triton kernel without `JITFunction.run`'s per-call Python work.
+
+Why: an eager dispatch or combine at small T is bound by host time, and `kernel[grid](...)` of a
+kernel with ~35 arguments cost 85-120 µs of host time per launch on a lent H200 host (Triton 3.6:
+argument binding, the cache-key string, a check of every global the kernel reads, launch
+metadata) against ~10 µs for the compiled launcher itself (bench/results/host_prof_*_s19*).
+
+`fast(kernel)[grid](*args, **kwargs)` takes the same arguments as `kernel[grid](...)`. It keys
+each call by what Triton specialises a compiled kernel on, made stricter so that a hit can never
+pick a binary compiled for other arguments: per positional argument, a tensor's dtype and 16-byte
+alignment; an int's "== 1", "multiple of 16" and 32-/64-bit/unsigned range; a bool's value; a
+float; None; plus every keyword argument's value (constexprs and launch options) and the device.
+The first call of a key runs the ordinary `kernel[grid](...)` (which compiles) and keeps the
+compiled kernel; later calls of that key go straight to its launcher. Anything else — the
+interpreter, an argument of another type, a keyword argument that is not a constexpr or a launch
+option, a launch hook set (a profiler) — takes the ordinary path every time, so results are the
+same kernels on the same arguments either way.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["current_stream", "fast"]
+
+_I32_MIN, _I32_MAX, _U64_MIN = -(1 << 31), (1 << 31) - 1, 1 << 63
+
+
+def _arg_key(a: Any) -> Any:
+    """What the binary may depend on for one positional argument (raises TypeError: not keyable)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() & 15 == 0)
+    t = type(a)
+    if t is int:
+        return (a == 1, a & 15 == 0, _I32_MIN <= a <= _I32_MAX, a >= _U64_MIN)
+    if t is bool:
+        return ("b", a)
+    if t is float:
+        return "f"
+    if a is None:
+        return "N"
+    raise TypeError(t)
+
+
+class FastLauncher:
+    """`fast(kernel)`: see the module docstring."""
+
+    def __init__(self, fn: Any) -> None:
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+        self.fn = fn
+        self._runtime_knobs = knobs.runtime
+        # The interpreter (CPU) and wrappers (autotuners) always take the ordinary path.
+        self.enabled = type(fn) is JITFunction
+        self._compiled: dict[tuple, tuple[Any, tuple]] = {}
+        if self.enabled:
+            self._names = [p.name for p in fn.params]
+            self._constexpr = {p.name for p in fn.params if p.is_constexpr}
+            self._defaults = {p.name: p.default for p in fn.params if p.has_default}
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if not self.enabled:
+            self.fn[grid](*args, **kwargs)
+            return
+        try:
+            key = (torch._C._cuda_getDevice(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        except TypeError:  # an argument of a type the key does not cover
+            self.fn[grid](*args, **kwargs)
+            return
+        entry = self._compiled.get(key)
+        if entry is None or self._runtime_knobs.launch_enter_hook is not None:
+            kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+            if entry is None:
+                self._remember(key, kernel, len(args), kwargs)
+            return
+        kernel, tail = entry
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+
+    def _remember(self, key: tuple, kernel: Any, n_args: int, kwargs: dict) -> None:
+        """Keep `kernel` for `key` with the values of the parameters after the positional ones,
+        if each is a constexpr (its value is part of the key); else never fast-launch this key."""
+        if hasattr(kernel, "result"):  # asynchronous compilation mode
+            kernel = kernel.result()
+        tail = []
+        for name in self._names[n_args:]:
+            if name not in self._constexpr or (name not in kwargs and name not in self._defaults):
+                return
+            tail.append(kwargs[name] if name in kwargs else self._defaults[name])
+        self._compiled[key] = (kernel, tuple(tail))
+
+
+_LAUNCHERS: dict[int, FastLauncher] = {}
+
+
+def fast(fn: Any) -> FastLauncher:
+    """The cached launcher of a @triton.jit kernel: `fast(kernel)[grid](*args, **kwargs)`."""
+    launcher = _LAUNCHERS.get(id(fn))
+    if launcher is None or launcher.fn is not fn:
+        launcher = _LAUNCHERS[id(fn)] = FastLauncher(fn)
+    return launcher
+
+
+_STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device_index: int | None = None) -> torch.cuda.Stream:
+    """`torch.cuda.current_stream(device_index)` (default: the current device), cached per raw stream: the torch
+    function builds a new Stream object through several Python calls (~20 µs on a lent host),
+    which an eager call paid for each event it recorded. torch never destroys its pooled streams,
+    and an external stream's id is its pointer, so a cached object names the same stream."""
+    dev = torch._C._cuda_getDevice() if device_index is None else device_index
+    key = (dev, torch._C._cuda_getCurrentRawStream(dev))
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.current_stream(dev)
+    return stream

@@ -1,0 +1,64 @@
+"""The fast launcher on a GPU (runtime/fast_launch.py): a cached binary launches only for arguments
+it was compiled for, with the ordinary launch's results, bit for bit. Local to each rank (no
+collective). Run with tests/gpu/run_gpu_suite.sh."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import ditron_ep  # noqa: F401  (decides compiled vs interpreted before the triton.jit below)
+from ditron_ep.runtime.fast_launch import FastLauncher, current_stream
+
+
+@triton.jit
+def _scaled_add(x_ptr, y_ptr, out_ptr, n, a, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m) * a + tl.load(y_ptr + o, mask=m), mask=m)
+
+
+def _call(launch, x, y, a, n, block=64):
+    out = torch.full_like(x, float("nan"))
+    launch[(triton.cdiv(n, block),)](x, y, out, n, a, BLOCK=block)
+    return out
+
+
+def test_cached_launches_equal_ordinary_launches():
+    fl = FastLauncher(_scaled_add)  # its own cache: the test sees every entry it makes
+    assert fl.enabled
+    dev = torch.device("cuda", torch.cuda.current_device())
+    base_x = torch.randn(4096 + 7, device=dev)
+    base_y = torch.randn(4096 + 7, device=dev)
+    cases = [  # (x, y, n): aligned, aligned again (a hit), misaligned views, n == 1, n % 16 == 0, odd n
+        (base_x[:1000], base_y[:1000], 1000), (base_x[4:1004], base_y[4:1004], 1000),
+        (base_x[1:1001], base_y[3:1003], 1000), (base_x[:1], base_y[:1], 1), (base_x[:4096], base_y[:4096], 4096),
+        (base_x[:333], base_y[:333], 333), (base_x[:1000].half(), base_y[:1000].half(), 1000)]
+    for x, y, n in cases:
+        for _ in range(2):  # first call of a key: compile and remember; second: the cached launch
+            got = _call(fl, x, y, 1.5, n)
+            want = _call(_scaled_add, x, y, 1.5, n)
+            assert torch.equal(got, want), (x.dtype, x.data_ptr() % 16, n)
+    keys = list(fl._compiled)
+    assert len(keys) == len(set(keys))
+    # aligned 1000, misaligned, n == 1, multiple of 16, half: 5 binaries (333 shares 1000's)
+    assert len(keys) == 5, keys
+
+
+def test_non_constexpr_keyword_is_never_cached():
+    fl = FastLauncher(_scaled_add)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, y = torch.randn(100, device=dev), torch.randn(100, device=dev)
+    for a in (1.5, 2.5):  # `a` by keyword: its value would be frozen in a cached entry
+        out = torch.empty_like(x)
+        fl[(2,)](x, y, out, 100, a=a, BLOCK=64)
+        torch.testing.assert_close(out, x * a + y, rtol=0, atol=0)
+    assert not fl._compiled
+
+
+def test_current_stream_follows_the_stream_context():
+    side = torch.cuda.Stream()
+    assert current_stream() == torch.cuda.current_stream()
+    with torch.cuda.stream(side):
+        assert current_stream() == side
+    assert current_stream() == torch.cuda.current_stream()

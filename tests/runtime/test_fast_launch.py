@@ -1,0 +1,41 @@
+"""The fast launcher's key (what a cached binary may depend on) and its interpreter path (CPU).
+Its compiled path is tested on a GPU: tests/gpu/test_fast_launch_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from ditron_ep.runtime.fast_launch import _arg_key, fast
+
+
+@triton.jit
+def _scaled_add(x_ptr, y_ptr, out_ptr, n, a, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m) * a + tl.load(y_ptr + o, mask=m), mask=m)
+
+
+def test_key_separates_what_triton_specialises_on():
+    buf = torch.zeros(64, dtype=torch.float32)
+    # a tensor: dtype and 16-byte alignment
+    assert _arg_key(buf) != _arg_key(buf[1:])
+    assert _arg_key(buf) == _arg_key(buf[4:])
+    assert _arg_key(buf) != _arg_key(buf.to(torch.float16))
+    # an int: == 1, a multiple of 16, 32-bit, unsigned 64-bit range
+    assert len({_arg_key(v) for v in (1, 16, 17, 2**31, 2**63)}) == 5
+    assert _arg_key(32) == _arg_key(48) and _arg_key(3) == _arg_key(5)
+    assert _arg_key(True) != _arg_key(False) != _arg_key(0)
+    assert _arg_key(2.0) == _arg_key(0.5) and _arg_key(None) == "N"
+    with pytest.raises(TypeError):
+        _arg_key((1, 2))
+
+
+def test_interpreter_takes_the_ordinary_path():
+    launcher = fast(_scaled_add)
+    assert fast(_scaled_add) is launcher and not launcher.enabled  # interpreted kernels are not JITFunctions
+    x, y = torch.randn(100), torch.randn(100)
+    out = torch.full((100,), float("nan"))
+    launcher[(triton.cdiv(100, 32),)](x, y, out, 100, 2.0, BLOCK=32)
+    torch.testing.assert_close(out, x * 2.0 + y, rtol=0, atol=0)
