@@ -10,7 +10,16 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       signature's second call, `graph_cache`), host read, allocations, data kernel
                       and the error-slot read (`check_errors`);
   combine kernel      combine's kernel alone, on the rows of one untimed dispatch;
-  EPBuffer.combine    the public op;
+  EPBuffer.dispatch token_major
+                      dispatch(layout="token_major"): one row per (token, rank), checked through
+                      handle.row_index against the expert-major rows;
+  EPBuffer.combine    the public op (the exact combine: one row per (token, k) returns);
+  EPBuffer.combine expert_rank [fp32]
+                      the rank-reduced combine (topk_sum="expert_rank"): one row per (token, rank)
+                      returns, in the token dtype or fp32 (JSON details: rel_err_vs_float64 of every
+                      combine row against the float64 oracle of identity experts);
+  DeepEP ...          (GPUs, eager) DeepEP v1's layout+dispatch and combine when deep_ep imports
+                      (bench/deepep.py);
   graph: ...          (GPUs only, dispatch_combine's mode "graph") one CUDA graph each, timed as
                       replays: the layout; dispatch(sync=False) (layout + data kernel); combine;
                       dispatch+combine; and dispatch / combine with 0 tokens on every rank (the
@@ -35,7 +44,7 @@ import torch
 from ditron_ep.bench.alltoall import AllToAll, gather_routing
 from ditron_ep.bench.deepep import DEEPEP_COMBINE, DEEPEP_DISPATCH, measure_deepep
 from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
-from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, guarded, relative_errors
+from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, gather, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
                                   boolean, failed, non_negative_int, positive_int, some_of,
                                   tolerance_check)
@@ -65,6 +74,9 @@ EP_OPTIONS = (
            "every T when given)", positive_int),
 )
 MODES = ("eager", "graph")
+# the rank-reduced combine (topk_sum="expert_rank"), in the token dtype and with fp32 partials
+RANK_REDUCED, RANK_REDUCED_FP32 = "EPBuffer.combine expert_rank", "EPBuffer.combine expert_rank fp32"
+TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens")
 
@@ -185,10 +197,18 @@ def measure_dispatch(ctx: BenchContext, case: EPCase, baseline: str) -> list[Mea
     def public() -> tuple[torch.Tensor, object]:
         return buf.dispatch(inp.x, inp.idx, inp.w)
 
+    def token_major() -> tuple[torch.Tensor, object]:
+        return buf.dispatch(inp.x, inp.idx, inp.w, layout="token_major")
+
+    def token_major_rows() -> torch.Tensor:  # the expert-major rows through the row index
+        tok, handle = token_major()
+        return tok[handle.row_index.long()]
+
     # impl -> (the timed call, one call that returns the rows it received)
     ours: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
         "dispatch kernel": (kernel, kernel_once),
         "EPBuffer.dispatch": (public, lambda: public()[0]),
+        TOKEN_MAJOR: (token_major, token_major_rows),
     }
     out = []
     for impl, (fn, once) in ours.items():
@@ -212,7 +232,12 @@ def measure_combine(ctx: BenchContext, case: EPCase) -> tuple[list[Measurement],
     ours: dict[str, Callable[[], torch.Tensor]] = {
         "combine kernel": lambda: buf._launch_combine(y, case.w32, handle),
         "EPBuffer.combine": lambda: buf.combine(y, handle, inp.w),
+        RANK_REDUCED: lambda: buf.combine(y, handle, topk_sum="expert_rank"),
+        RANK_REDUCED_FP32: lambda: buf.combine(y, handle, topk_sum="expert_rank", partial_dtype=torch.float32),
     }
+    # identity experts: out[t] = x[t] * sum of t's routed weights; the error of each mode against it
+    routed_w = torch.where(inp.idx >= 0, inp.w.to(torch.float64), 0.0).sum(1)
+    oracle = inp.x.to(torch.float64) * routed_w[:, None]
     rtol = TOLERANCES[ctx.dtype][0]
     outs: dict[str, torch.Tensor] = {}
     errors: dict[str, str] = {}
@@ -227,7 +252,11 @@ def measure_combine(ctx: BenchContext, case: EPCase) -> tuple[list[Measurement],
         if impl in errors:
             out.append(Measurement(impl, None, work, "", False, error=errors[impl]))
             continue
-        out.append(ctx.measure(impl, fn, work, *tolerance_check(rel[impl], rtol), buf=buf, details=details))
+        err = ((outs[impl].to(torch.float64) - oracle).abs().max() / oracle.abs().max().clamp_min(1e-300)).item() \
+            if oracle.numel() else 0.0
+        err = max(gather(ctx, err))
+        out.append(ctx.measure(impl, fn, work, *tolerance_check(rel[impl], rtol), buf=buf,
+                               details={**details, "rel_err_vs_float64": err}))
     return out, outs.get("EPBuffer.combine")
 
 
@@ -353,12 +382,13 @@ def _plan(*ours: Impl, baselines: tuple[str, ...]) -> tuple[Impl, ...]:
 
 
 def plan_dispatch(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
-    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("dispatch kernel", "EPBuffer.dispatch")),
+    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("dispatch kernel", "EPBuffer.dispatch", TOKEN_MAJOR)),
                  baselines=(BASELINE,))
 
 
 def plan_combine(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
-    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("combine kernel", "EPBuffer.combine")),
+    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("combine kernel", "EPBuffer.combine", RANK_REDUCED,
+                                                         RANK_REDUCED_FP32)),
                  baselines=(BASELINE,))
 
 
@@ -370,8 +400,9 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
     ours: list[Impl] = []
     if eager:
         ours += [Impl("layout"), Impl("dispatch kernel", against=d),
-                 Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])),
-                 Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:]))]
+                 Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
+                 Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
+                 Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:
         ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),

@@ -45,6 +45,8 @@ FLAG_OUT_OF_STEP = tl.constexpr(C.FLAG_OUT_OF_STEP)
 FLAG_MISSING = tl.constexpr(C.FLAG_MISSING)
 FLAG_UNREAD = tl.constexpr(C.FLAG_UNREAD)
 STOP_FLAGS = tl.constexpr(C.STOP_FLAGS)
+MODE_FLAGS = tl.constexpr(C.MODE_FLAGS)
+FLAG_MODE_MISMATCH = tl.constexpr(C.FLAG_MODE_MISMATCH)
 STAGE_CALL_BARRIER = tl.constexpr(0)
 ARENA_ALIGN = tl.constexpr(C.ARENA_ALIGN)
 
@@ -255,7 +257,8 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
     """Enter a collective launch: returns (call, go).
 
     OPENS (an opening launch: the call's first, with an entry barrier): the call number is one
-    more than the rank's CALL word. The rank writes its record (`flags`, FLAG_*) into every
+    more than the rank's CALL word. The rank writes its record (`flags`, FLAG_*, with the call's
+    mode bits, MODE_FLAGS, which every rank must pass alike) into every
     peer's RECORD slot of the call, then stamps its BARRIER word there with the call number; every
     program then meets every peer (`meet_peer`). go = every peer is at this call and none is
     flagged; otherwise no program runs a task, on any rank (every rank read the same records).
@@ -289,6 +292,9 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
             for p in range(world):
                 seen, v = meet_peer(my_ctrl + BARRIER + p, record_slot(my_ctrl, call) + 2 * p, call, my_ctrl, rank,
                                     STAGE_CALL_BARRIER, p, budget)
+                # a peer that entered asking for another mode (flags' MODE_FLAGS) stops the call
+                entered = (seen & (FLAG_MISSING | FLAG_OUT_OF_STEP)) == 0
+                seen |= tl.where(entered & ((seen & MODE_FLAGS) != (flags & MODE_FLAGS)), FLAG_MODE_MISMATCH, 0)
                 n_stop += note_stop(my_ctrl, seen, p, call, v, KEEP)
                 n_missing += ((seen & FLAG_MISSING) != 0).to(tl.int32)
             if n_missing > 0:  # leave the call: a peer that comes late finds this and leaves too

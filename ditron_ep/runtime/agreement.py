@@ -129,6 +129,10 @@ def call_error(flags: int, ranks: list[int], me: int, call: int, calls: dict[int
             f"rank(s) {who} rejected their own arguments to call {call} and raised the reason there"
             f"{f' ({differ})' if differ else ''}; no rank moved anything. Fix that call: every rank must call "
             f"with valid arguments, in the same order")
+    if flags & C.FLAG_MODE_MISMATCH:
+        return DitronConfigError(
+            f"rank(s) {who} called this combine in another mode than rank {me} (topk_sum or partial_dtype differ; "
+            f"call {call}); no rank moved anything. Every rank must pass the same topk_sum and partial_dtype")
     return None
 
 

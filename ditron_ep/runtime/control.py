@@ -44,8 +44,17 @@ FLAG_OUT_OF_STEP = 32        # set by the reader: the rank's call number differs
 FLAG_MISSING = 64            # set by the reader: the rank did not arrive within the bounded wait
 FLAG_UNREAD = 128            # the rank holds an error of an earlier call that its host has not raised yet
 FLAG_TOO_MANY_ROWS = 256     # graph mode: a dispatch received more rows than its max_recv_rows (the rest dropped)
+# Mode bits of a barrier-opened call's record: how the caller asked the call to run, where both
+# ends of a transfer must agree (combine's topk_sum and partial dtype). Not problems by themselves:
+# a reader whose own mode bits differ sets FLAG_MODE_MISMATCH on that peer.
+FLAG_MODE_RANK_REDUCED = 512  # combine(topk_sum="expert_rank")
+FLAG_MODE_FP32_PARTIALS = 1024  # ... with partial_dtype=torch.float32
+FLAG_MODE_TOKEN_ROWS = 2048  # the backward of a token-major dispatch: one row per (token, rank) returns
+MODE_FLAGS = FLAG_MODE_RANK_REDUCED | FLAG_MODE_FP32_PARTIALS | FLAG_MODE_TOKEN_ROWS
+FLAG_MODE_MISMATCH = 4096    # set by the reader: the rank's mode bits differ from the reader's
 # Any of these stops the call on every rank (nothing moves); the others only drop slots/tokens.
-STOP_FLAGS = FLAG_GAVE_UP | FLAG_REFUSED | FLAG_REBUILD | FLAG_OUT_OF_STEP | FLAG_MISSING | FLAG_UNREAD
+STOP_FLAGS = (FLAG_GAVE_UP | FLAG_REFUSED | FLAG_REBUILD | FLAG_OUT_OF_STEP | FLAG_MISSING | FLAG_UNREAD
+              | FLAG_MODE_MISMATCH)
 
 ALIGN = 256                  # every allocation starts on a 256-byte boundary
 ARENA_ALIGN = 16             # kernels assume (tl.multiple_of) every arena base is 16-byte aligned

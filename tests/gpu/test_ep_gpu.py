@@ -992,3 +992,84 @@ def test_one_rank_errors_raise_everywhere_and_heal_a_captured_graph(dist_env, bu
         with open(f"{os.environ['DITRON_AGREEMENT_LOG']}.rank{rank}", "w") as f:
             json.dump(seen, f, indent=1)
     assert not problems, f"rank {rank}: {problems}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank-reduced combine (topk_sum="expert_rank")
+
+
+@pytest.mark.parametrize("partial_dtype", [None, torch.float32], ids=["bf16-partials", "fp32-partials"])
+def test_rank_reduced_combine(dist_env, buf_a, partial_dtype):
+    """Identity experts: within the dtype's rtol of the float64 oracle, bit for bit run to run and in
+    graph mode, its y gradient equal to the exact combine's. (Its sequential schedule, bit for bit,
+    is tested on emulated ranks: compiled kernels fuse the weight's multiply-add.)"""
+    dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, H, K = buf_a.num_experts, buf_a.hidden, buf_a.topk
+    tokens = _tokens([320, 0, 64, 256], W)  # cdiv(T, 16) % 4 == 0: the compiled variants of the other tests
+    xs, idxs, ws = _make_inputs(W, tokens, H, E, K, DTYPE, "zipf", seed=41, drop=0.1)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+    try:
+        recv_x, h = buf_a.dispatch(x, idx, w)
+        out = buf_a.combine(recv_x, h, topk_sum="expert_rank", partial_dtype=partial_dtype)
+        again = buf_a.combine(recv_x, h, topk_sum="expert_rank", partial_dtype=partial_dtype)
+        recv_g, h_g = buf_a.dispatch(x, idx, w, sync=False)
+        graph = buf_a.combine(recv_g, h_g, topk_sum="expert_rank", partial_dtype=partial_dtype)
+        buf_a.check()
+        if not (_bits_equal(out, again) and _bits_equal(out, graph)):
+            problems.append("not bit for bit run to run / in graph mode")
+        oracle = x.double() * torch.where(idx >= 0, w.double(), 0.0).sum(1)[:, None]
+        if oracle.numel():
+            err = ((out.double() - oracle).abs().max() / oracle.abs().max().clamp_min(1e-30)).item()
+            if err > TOLERANCES[DTYPE][0]:
+                problems.append(f"off the float64 oracle by {err:.2e} (relative)")
+        # gradients of y: the exact combine's, bit for bit
+        grads = []
+        for mode in ("expert_rank", "token_rank"):
+            y = recv_x.detach().clone().requires_grad_(True)
+            o = buf_a.combine(y, h, None if mode == "expert_rank" else w, topk_sum=mode,
+                              partial_dtype=partial_dtype if mode == "expert_rank" else None)
+            (o.float() * (x.float() + 1)).sum().backward()
+            grads.append(y.grad)
+        if not _bits_equal(grads[0], grads[1]):
+            problems.append("y's gradient differs from the exact combine's")
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    assert not problems, f"rank {rank}:\n" + _fail(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# The token-major receive layout (dispatch(layout="token_major"))
+
+
+def test_token_major_dispatch(dist_env, buf_a):
+    """recv_x[row_index] is the expert-major layout bit for bit (rows, offsets, weights), in default
+    and graph mode; the gradient of x (rank-ordered sum of its rows' gradients) is bitwise
+    reproducible and within the dtype's tolerance of float64."""
+    dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, H, K = buf_a.num_experts, buf_a.hidden, buf_a.topk
+    tokens = _tokens([320, 0, 64, 256], W)
+    xs, idxs, ws = _make_inputs(W, tokens, H, E, K, DTYPE, "uniform", seed=43, drop=0.1)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+    try:
+        tok, h = buf_a.dispatch(x, idx, w, layout="token_major")
+        rows, he = buf_a.dispatch(x, idx, w)
+        if not (_bits_equal(tok[h.row_index.long()], rows) and torch.equal(h.expert_offsets, he.expert_offsets)
+                and _bits_equal(h.recv_weights, he.recv_weights)):
+            problems.append("recv_x[row_index] differs from the expert-major layout")
+        tok_g, h_g = buf_a.dispatch(x, idx, w, sync=False, layout="token_major")
+        buf_a.check()
+        if not _bits_equal(tok_g[:tok.shape[0]], tok):
+            problems.append("graph mode's token rows differ")
+        grads = []
+        for _ in range(2):
+            xg = x.clone().requires_grad_(True)
+            t2, _h = buf_a.dispatch(xg, idx, w, layout="token_major")
+            (t2.float() * torch.linspace(-1, 1, t2.shape[0], device=dev)[:, None]).sum().backward()
+            grads.append(xg.grad)
+        if not _bits_equal(grads[0], grads[1]):
+            problems.append("x's gradient differs between two runs")
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    assert not problems, f"rank {rank}:\n" + _fail(problems)

@@ -64,6 +64,8 @@ class DispatchHandle:
                          (graph mode: capped at the rows the call kept, `rows_cap`)
     num_rows:            host int (default mode) or None (graph mode: see expert_offsets[-1])
     recv_weights:        fp32 [rows] routing weight of every row, if weights were dispatched
+    row_index:           layout="token_major" only: int32 [rows], the recv_x row (token) of each
+                         expert-major row: recv_x[row_index[:rows]] is the expert-major layout
     """
 
     buffer_id: int
@@ -77,6 +79,8 @@ class DispatchHandle:
     num_rows: int | None
     sync: bool
     capped_offsets: torch.Tensor | None = None  # graph mode with max_recv_rows: offsets capped at rows_cap
+    row_index: torch.Tensor | None = None  # token-major layout: int32 [rows_cap], the recv_x row of each pair
+    token_rows: int | None = None          # token-major layout, default mode: rows of recv_x
 
     @property
     def num_recv_per_expert(self) -> torch.Tensor:
@@ -181,7 +185,8 @@ class EPBuffer:
             ("ep/stage", (W, T, H), dtype),
             ("ep/meta", (W, T, 1 + 2 * K), torch.int32),
             ("ep/wstage", (W, T, K), torch.float32),
-            ("ep/land", (T, K, H), dtype),
+            # combine's landing buffer: (T, K, H) rows, or the rank-reduced combine's (W, T, H) partials
+            ("ep/land", (T, max(K, W), H), dtype),
         ]
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
@@ -222,6 +227,7 @@ class EPBuffer:
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._dummy_f32 = torch.zeros(1, dtype=torch.float32, device=self.device)  # for absent weight pointers
+        self._dummy_i32 = torch.zeros(1, dtype=torch.int32, device=self.device)    # for an absent row_index
         self._elt = elt
         self._fields = record_fields(self.request(), self.device)  # the call record of every valid call
 
@@ -235,8 +241,9 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
-                 *, sync: bool = True, max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
-        """Send every token to the ranks of its experts; return expert-major rows and a handle.
+                 *, sync: bool = True, max_recv_rows: int | None = None,
+                 layout: str = "expert_major") -> tuple[torch.Tensor, DispatchHandle]:
+        """Send every token to the ranks of its experts; return the received rows and a handle.
 
         Args:
             x: [T, H] tokens of this rank (T <= max_tokens_per_rank; T may be 0), buffer dtype.
@@ -250,10 +257,19 @@ class EPBuffer:
             max_recv_rows: graph mode only: the capacity of recv_x instead (the memory graph mode
                 saves for the backward). Rows past it are dropped (expert_offsets stop there) and a
                 CapacityError is recorded for the next sync call or `check()`.
+            layout: "expert_major" (default): one row per (token, k) routed here, grouped by
+                local expert. "token_major": one row per (token, rank) — each received token once,
+                ordered by (source rank, source token) — and `handle.row_index`, the row of each
+                (token, k) in expert-major order (what a grouped GEMM's gathered-A load reads);
+                1/K of the expert-major layout's writes when a token's experts share a rank. In
+                graph mode recv_x then has W * max_tokens rows (the valid ones first). Gradients
+                of a token's row return to the token (the ranks' rows added in rank order, fp32).
         Returns:
-            recv_x: [rows, H] rows of local expert e at expert_offsets[e]:expert_offsets[e+1],
-                ordered by (source rank, source token); one row per (token, k) routed here.
-            handle: DispatchHandle for `combine`.
+            recv_x: expert_major: [rows, H], rows of local expert e at
+                expert_offsets[e]:expert_offsets[e+1], ordered by (source rank, source token);
+                token_major: [token rows, H] (see `layout`).
+            handle: DispatchHandle for `combine` (whose y is expert-major in both layouts: one row
+                per (token, k), e.g. `recv_x[handle.row_index]` through the experts).
         """
         self._check_alive()
         try:
@@ -262,37 +278,85 @@ class EPBuffer:
             if max_recv_rows is not None and (sync or not is_positive_int(max_recv_rows)):
                 raise DitronConfigError(f"max_recv_rows={max_recv_rows!r}: give a positive int, with sync=False only "
                                         f"(default mode returns exactly the rows received)")
+            if layout not in ("expert_major", "token_major"):
+                raise DitronConfigError(f"layout must be 'expert_major' or 'token_major', got {layout!r}")
         except DitronConfigError:
             self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
             raise
-        return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows)
+        token_major = layout == "token_major"
+        if _needs_grad(x):  # the weights' gradients flow through combine, not here
+            return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows, token_major)
+        # no autograd node: ~10 µs less host time
+        return self._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major)
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle,
-                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
+                topk_sum: str = "token_rank", partial_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Return expert outputs to their tokens: out[t] = sum_k w[t, k] * y(t, k).
 
         Args:
             y: [rows, H] expert outputs in `recv_x`'s row order (same rows as dispatch returned).
             handle: from `dispatch` on this buffer.
             topk_weights: [T, K] float weights; None = unweighted sum (weights already applied).
+            topk_sum: where a token's K terms are added.
+                "token_rank" (default, exact): every (token, k) row travels back and the token's
+                rank adds the K terms in order k = 0..K-1 in fp32 and casts once.
+                "expert_rank" (rank-reduced): each expert rank adds the terms of its own experts,
+                k in order, in fp32, and sends one row per (token, rank) (1/K of the bytes when a
+                token's experts share a rank); the token's rank adds those rows in rank order in
+                fp32 and casts once. The weights are the ones given to `dispatch` (carried with the
+                rows, `handle.recv_weights`), so topk_weights must be None here; a dispatch without
+                weights gives the unweighted sum. Gradients flow to y (to learn the router's weights
+                in this mode, scale y by `ops.dispatched_weights` and combine unweighted).
+            partial_dtype: "expert_rank" only: the dtype of the per-rank sums on the wire: y's
+                (default: a second rounding, of each rank's sum) or torch.float32 (no extra
+                rounding; twice the bytes for bf16).
         Returns:
-            out: [T, H] in y's dtype; the k terms are added in order k = 0..K-1 in fp32, cast once.
+            out: [T, H] in y's dtype. Deterministic in both modes: a fixed summation order, no atomics.
         A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
         no rank moves anything, and its peers raise DitronConfigError naming it (at once in
-        default mode with check_errors, else at the next call's status read or `check()`).
+        default mode with check_errors, else at the next call's status read or `check()`); so do
+        ranks that pass different topk_sum or partial_dtype.
         """
         self._check_alive()
         try:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
                 raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
             self._check_tokens(y, "y", rows=handle.rows_cap)
+            mode = self._combine_mode(topk_sum, partial_dtype, topk_weights)
             w = None
             if topk_weights is not None:
                 w = self._check_weights(topk_weights, handle.num_tokens)
         except DitronConfigError:
             self._refuse_combine()
             raise
-        return _Combine.apply(y, w, self, handle)
+        if _needs_grad(y, w):
+            return _Combine.apply(y, w, self, handle, mode)
+        return self._combine_raw(y, handle, w, mode)
+
+    def _combine_mode(self, topk_sum: object, partial_dtype: object, topk_weights: object) -> int:
+        """combine's mode bits (control.MODE_FLAGS) for its keywords, or DitronConfigError."""
+        if topk_sum not in ("token_rank", "expert_rank"):
+            raise DitronConfigError(f"topk_sum must be 'token_rank' (the exact combine) or 'expert_rank' (the "
+                                    f"rank-reduced one), got {topk_sum!r}")
+        if topk_sum == "token_rank":
+            if partial_dtype is not None:
+                raise DitronConfigError("partial_dtype applies to topk_sum='expert_rank' only (the exact combine sends "
+                                        "y's rows as they are)")
+            return 0
+        if topk_weights is not None:
+            raise DitronConfigError("topk_sum='expert_rank' applies the weights given to dispatch (the expert rank "
+                                    "sums before anything returns): pass topk_weights to dispatch, and None here")
+        if partial_dtype not in (None, self.dtype, torch.float32):
+            raise DitronConfigError(f"partial_dtype must be None (y's dtype), {self.dtype} or torch.float32, got "
+                                    f"{partial_dtype!r}")
+        if partial_dtype == torch.float32 and self.dtype != torch.float32:
+            if self.world_size * 4 > max(self.topk, self.world_size) * self._elt:
+                raise DitronConfigError(
+                    f"partial_dtype=torch.float32 needs {self.world_size} fp32 partials per token and column, more "
+                    f"than this buffer's landing space ({max(self.topk, self.world_size)} {self.dtype} values at "
+                    f"W={self.world_size}, topk={self.topk}); use partial_dtype=None")
+            return C.FLAG_MODE_RANK_REDUCED | C.FLAG_MODE_FP32_PARTIALS
+        return C.FLAG_MODE_RANK_REDUCED
 
     def check(self) -> None:
         """Raise a timeout or a stopped call recorded by any launch, then problems recorded by
@@ -393,10 +457,16 @@ class EPBuffer:
     def _rows_from_status(self, recv: RecvLayout, captured: CapturedLayout | None) -> int:
         """Default mode's one host read (of the replay's pinned status, or of the directly
         launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
+        return self._rows_and_tokens(recv, captured)[0]
+
+    def _rows_and_tokens(self, recv: RecvLayout, captured: CapturedLayout | None) -> tuple[int, int]:
+        """`_rows_from_status`, and the tokens received (the token-major layout's rows)."""
         if captured is None:
-            return read_layout_status(self.heap, recv, self._pending_flags, self)
-        captured.ready.synchronize()
-        return raise_layout_status(captured.status.tolist(), self.heap, self._pending_flags, self)
+            words = layout_status_words(self.heap, recv, self._pending_flags).tolist()
+        else:
+            captured.ready.synchronize()
+            words = captured.status.tolist()
+        return raise_layout_status(words, self.heap, self._pending_flags, self), sum(words[-self.world_size:])
 
     def _capture_layout(self, topk_idx: torch.Tensor) -> CapturedLayout:
         """Capture a default-mode signature's layout launches (see `_layout`)."""
@@ -425,7 +495,7 @@ class EPBuffer:
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
                          recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor, *,
-                         after_layout: bool) -> None:
+                         after_layout: bool, row_index: torch.Tensor | None = None) -> None:
         """The data kernel. after_layout: this call's counts exchange ran right before on this
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
         False for a replay along an old handle (combine's backward)."""
@@ -435,25 +505,36 @@ class EPBuffer:
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
+            row_index if row_index is not None else self._dummy_i32,
             h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
             self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
             self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
             SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
-            BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout, num_warps=self.num_warps)
+            BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout, TOKEN_MAJOR=row_index is not None,
+            num_warps=self.num_warps)
 
-    def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle) -> torch.Tensor:
+    def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle,
+                        mode: int = 0) -> torch.Tensor:
+        """The combine kernel; mode: control.MODE_FLAGS bits (0: exact; rank-reduced weighs the
+        rows by handle.recv_weights when the dispatch carried weights)."""
         h = self.heap
         T = handle.num_tokens
+        reduced = bool(mode & C.FLAG_MODE_RANK_REDUCED)
+        token_rows = bool(mode & C.FLAG_MODE_TOKEN_ROWS)
+        row_w = handle.recv_weights if reduced and not token_rows else None
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
         fast(ep_combine_kernel)[(self.num_programs,)](
             y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
-            handle.send.topk_idx, w if w is not None else self._dummy_f32, out,
+            handle.send.topk_idx, w if w is not None else self._dummy_f32,
+            row_w if row_w is not None else self._dummy_f32, out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
-            self.slice_cols, self._combine_lag,
-            K=self.topk, HAS_WEIGHTS=w is not None, BLOCK_S=self.block_rows, BLOCK_T=self.block_rows,
-            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, num_warps=self.num_warps)
+            self.slice_cols, self._combine_lag, mode,
+            K=self.topk, HAS_WEIGHTS=(row_w if reduced else w) is not None, BLOCK_S=self.block_rows,
+            BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
+            RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
+            num_warps=self.num_warps)
         return out
 
     def _finish(self, sync: bool) -> None:
@@ -461,8 +542,8 @@ class EPBuffer:
             self.heap.check_error()
 
     # ------------------------------------------------------------------ raw passes (no autograd)
-    def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
-                      sync: bool, max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
+    def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
+                      max_recv_rows: int | None = None, token_major: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
         send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
@@ -478,9 +559,10 @@ class EPBuffer:
         else:
             recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
             recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
-        capped = None
+        capped = token_rows = None
         if sync:
-            rows_cap = num_rows = self._rows_from_status(recv, captured)
+            num_rows, token_rows = self._rows_and_tokens(recv, captured)
+            rows_cap = num_rows
         else:
             rows_cap, num_rows = W * T * K, None
             if max_recv_rows is not None and max_recv_rows < rows_cap:
@@ -490,19 +572,25 @@ class EPBuffer:
                 capped = recv.expert_off.clamp(max=rows_cap)
                 over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
                 self._pending_flags.bitwise_or_(over)
-        recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
+        row_index = None
+        if token_major:
+            recv_x = torch.empty((token_rows if sync else W * T, self.hidden), dtype=self.dtype, device=self.device)
+            row_index = torch.empty(rows_cap, dtype=torch.int32, device=self.device)
+        else:
+            recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
         recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
-                              after_layout=True)
+                              after_layout=True, row_index=row_index)
         self._finish(sync)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
-                                num_rows, sync, capped)
+                                num_rows, sync, capped, row_index, token_rows)
         return recv_x, handle
 
-    def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
+    def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
+                     mode: int = 0) -> torch.Tensor:
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
-        out = self._launch_combine(y.contiguous(), w32, handle)
+        out = self._launch_combine(y.contiguous(), w32, handle, mode)
         self._finish(handle.sync)
         return out
 
@@ -520,7 +608,8 @@ class EPBuffer:
 
     def _landed(self, num_tokens: int) -> torch.Tensor:
         """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
-        return self.heap.local_view("ep/land")[:num_tokens].clone()
+        K, H = self.topk, self.hidden
+        return self.heap.local_view("ep/land").view(-1)[:num_tokens * K * H].view(num_tokens, K, H).clone()
 
 
 def request_of(x: object, topk_idx: object, num_experts: int) -> dict | None:
@@ -613,14 +702,14 @@ def raise_pending_flags(pending_flags: torch.Tensor, owner, flags: int | None = 
 def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
     """The words default mode reads on the host, as one device tensor (no sync): total rows,
     flags pending from graph-mode calls, the heap's error words, every rank's (flags, T) and
-    (call, fields)."""
+    (call, fields), and last the tokens each source sends here."""
     return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_words, recv.src_info.reshape(-1),
-                      recv.records.reshape(-1)])
+                      recv.records.reshape(-1), recv.tokens_from])
 
 
 def layout_status_numel(world_size: int) -> int:
     """How many int32 words `layout_status_words` returns."""
-    return 2 + C.HOST_WORDS - C.ERR_FLAG + (4 + RECORD_FIELDS) * world_size
+    return 2 + C.HOST_WORDS - C.ERR_FLAG + (5 + RECORD_FIELDS) * world_size
 
 
 def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, owner) -> int:
@@ -652,6 +741,11 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call (else the raw pass runs, without a graph node)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def _alive_for_backward(buffer: EPBuffer) -> None:
     """A backward needs the buffer its forward used (the handle's layout lives in it)."""
     if buffer.heap.freed:
@@ -663,21 +757,24 @@ def _alive_for_backward(buffer: EPBuffer) -> None:
 
 
 class _Dispatch(torch.autograd.Function):
-    """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine)."""
+    """Forward: dispatch. Backward: the gradients of a token's copies summed in k order (a combine);
+    token-major: the gradients of a token's rows summed in rank order (the rank-reduced combine of
+    token rows)."""
 
     @staticmethod
-    def forward(ctx, x, buffer, topk_idx, w, sync, max_recv_rows):
-        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync, max_recv_rows)
+    def forward(ctx, x, buffer, topk_idx, w, sync, max_recv_rows, token_major):
+        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major)
         ctx.buffer, ctx.handle = buffer, handle
         return recv_x, handle
 
     @staticmethod
     def backward(ctx, grad_recv_x, _grad_handle):
         if grad_recv_x is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         _alive_for_backward(ctx.buffer)
-        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None)
-        return grad_x, None, None, None, None, None
+        token_rows = C.FLAG_MODE_RANK_REDUCED | C.FLAG_MODE_TOKEN_ROWS if ctx.handle.row_index is not None else 0
+        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None, token_rows)
+        return grad_x, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -685,9 +782,9 @@ class _Combine(torch.autograd.Function):
     grad_w[t, k] = <grad_out[t], y(t, k)> in fp32."""
 
     @staticmethod
-    def forward(ctx, y, w, buffer, handle):
-        out = buffer._combine_raw(y, handle, w)
-        ctx.buffer, ctx.handle = buffer, handle
+    def forward(ctx, y, w, buffer, handle, mode):
+        out = buffer._combine_raw(y, handle, w, mode)
+        ctx.buffer, ctx.handle, ctx.mode = buffer, handle, mode
         ctx.save_for_backward(w)
         ctx.landed = buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None
         return out
@@ -697,10 +794,18 @@ class _Combine(torch.autograd.Function):
         (w,) = ctx.saved_tensors
         buffer, handle = ctx.buffer, ctx.handle
         _alive_for_backward(buffer)
-        grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w) if ctx.needs_input_grad[0] else None
+        grad_y = None
+        if ctx.needs_input_grad[0] and ctx.mode & C.FLAG_MODE_RANK_REDUCED:
+            # the rows' weights live on the expert rank (handle.recv_weights): replay unscaled, then
+            # scale each row there, in fp32, one rounding (what the replay's SCALE_ROWS computes)
+            grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, None)
+            if handle.recv_weights is not None:
+                grad_y = (grad_y.to(torch.float32) * handle.recv_weights[:, None]).to(grad_y.dtype)
+        elif ctx.needs_input_grad[0]:
+            grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w)
         grad_w = None
         if ctx.landed is not None and ctx.needs_input_grad[1]:
             valid = handle.send.topk_idx >= 0
             dots = torch.einsum("th,tkh->tk", grad_out.to(torch.float32), ctx.landed.to(torch.float32))
             grad_w = torch.where(valid, dots, torch.zeros_like(dots)).to(w.dtype)
-        return grad_y, grad_w, None, None
+        return grad_y, grad_w, None, None, None

@@ -10,6 +10,14 @@ One persistent launch whose programs take tasks from an interleaved queue (task_
     out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k) for the slice's columns, fp32, cast once.
 A token's staging slot on any rank is at most its index, so block b (BLOCK_T == BLOCK_S) needs
 chunks 0..b only: the queue's producer-before-consumer rule holds.
+
+RANK_REDUCED (the rank-reduced combine, `EPBuffer.combine(topk_sum="expert_rank")`): a send-back
+first adds the token's rows on this rank, k = 0..K-1 in order, each times its row weight, in fp32,
+and writes the one sum (in the partial dtype: y's, or fp32 with PARTIAL_FP32) to s's landing
+buffer at [this rank, token]; a reduce adds a token's rank partials in rank order in fp32 and casts
+once. 1/K of the exact mode's bytes cross the wire for a token with K experts on one rank.
+TOKEN_ROWS (with RANK_REDUCED): y is a token-major dispatch's row gradient, one row per (source,
+token), which is the partial itself: the backward of `dispatch(layout="token_major")`.
 """
 from __future__ import annotations
 
@@ -49,6 +57,52 @@ def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: 
         tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+@register_device_function
+@triton.jit
+def reduce_rank_partials(p_part, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over ranks d = 0..W-1 that hold token t of part[d, t], fp32, in rank order, one
+    cast, for columns [h_lo, h_hi). part is (W, MAXT, H); o_t / m_t are the block's tokens and mask."""
+    o_t64 = o_t.to(tl.int64)
+    for h0 in range(h_lo, h_hi, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_t[:, None] & (o_h < h_hi)[None, :]
+        acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
+        for d in range(world):
+            sent = tl.load(slot_ptr + o_t64 * world + d, mask=m_t, other=-1) >= 0
+            acc += tl.load(p_part + (d * MAXT + o_t64)[:, None] * H + o_h[None, :], mask=m & sent[:, None],
+                           other=0.0).to(tl.float32)
+        tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@register_device_function
+@triton.jit
+def send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok_row, m_j, rank, h_lo, h_hi, H,
+                      MAXT, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
+                      BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    """part[rank, t] = sum over k = 0..K-1 of row_w[row] * y[row] over the rows of the staged tokens
+    r_src (source tokens i_tok, mask m_j) on this rank, fp32, k in order, cast once to part's dtype,
+    for columns [h_lo, h_hi). TOKEN_ROWS: y holds one row per (source, token), tok_row: the row
+    itself is the partial (a token-major dispatch's backward)."""
+    for h0 in range(h_lo, h_hi, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m = m_j[:, None] & (o_h < h_hi)[None, :]
+        if TOKEN_ROWS:
+            acc = tl.load(y_ptr + tok_row[:, None] * H + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_S, BLOCK_H), dtype=tl.float32)
+            for k in tl.static_range(K):
+                row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                m_r = m_j & (row >= 0)
+                b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m & m_r[:, None],
+                              other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    acc += tl.load(row_w_ptr + row, mask=m_r, other=0.0)[:, None] * b_y
+                else:
+                    acc += b_y
+        tl.store(p_part + (rank * MAXT + i_tok)[:, None] * H + o_h[None, :], acc.to(p_part.dtype.element_ty), mask=m)
+
+
 @triton.jit
 def ep_combine_kernel(
     y_ptr,            # (rows_cap, H) expert outputs in dispatch's row order
@@ -58,22 +112,26 @@ def ep_combine_kernel(
     src_info_ptr,     # int32 (W, 2): every rank's (FLAG_* bits, T) from the dispatch's layout exchange
     slot_ptr,         # int32 (T, W) staging slot of token t on rank d, -1 if t does not go there
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
-    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
+    w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS, exact mode)
+    row_w_ptr,        # fp32 (rows_cap,) weight of each row (read when HAS_WEIGHTS and RANK_REDUCED)
     out_ptr,          # out (T, H)
     table_ptr,        # int64 (W,)
     sig_table_ptr,    # int64 (W,)
-    land_offset,      # bytes: symmetric (MAXT, K, H) landing buffer, y dtype
+    land_offset,      # bytes: symmetric landing buffer: (MAXT, K, H) y dtype; RANK_REDUCED: (W, MAXT, H) partials
     sig_first,        # W * n_chunks * n_slices signals: (expert rank, chunk, column slice)
     T, H, rank, world, MAXT, n_chunks, budget,
     n_slices,         # the buffer's column slices per chunk and per token block (task_queue.hidden_slices;
     slice_cols,       # a smaller call may use more, task_queue.call_slices), columns per slice
     lag,              # chunks a reduce trails the send-backs by in the queue
+    mode_flags,       # the call record's mode bits (MODE_FLAGS): every rank must pass the same
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
+    RANK_REDUCED: tl.constexpr = False, PARTIAL_FP32: tl.constexpr = False,
+    TOKEN_ROWS: tl.constexpr = False,  # with RANK_REDUCED: y is token-major (one row per (source, token))
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
     skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)  # a graph-mode handle of a dispatch that did not go
-    call_no, ok = call_begin(table_ptr, rank, world, budget, skip=skip)
+    call_no, ok = call_begin(table_ptr, rank, world, budget, flags=mode_flags, skip=skip)
     my_ctrl = ctrl_ptr(table_ptr, rank)
     p_sig = heap_ptr(sig_table_ptr, rank, 0, tl.int32)
     n_blocks = tl.cdiv(T, BLOCK_T)
@@ -98,15 +156,26 @@ def ep_combine_kernel(
                     m_j = o_j < n
                     r_src = (i_s * MAXT + o_j).to(tl.int64)
                     i_tok = tl.load(recv_tok_ptr + r_src, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
-                    p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
-                    for k in tl.static_range(K):
-                        row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
-                        m_r = m_j & (row >= 0)
-                        for h0 in range(h_lo, h_hi, BLOCK_H):
-                            o_h = h0 + tl.arange(0, BLOCK_H)
-                            m = m_r[:, None] & (o_h < h_hi)[None, :]
-                            b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
-                            tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
+                    if RANK_REDUCED:
+                        if PARTIAL_FP32:
+                            p_part = heap_ptr(table_ptr, i_s, land_offset, tl.float32)
+                        else:
+                            p_part = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
+                        o_w = tl.arange(0, BLOCK_W)  # token-major rows of source s follow the earlier sources'
+                        before = tl.load(tokens_from_ptr + o_w, mask=o_w < i_s, other=0)
+                        tok_row = (tl.sum(before, axis=0) + o_j).to(tl.int64)
+                        send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok_row, m_j, rank,
+                                          h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
+                    else:
+                        p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
+                        for k in tl.static_range(K):
+                            row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                            m_r = m_j & (row >= 0)
+                            for h0 in range(h_lo, h_hi, BLOCK_H):
+                                o_h = h0 + tl.arange(0, BLOCK_H)
+                                m = m_r[:, None] & (o_h < h_hi)[None, :]
+                                b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                                tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
                     notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) +
                            chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
             else:
@@ -125,17 +194,25 @@ def ep_combine_kernel(
                         ok_c = wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:
-                    reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr, w_ptr,
-                                  out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
+                    if RANK_REDUCED:
+                        if PARTIAL_FP32:
+                            p_own = heap_ptr(table_ptr, rank, land_offset, tl.float32)
+                        else:
+                            p_own = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
+                        reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
+                                             BLOCK_T, BLOCK_H)
+                    else:
+                        reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr,
+                                      w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank, call_no, OPENS=True, skip=skip)
 
 
 _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "tokens_from_ptr": "*i32",
-        "src_info_ptr": "*i32", "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
+        "src_info_ptr": "*i32", "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "row_w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
         "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
         "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32",
-        "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32"}
 _MULT16 = ("H", "land_offset", "slice_cols")
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
                                           "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)
@@ -146,3 +223,13 @@ register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in
                                     "y_ptr": "*fp32", "out_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
                  "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
+# the rank-reduced combine: bf16 partials (weighted) and fp32 partials (unweighted)
+register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 512,
+                                          "BLOCK_W": 8, "RANK_REDUCED": True}, label="bf16-K8-rank-reduced",
+                multiples_of_16=_MULT16)
+register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
+                                          "BLOCK_H": 512, "BLOCK_W": 8, "RANK_REDUCED": True, "PARTIAL_FP32": True},
+                label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16)
+register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
+                                          "BLOCK_H": 512, "BLOCK_W": 8, "RANK_REDUCED": True, "TOKEN_ROWS": True},
+                label="bf16-K8-token-rows", multiples_of_16=_MULT16)

@@ -13,6 +13,10 @@ Sending and expanding thereby overlap. Column slices exist for small T, where th
 would leave most programs idle. Rows of local expert e are ordered by (source rank, source
 token): a pure function of the routing. The same kernel replays a dispatch for combine's
 backward (SCALE_ROWS: each row times its routing weight, in fp32, cast once).
+TOKEN_MAJOR (`EPBuffer.dispatch(layout="token_major")`): the receiver writes each staged token once,
+to row (tokens from earlier sources) + slot, and the expert-major position of each of its pairs
+gets that row's index (`row_index`): 1/K of the expert-major layout's writes when a token's K
+experts share a rank, and what a grouped GEMM's gathered-A load reads without a permutation copy.
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ def ep_dispatch_kernel(
     recv_w_ptr,       # out fp32 (rows_cap,) weight of each row (written when HAS_WEIGHTS)
     recv_rows_ptr,    # out int32 (W, MAXT, K) row of (source, slot, k), -1 if none
     recv_tok_ptr,     # out int32 (W, MAXT) source token index of each staged token
+    row_index_ptr,    # out int32 (rows_cap,) TOKEN_MAJOR: the recv_x row of each expert-major row
     table_ptr,        # int64 (W,) arena bases
     sig_table_ptr,    # int64 (W,) signal bases
     stage_offset,     # bytes: symmetric (W, MAXT, H) staged tokens, x dtype
@@ -87,6 +92,7 @@ def ep_dispatch_kernel(
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
+    TOKEN_MAJOR: tl.constexpr = False,   # recv_x: one row per (source rank, token); row_index maps the pairs
 ):
     skip = 0
     if ENTRY_BARRIER:  # a replay along a graph-mode handle of a dispatch that did not go is no call
@@ -135,6 +141,10 @@ def ep_dispatch_kernel(
                         m_j = o_j < n
                         r_src = (i_s * MAXT + o_j).to(tl.int64)
                         p_meta = heap_ptr(table_ptr, rank, meta_offset, tl.int32) + r_src * META
+                        if TOKEN_MAJOR:  # rows in (source rank, token) order: after the earlier sources'
+                            o_w = tl.arange(0, BLOCK_W)
+                            before = tl.load(tokens_from_ptr + o_w, mask=o_w < i_s, other=0)
+                            tok_row = (tl.sum(before, axis=0) + o_j).to(tl.int64)  # [BLOCK_S]
                         if i_j == 0:
                             tl.store(recv_tok_ptr + r_src, tl.load(p_meta, mask=m_j, other=0), mask=m_j)
                         for k in tl.static_range(K):
@@ -146,6 +156,9 @@ def ep_dispatch_kernel(
                             row = tl.where(valid & (base + pos < rows_cap), base + pos, -1)
                             # every slice stores the same rows (it reads them back below)
                             tl.store(recv_rows_ptr + r_src * K + k, row, mask=m_j)
+                            if TOKEN_MAJOR:
+                                if i_j == 0:
+                                    tl.store(row_index_ptr + row, tok_row.to(tl.int32), mask=m_j & (row >= 0))
                             if HAS_WEIGHTS:
                                 if i_j == 0:
                                     b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
@@ -158,16 +171,19 @@ def ep_dispatch_kernel(
                             o_h = h0 + tl.arange(0, BLOCK_H)
                             m = m_j[:, None] & (o_h < h_hi)[None, :]
                             b_x = tl.load(p_stage + r_src[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
-                            for k in tl.static_range(K):
-                                r_dst = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
-                                m_k = m & (r_dst >= 0)[:, None]
-                                if SCALE_ROWS:
-                                    b_s = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
-                                                  mask=m_j & (r_dst >= 0), other=0.0)
-                                    b_y = (b_x.to(tl.float32) * b_s[:, None]).to(recv_x_ptr.dtype.element_ty)
-                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_y, mask=m_k)
-                                else:
-                                    tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
+                            if TOKEN_MAJOR:  # once per (source, token)
+                                tl.store(recv_x_ptr + tok_row[:, None] * H + o_h[None, :], b_x, mask=m)
+                            else:  # once per (source, token, k) routed here
+                                for k in tl.static_range(K):
+                                    r_dst = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
+                                    m_k = m & (r_dst >= 0)[:, None]
+                                    if SCALE_ROWS:
+                                        b_s = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32)
+                                                      + r_src * K + k, mask=m_j & (r_dst >= 0), other=0.0)
+                                        b_y = (b_x.to(tl.float32) * b_s[:, None]).to(recv_x_ptr.dtype.element_ty)
+                                        tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_y, mask=m_k)
+                                    else:
+                                        tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank, call_no, OPENS=ENTRY_BARRIER, skip=skip)
 
@@ -175,7 +191,7 @@ def ep_dispatch_kernel(
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "src_info_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
-        "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
+        "row_index_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
         "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
@@ -191,3 +207,7 @@ register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not i
                                      "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16,
                  "BLOCK_H": 128, "BLOCK_W": 2, "ENTRY_BARRIER": True}, label="fp32-K2-scaled", multiples_of_16=_MULT16)
+# the token-major layout
+register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False, "BLOCK_S": 16,
+                                           "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False, "TOKEN_MAJOR": True},
+                label="bf16-K8-token-major", multiples_of_16=_MULT16)

@@ -36,7 +36,7 @@ class BufferSlot:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
                  num_experts: int, sync: bool = True, max_recv_rows: int | None = None,
-                 error: Exception | None = None) -> tuple[torch.Tensor, DispatchHandle]:
+                 error: Exception | None = None, layout: str = "expert_major") -> tuple[torch.Tensor, DispatchHandle]:
         """`EPBuffer.dispatch` (shapes there). Graph mode (sync=False) needs the buffer to exist
         at a sufficient size (call once with sync=True first). error: the caller rejected its
         arguments (this rank joins the dispatch flagged and raises it)."""
@@ -45,11 +45,14 @@ class BufferSlot:
         except DitronConfigError as err:
             error = error or err
         return self.slot.run(request_of(x, topk_idx, num_experts), x.shape[0] if error is None else 0, error, sync,
-                             lambda buf: buf.dispatch(x, topk_idx, topk_weights, sync=sync, max_recv_rows=max_recv_rows),
+                             lambda buf: buf.dispatch(x, topk_idx, topk_weights, sync=sync, max_recv_rows=max_recv_rows,
+                                                      layout=layout),
                              lambda buf, flags, fields: buf.join_flagged(flags, fields, x.shape[0] if fields else 0))
 
-    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """`EPBuffer.combine` on the buffer that produced `handle` (y is checked against it)."""
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None,
+                **modes: object) -> torch.Tensor:
+        """`EPBuffer.combine` on the buffer that produced `handle` (y is checked against it); modes:
+        its topk_sum / partial_dtype."""
         buf = self.slot.resource
         if buf is None or buf.freed or getattr(handle, "buffer_id", None) != id(buf):
             if buf is not None and not buf.freed:
@@ -57,7 +60,7 @@ class BufferSlot:
             raise DitronConfigError("handle does not come from the last dispatch of this buffer slot (ops.dispatch "
                                     "with the same group), or that buffer was rebuilt since: pass the handle of "
                                     "the matching dispatch")
-        return buf.combine(y, handle, topk_weights)
+        return buf.combine(y, handle, topk_weights, **modes)
 
     def free(self) -> None:
         """Free the buffer (collective: call on every rank)."""
@@ -79,24 +82,25 @@ def get_buffer(group: dist.ProcessGroup | None = None) -> EPBuffer | None:
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None, *,
              num_experts: int, group: dist.ProcessGroup | None = None, sync: bool = True,
-             max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchHandle]:
-    """`EPBuffer.dispatch` on the group's buffer (see there for shapes and max_recv_rows). Graph
-    mode (sync=False) needs the buffer to exist already at a sufficient size (call once with
+             max_recv_rows: int | None = None, layout: str = "expert_major") -> tuple[torch.Tensor, DispatchHandle]:
+    """`EPBuffer.dispatch` on the group's buffer (see there for shapes, max_recv_rows and layout).
+    Graph mode (sync=False) needs the buffer to exist already at a sufficient size (call once with
     sync=True first)."""
     return group_slot(group).dispatch(x, topk_idx, topk_weights, num_experts=num_experts, sync=sync,
-                                      max_recv_rows=max_recv_rows)
+                                      max_recv_rows=max_recv_rows, layout=layout)
 
 
 def combine(y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
-            num_experts: int | None = None, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+            num_experts: int | None = None, group: dist.ProcessGroup | None = None, topk_sum: str = "token_rank",
+            partial_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`EPBuffer.combine` on the group's buffer, which produced `handle` (num_experts: as passed
-    to dispatch, or None)."""
+    to dispatch, or None; topk_sum, partial_dtype: the exact or the rank-reduced combine, see there)."""
     slot = group_slot(group)
     if num_experts is not None and slot.buffer is not None and slot.buffer.num_experts != num_experts:
         slot.buffer._refuse_combine()
         raise DitronConfigError(f"num_experts={num_experts} differs from the dispatch's "
                                 f"({slot.buffer.num_experts}); pass the same num_experts as to dispatch")
-    return slot.combine(y, handle, topk_weights)
+    return slot.combine(y, handle, topk_weights, topk_sum=topk_sum, partial_dtype=partial_dtype)
 
 
 def clear_cache() -> None:

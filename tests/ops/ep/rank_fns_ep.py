@@ -626,3 +626,168 @@ def max_recv_rows_case() -> dict:
         res["sync_cap"] = f"{type(err).__name__}: {err}"
     buf.free()
     return res
+
+
+def cast_like_kernels(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t (fp32) cast to dtype as the kernels cast: round to nearest even, except fp32 -> bf16 under
+    the Triton interpreter, which truncates (compiled kernels round to nearest even)."""
+    from ditron_ep.runtime import kernels_interpreted
+    if dtype == torch.bfloat16 and t.dtype == torch.float32 and kernels_interpreted():
+        return (t.contiguous().view(torch.int32) & -65536).view(torch.float32).to(dtype)
+    return t.to(dtype)
+
+
+def rank_reduced_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int,
+                      drop_prob: float, partial_dtype: torch.dtype | None, weighted: bool,
+                      num_programs: int | None = None) -> dict:
+    """combine(topk_sum="expert_rank") against (1) its sequential schedule written with torch ops
+    (each expert rank's k-ordered fp32 sum, cast to the partial dtype; the token rank's rank-ordered
+    fp32 sum, cast once), bit for bit; (2) the float64 oracle; (3) itself, run twice and in graph
+    mode; (4) the gradient of y against its formula, bit for bit."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, num_programs=num_programs)
+    order = recv_order(idxs, rank, E)
+    part_dt = partial_dtype or dtype
+    report: dict = {}
+
+    def run(sync: bool, y_grad: bool = False):
+        recv_x, handle = buf.dispatch(x, idx, w if weighted else None, sync=sync)
+        n = len(order)
+        scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order] + [0.0] * (recv_x.shape[0] - n))
+        y = (recv_x.to(torch.float32) * scale[:, None]).to(dtype).requires_grad_(y_grad)
+        out = buf.combine(y, handle, topk_sum="expert_rank", partial_dtype=partial_dtype)
+        return y, handle, out
+
+    y, handle, out = run(True)
+    # the sequential schedule, stage by stage: partial sums on this (expert) rank ...
+    terms: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+    for row, (s, t, k) in enumerate(order):  # rows are expert-major: collect, then add in k order
+        terms.setdefault((s, t), {})[k] = y[row].to(torch.float32) * (float(ws[s][t, k]) if weighted else 1.0)
+    partials = {}
+    for key, by_k in terms.items():
+        acc = torch.zeros(H, dtype=torch.float32)
+        for k in sorted(by_k):
+            acc = acc + by_k[k]
+        partials[key] = cast_like_kernels(acc, part_dt)
+    gathered = [None] * W
+    dist.all_gather_object(gathered, partials)
+    # ... then the token rank adds each rank's partial in rank order
+    seq = torch.zeros(tokens[rank], H, dtype=torch.float32)
+    for t in range(tokens[rank]):
+        acc = torch.zeros(H, dtype=torch.float32)
+        for r in range(W):
+            p = gathered[r].get((rank, t))
+            if p is not None:
+                acc = acc + p.to(torch.float32)
+        seq[t] = acc
+    seq = cast_like_kernels(seq, dtype)
+    report["sequential_bitwise"] = torch.equal(out, seq)
+    report["sequential_max_abs"] = float((out.float() - seq.float()).abs().max()) if out.numel() else 0.0
+    # float64 oracle
+    exp = torch.zeros(tokens[rank], H, dtype=torch.float64)
+    ys = [None] * W
+    dist.all_gather_object(ys, (order, y.detach()))
+    for order_d, y_d in ys:
+        for row, (s, t, k) in enumerate(order_d):
+            if s == rank:
+                exp[t] += (float(w[t, k]) if weighted else 1.0) * y_d[row].to(torch.float64)
+    err = (out.to(torch.float64) - exp).abs()
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float32 else TOLERANCES[dtype]
+    report["oracle_max_abs"] = float(err.max()) if err.numel() else 0.0
+    report["oracle_ok"] = bool((err <= 2 * (atol + rtol * exp.abs())).all())
+    _, _, out2 = run(True)
+    _, handle_g, out_g = run(False)
+    report["rerun_bitwise"] = torch.equal(out2, out)
+    report["graph_bitwise"] = torch.equal(out_g, out)
+    # the gradient of y: row (s, t, k) gets w[t, k] * g[t] (fp32, one rounding), g the upstream
+    # gradient on the token's rank s (every rank draws every rank's)
+    def upstream(r: int) -> torch.Tensor:
+        return torch.randn(tokens[r], H, generator=torch.Generator().manual_seed(seed + 5 + r)).to(dtype)
+
+    y_r, handle_r, out_r = run(True, y_grad=True)
+    (out_r.to(torch.float32) * upstream(rank).to(torch.float32)).sum().backward()
+    ups = [upstream(r) for r in range(W)]
+    want = torch.stack([(ups[s][t].to(torch.float32) * (float(ws[s][t, k]) if weighted else 1.0)).to(dtype)
+                        for s, t, k in order]) if order else torch.empty(0, H, dtype=dtype)
+    report["grad_y_bitwise"] = torch.equal(y_r.grad[:len(order)], want)
+    buf.free()
+    return report
+
+
+def rank_reduced_errors_case() -> dict:
+    """Bad combine modes raise on every rank: a rank asking for another mode than its peers; the
+    weights given to combine in the rank-reduced mode; an unknown topk_sum; partial_dtype with the
+    exact combine; fp32 partials that the buffer cannot hold."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    res: dict = {}
+    catch = _recorder(res)
+    xs, idxs, ws = make_inputs(W, [6] * W, 32, 4, 2, torch.bfloat16, "uniform", 3)
+    buf = EPBuffer(None, 4, 32, 6, 2, torch.bfloat16)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    recv_x, h = buf.dispatch(x, idx, w)
+    mode = "expert_rank" if rank == 0 else "token_rank"
+    catch("mismatch", lambda: buf.combine(recv_x, h, topk_sum=mode))
+    catch("weights", lambda: buf.combine(recv_x, h, w, topk_sum="expert_rank"))
+    catch("unknown", lambda: buf.combine(recv_x, h, topk_sum="rank"))
+    catch("partial_exact", lambda: buf.combine(recv_x, h, partial_dtype=torch.float32))
+    catch("partial_bad", lambda: buf.combine(recv_x, h, topk_sum="expert_rank", partial_dtype=torch.float16))
+    catch("partial_room", lambda: buf.combine(recv_x, h, topk_sum="expert_rank", partial_dtype=torch.float32))
+    out = buf.combine(recv_x, h, topk_sum="expert_rank")  # the buffer still works afterwards
+    res["after_ok"] = bool(torch.isfinite(out.float()).all())
+    buf.free()
+    return res
+
+
+def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int,
+                     drop_prob: float) -> dict:
+    """dispatch(layout="token_major"): each received token once, in (source rank, token) order;
+    recv_x[row_index] is the expert-major layout bit for bit; combine along it equals the
+    expert-major flow's; graph mode gives the same rows first; the gradient of x is the rank-ordered
+    fp32 sum of the token's row gradients, bit for bit."""
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype)
+    e_local = E // W
+    mine = [[t for t in range(tokens[s]) if any(int(idxs[s][t, k]) // e_local == rank and int(idxs[s][t, k]) >= 0
+                                                 for k in range(K))] for s in range(W)]
+    report: dict = {}
+    tok, h = buf.dispatch(x, idx, w, layout="token_major")
+    want_tok = torch.stack([xs[s][t] for s in range(W) for t in mine[s]]) if sum(map(len, mine)) else \
+        torch.empty(0, H, dtype=dtype)
+    report["token_rows_exact"] = h.token_rows == want_tok.shape[0] and torch.equal(tok, want_tok)
+    rows, he = buf.dispatch(x, idx, w)
+    report["row_index_exact"] = torch.equal(tok[h.row_index.long()], rows) and \
+        torch.equal(h.expert_offsets, he.expert_offsets) and torch.equal(h.recv_weights, he.recv_weights)
+    order = recv_order(idxs, rank, E)
+    scale = torch.tensor([row_scale(int(idxs[s][t, k])) for s, t, k in order]).reshape(-1, 1)
+    y_tok = (tok[h.row_index.long()].to(torch.float32) * scale).to(dtype)
+    y_exp = (rows.to(torch.float32) * scale).to(dtype)
+    report["combine_same"] = torch.equal(buf.combine(y_tok, h, w), buf.combine(y_exp, he, w))
+    tok_g, h_g = buf.dispatch(x, idx, w, sync=False, layout="token_major")
+    n, m = want_tok.shape[0], int(h_g.expert_offsets[-1])
+    report["graph_same"] = tok_g.shape[0] == W * buf.max_tokens and torch.equal(tok_g[:n], tok) and \
+        torch.equal(h_g.row_index[:m], h.row_index)
+    # gradients: upstream R_r on rank r's token rows; x's gradient on source s, token t: the rank-ordered
+    # fp32 sum over the ranks r that got t of R_r[its row there], cast once
+    def upstream(r: int) -> torch.Tensor:
+        n_r = sum(1 for s in range(W) for t in range(tokens[s]) if any(
+            int(idxs[s][t, k]) >= 0 and int(idxs[s][t, k]) // e_local == r for k in range(K)))
+        return torch.randn(n_r, H, generator=torch.Generator().manual_seed(seed + 9 + r)).to(dtype)
+
+    xg = x.clone().requires_grad_(True)
+    tok2, _ = buf.dispatch(xg, idx, w, layout="token_major")
+    (tok2.to(torch.float32) * upstream(rank).to(torch.float32)).sum().backward()
+    want = torch.zeros(tokens[rank], H, dtype=torch.float32)
+    for r in range(W):
+        got_r = [(s, t) for s in range(W) for t in range(tokens[s]) if any(
+            int(idxs[s][t, k]) >= 0 and int(idxs[s][t, k]) // e_local == r for k in range(K))]
+        up = upstream(r)
+        for j, (s, t) in enumerate(got_r):
+            if s == rank:
+                want[t] = want[t] + up[j].to(torch.float32)
+    report["grad_x_bitwise"] = torch.equal(xg.grad, cast_like_kernels(want, dtype))
+    buf.free()
+    return report

@@ -208,3 +208,61 @@ def test_graph_mode_max_recv_rows(emulated_cluster):
         assert r["next_sync"].startswith(want[0]) and want[1] in r["next_sync"], (rank, r)
         assert r["after"], (rank, r)
         assert r["sync_cap"].startswith("DitronConfigError") and "sync=False" in r["sync_cap"], (rank, r)
+
+
+RANK_REDUCED_CASES = [  # (W, tokens, H, E, K, dtype, routing, drop, partial_dtype, weighted)
+    (2, [20, 13], 64, 8, 4, torch.float32, "uniform", 0.0, None, True),
+    (3, [11, 0, 7], 48, 6, 3, torch.bfloat16, "zipf", 0.2, None, True),           # empty rank, dropped slots
+    (3, [11, 5, 7], 48, 12, 6, torch.bfloat16, "uniform", 0.0, torch.float32, True),  # fp32 partials
+    (4, [8, 5, 12, 3], 40, 8, 4, torch.float16, "one_rank", 0.0, None, False),     # unweighted, all to rank 0
+    (2, [17, 33], 72, 4, 2, torch.float32, "one_expert", 0.0, None, True),         # T > block, one expert
+]
+
+
+@pytest.mark.parametrize("W,tokens,H,E,K,dtype,kind,drop,partial,weighted", RANK_REDUCED_CASES,
+                         ids=[f"W{c[0]}-{str(c[5])[6:]}-{c[6]}-{'fp32part' if c[8] else 'part'}"
+                              f"{'' if c[9] else '-unweighted'}" for c in RANK_REDUCED_CASES])
+def test_rank_reduced_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, drop, partial, weighted):
+    reports = emulated_cluster(W).run(fns.rank_reduced_case, tokens, H, E, K, dtype, kind, 6, drop, partial, weighted)
+    for rank, rep in enumerate(reports):
+        assert rep["sequential_bitwise"], f"rank {rank}: differs from its sequential schedule by {rep['sequential_max_abs']}; {rep}"
+        assert rep["oracle_ok"], f"rank {rank}: off the float64 oracle by {rep['oracle_max_abs']}"
+        assert rep["rerun_bitwise"] and rep["graph_bitwise"], f"rank {rank}: not deterministic"
+        assert rep["grad_y_bitwise"], f"rank {rank}: y's gradient differs from w[t, k] * g[t]"
+
+
+def test_rank_reduced_combine_bits_do_not_depend_on_the_grid(emulated_cluster):
+    args = ([13, 6, 9], 40, 6, 3, torch.bfloat16, "uniform", 8, 0.0, None, True)
+    one, many = (emulated_cluster(3).run(fns.rank_reduced_case, *args, p) for p in (1, 5))
+    for a, b in zip(one, many):
+        assert a["sequential_bitwise"] and b["sequential_bitwise"]
+
+
+def test_rank_reduced_combine_bad_modes(emulated_cluster):
+    for rank, res in enumerate(emulated_cluster(2).run(fns.rank_reduced_errors_case)):
+        assert "another mode" in res["mismatch"] and "rank(s) " + str(1 - rank) in res["mismatch"], res["mismatch"]
+        assert "pass topk_weights to dispatch" in res["weights"], res["weights"]
+        assert "topk_sum must be" in res["unknown"], res["unknown"]
+        assert "applies to topk_sum='expert_rank' only" in res["partial_exact"], res["partial_exact"]
+        assert "partial_dtype must be" in res["partial_bad"], res["partial_bad"]
+        assert "needs 2 fp32 partials" in res["partial_room"], res["partial_room"]
+        assert res["after_ok"]
+
+
+TOKEN_MAJOR_CASES = [  # (W, tokens, H, E, K, dtype, routing, drop)
+    (2, [20, 13], 64, 8, 4, torch.float32, "uniform", 0.0),
+    (3, [11, 0, 7], 48, 6, 3, torch.bfloat16, "zipf", 0.2),       # empty rank, dropped slots
+    (4, [8, 5, 12, 3], 40, 8, 2, torch.float16, "one_rank", 0.0),  # every token to rank 0
+    (2, [17, 33], 72, 4, 2, torch.float32, "one_expert", 0.0),     # T > block, one expert
+]
+
+
+@pytest.mark.parametrize("W,tokens,H,E,K,dtype,kind,drop", TOKEN_MAJOR_CASES,
+                         ids=[f"W{c[0]}-{str(c[5])[6:]}-{c[6]}" for c in TOKEN_MAJOR_CASES])
+def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind, drop):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.token_major_case, tokens, H, E, K, dtype, kind, 7, drop)):
+        assert rep["token_rows_exact"], f"rank {rank}: token rows differ from (source rank, token) order"
+        assert rep["row_index_exact"], f"rank {rank}: recv_x[row_index] differs from the expert-major layout"
+        assert rep["combine_same"], f"rank {rank}: combine along a token-major handle differs"
+        assert rep["graph_same"], f"rank {rank}: graph mode differs"
+        assert rep["grad_x_bitwise"], f"rank {rank}: x's gradient differs from its rank-ordered sum"
