@@ -34,15 +34,20 @@ def test_bench_keeps_no_scripts() -> None:
 
 def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     cpu, gpu = plan("dispatch_combine"), plan("dispatch_combine", on_gpu=True)
-    eager = ["layout", "dispatch kernel", "EPBuffer.dispatch", "combine kernel", "EPBuffer.combine"]
+    eager = ["layout", "dispatch kernel", "EPBuffer.dispatch", "dispatch kernel token_major",
+             "EPBuffer.dispatch token_major", "combine kernel", "EPBuffer.combine", "EPBuffer.combine expert_rank",
+             "EPBuffer.combine expert_rank fp32"]
     baselines = ["a2a dispatch", "a2a combine", "a2a dispatch+combine"]
-    assert list(cpu) == eager + baselines and list(gpu) == eager + list(GRAPHS) + baselines
+    deepep = ["DeepEP layout+dispatch", "DeepEP combine"]  # GPUs, eager (absent rows say why when it does not import)
+    assert list(cpu) == eager + baselines and list(gpu) == eager + list(GRAPHS) + baselines + deepep
     assert [gpu[g].against for g in GRAPHS] == [(), ("a2a dispatch",), ("a2a combine",), ("a2a dispatch+combine",),
                                                 (), ()]
+    assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch")
+    assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine")
     assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines]
-    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager + baselines
-    for name in ("dispatch", "combine"):   # unchanged entries, one baseline
-        assert [i.kind for i in plan(name, on_gpu=True).values()] == ["ours", "ours", "baseline"]
+    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager + baselines + deepep
+    assert [i.kind for i in plan("dispatch", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
+    assert [i.kind for i in plan("combine", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
 
 
 def test_moe_plans_layers_references_and_floor() -> None:

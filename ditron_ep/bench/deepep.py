@@ -108,12 +108,15 @@ def measure_deepep(ctx: BenchContext, inp: Inputs, experts: int, hidden: int,
             _destroy(ctx, buf)
         return [Measurement(n, work=work[k][0], ok=False, error=str(exc))
                 for n, k in ((DEEPEP_DISPATCH, "dispatch"), (DEEPEP_COMBINE, "combine"))]
+    # a handle's channels are its dispatch's SM budget: each combine budget combines a dispatch of its own
+    handles = {s: guarded(ctx, "DeepEP dispatch (untimed)", dispatch(s)) for s in SM_BUDGETS}
     out = [
         _fastest(ctx, DEEPEP_DISPATCH, {s: dispatch(s) for s in SM_BUDGETS}, work["dispatch"][0],
                  "ok: received tokens == the baseline's" if ok_d else "FAIL: received tokens differ from the baseline's",
                  ok_d, work["dispatch"][1]),
         _fastest(ctx, DEEPEP_COMBINE,
-                 {s: (lambda s=s: buf.combine(recv_x, handle, config=configs[s][1])) for s in SM_BUDGETS},
+                 {s: (lambda s=s: buf.combine(handles[s][0], handles[s][4], config=configs[s][1]))
+                  for s in SM_BUDGETS},
                  work["combine"][0], f"{'ok' if ok_c else 'FAIL'}: rel err {err:.1e} vs x * ranks reached",
                  ok_c, work["combine"][1]),
     ]

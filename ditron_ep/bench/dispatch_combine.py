@@ -77,6 +77,7 @@ MODES = ("eager", "graph")
 # the rank-reduced combine (topk_sum="expert_rank"), in the token dtype and with fp32 partials
 RANK_REDUCED, RANK_REDUCED_FP32 = "EPBuffer.combine expert_rank", "EPBuffer.combine expert_rank fp32"
 TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
+TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens")
 
@@ -166,20 +167,23 @@ def measure_layout(ctx: BenchContext, case: EPCase) -> Measurement:
     return ctx.measure("layout", fn, None, *check, buf=case.buf)
 
 
-def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor,
-                         w32: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
+def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor, w32: torch.Tensor,
+                         token_major: bool = False) -> tuple[Callable[[], None], Callable[[], torch.Tensor]]:
     """EPBuffer.dispatch's data kernel alone: mirrors `EPBuffer._dispatch_raw` up to the kernel
-    (layout, host read, allocations done here, once). Returns the call and the recv_x it fills."""
+    (layout, host read, allocations done here, once). Returns the call and a function returning the
+    expert-major rows it received (token-major: through the row index)."""
     send, recv = buf._launch_layout(idx)
-    rows = buf._rows_from_status(recv, None)
+    rows, tokens = buf._rows_and_tokens(recv, None)
     dev = buf.device
-    recv_x = torch.empty((rows, buf.hidden), dtype=buf.dtype, device=dev)
+    recv_x = torch.empty((tokens if token_major else rows, buf.hidden), dtype=buf.dtype, device=dev)
+    row_index = torch.empty(rows, dtype=torch.int32, device=dev) if token_major else None
     recv_w = torch.empty(rows, dtype=torch.float32, device=dev)
     recv_rows = torch.empty((buf.world_size, buf.max_tokens, buf.topk), dtype=torch.int32, device=dev)
     recv_tok = torch.empty((buf.world_size, buf.max_tokens), dtype=torch.int32, device=dev)
     # replayed without its layout: the kernel keeps its entry barrier
     return (lambda: buf._launch_dispatch(x, w32, send, recv, rows, False, recv_x, recv_w, recv_rows,
-                                         recv_tok, after_layout=False)), recv_x
+                                         recv_tok, after_layout=False, row_index=row_index)), \
+        (lambda: recv_x if row_index is None else recv_x[row_index.long()])
 
 
 def measure_dispatch(ctx: BenchContext, case: EPCase, baseline: str) -> list[Measurement]:
@@ -189,10 +193,8 @@ def measure_dispatch(ctx: BenchContext, case: EPCase, baseline: str) -> list[Mea
     want = case.want(ctx, "dispatch")
     kernel, kernel_rows = guarded(ctx, "dispatch kernel setup",
                                   lambda: dispatch_kernel_call(buf, inp.x, inp.idx, case.w32), buf)
-
-    def kernel_once() -> torch.Tensor:
-        kernel()
-        return kernel_rows
+    kernel_tm, kernel_tm_rows = guarded(ctx, "dispatch kernel token_major setup",
+                                        lambda: dispatch_kernel_call(buf, inp.x, inp.idx, case.w32, True), buf)
 
     def public() -> tuple[torch.Tensor, object]:
         return buf.dispatch(inp.x, inp.idx, inp.w)
@@ -206,8 +208,9 @@ def measure_dispatch(ctx: BenchContext, case: EPCase, baseline: str) -> list[Mea
 
     # impl -> (the timed call, one call that returns the rows it received)
     ours: dict[str, tuple[Callable[[], object], Callable[[], torch.Tensor]]] = {
-        "dispatch kernel": (kernel, kernel_once),
+        "dispatch kernel": (kernel, lambda: (kernel(), kernel_rows())[1]),
         "EPBuffer.dispatch": (public, lambda: public()[0]),
+        TOKEN_MAJOR_KERNEL: (kernel_tm, lambda: (kernel_tm(), kernel_tm_rows())[1]),
         TOKEN_MAJOR: (token_major, token_major_rows),
     }
     out = []
@@ -382,7 +385,8 @@ def _plan(*ours: Impl, baselines: tuple[str, ...]) -> tuple[Impl, ...]:
 
 
 def plan_dispatch(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
-    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("dispatch kernel", "EPBuffer.dispatch", TOKEN_MAJOR)),
+    return _plan(*(Impl(n, against=(BASELINE,)) for n in ("dispatch kernel", "EPBuffer.dispatch", TOKEN_MAJOR_KERNEL,
+                                                         TOKEN_MAJOR)),
                  baselines=(BASELINE,))
 
 
@@ -400,7 +404,8 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
     ours: list[Impl] = []
     if eager:
         ours += [Impl("layout"), Impl("dispatch kernel", against=d),
-                 Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
+                 Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR_KERNEL, against=d),
+                 Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
                  Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
                  Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:

@@ -50,9 +50,10 @@ def test_non_constexpr_keyword_is_never_cached():
     dev = torch.device("cuda", torch.cuda.current_device())
     x, y = torch.randn(100, device=dev), torch.randn(100, device=dev)
     for a in (1.5, 2.5):  # `a` by keyword: its value would be frozen in a cached entry
-        out = torch.empty_like(x)
+        out, want = torch.empty_like(x), torch.empty_like(x)
         fl[(2,)](x, y, out, 100, a=a, BLOCK=64)
-        torch.testing.assert_close(out, x * a + y, rtol=0, atol=0)
+        _scaled_add[(2,)](x, y, want, 100, a=a, BLOCK=64)  # (compiled: a fused multiply-add, not torch's x * a + y)
+        assert torch.equal(out, want), a
     assert not fl._compiled
 
 
