@@ -39,13 +39,16 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
              "EPBuffer.combine expert_rank fp32"]
     baselines = ["a2a dispatch", "a2a combine", "a2a dispatch+combine"]
     deepep = ["DeepEP layout+dispatch", "DeepEP combine"]  # GPUs, eager (absent rows say why when it does not import)
-    assert list(cpu) == eager + baselines and list(gpu) == eager + list(GRAPHS) + baselines + deepep
+    # FP8 dispatch rows: GPUs, bf16, hidden a multiple of 128 (the GPU default shape: H = 7168)
+    fp8 = ["EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"]
+    eager_gpu = eager[:5] + fp8 + eager[5:]
+    assert list(cpu) == eager + baselines and list(gpu) == eager_gpu + list(GRAPHS) + baselines + deepep
     assert [gpu[g].against for g in GRAPHS] == [(), ("a2a dispatch",), ("a2a combine",), ("a2a dispatch+combine",),
                                                 (), ()]
     assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch")
     assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine")
     assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines]
-    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager + baselines + deepep
+    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager_gpu + baselines + deepep
     assert [i.kind for i in plan("dispatch", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
     assert [i.kind for i in plan("combine", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
 

@@ -13,6 +13,11 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
   EPBuffer.dispatch token_major
                       dispatch(layout="token_major"): one row per (token, rank), checked through
                       handle.row_index against the expert-major rows;
+  EPBuffer.dispatch fp8 [token_major dequantize]
+                      (GPUs, bf16, hidden % 128 == 0) an FP8 EPBuffer (dispatch_dtype=float8_e4m3fn)
+                      dispatching the tokens quantised in DeepEP's format (e4m3 + fp32 scale per 128
+                      columns): e4m3 rows with their scales, or dequantised to bf16 on receipt;
+                      checked against the bf16 rows within e4m3's rounding (work: the bf16 bytes);
   EPBuffer.combine    the public op (the exact combine: one row per (token, k) returns);
   EPBuffer.combine expert_rank [fp32]
                       the rank-reduced combine (topk_sum="expert_rank"): one row per (token, rank)
@@ -78,6 +83,7 @@ MODES = ("eager", "graph")
 RANK_REDUCED, RANK_REDUCED_FP32 = "EPBuffer.combine expert_rank", "EPBuffer.combine expert_rank fp32"
 TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
 TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
+FP8_DISPATCH, FP8_DEQUANT = "EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens")
 
@@ -114,13 +120,71 @@ class EPCase:
         return self.wants[what]
 
 
-def make_buffer(ctx: BenchContext, tokens: int) -> EPBuffer:
+def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | None = None) -> EPBuffer:
     """The EPBuffer of one config, from the request's shape and the EP options."""
     s, o = ctx.shape, ctx.options
     return EPBuffer(ctx.group, s.experts, s.hidden, o.get("buffer_tokens") or tokens, s.topk, ctx.dtype,
                     num_programs=o.get("num_programs"), block_rows=o.get("block_rows", 16),
                     block_hidden=o.get("block_hidden"), hidden_slices=o.get("hidden_slices"),
-                    check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4))
+                    check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4),
+                    dispatch_dtype=dispatch_dtype)
+
+
+def fp8_applies(hidden: int, dtype: str, on_gpu: bool) -> bool:
+    """Whether the FP8 dispatch rows run: GPUs, bf16 tokens, hidden a multiple of 128."""
+    return on_gpu and dtype == "bf16" and hidden % 128 == 0
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's FP8 format of x [T, H]: e4m3 [T, H] and fp32 scales [T, H / 128] (amax / 448 per block)."""
+    T, H = x.shape
+    blocks = x.to(torch.float32).reshape(T, H // 128, 128)
+    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-4)
+    return (blocks / scales[:, :, None]).to(torch.float8_e4m3fn).reshape(T, H), scales
+
+
+def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measurement]:
+    """FP8_DISPATCH and FP8_DEQUANT on an FP8 EPBuffer of the same shape: the received rows,
+    dequantised, against the baseline's bf16 rows (e4m3's rounding: relative error <= 0.07)."""
+    inp = case.inp
+    work, details = case.work(ctx, "dispatch")
+    want = case.want(ctx, "dispatch").to(torch.float32)
+    try:
+        buf = guarded(ctx, "FP8 EPBuffer", lambda: make_buffer(ctx, tokens, torch.float8_e4m3fn))
+    except StageFailed as exc:
+        return failed((FP8_DISPATCH, FP8_DEQUANT), str(exc), work)
+    q, sc = quantize_fp8(inp.x)
+
+    def fp8() -> tuple[torch.Tensor, object]:
+        return buf.dispatch(q, inp.idx, inp.w, x_scales=sc)
+
+    def dequant() -> tuple[torch.Tensor, object]:
+        return buf.dispatch(q, inp.idx, inp.w, x_scales=sc, dequantize=True, layout="token_major")
+
+    def fp8_rows() -> torch.Tensor:
+        r, h = fp8()
+        return r.to(torch.float32) * h.recv_scales.repeat_interleave(128, dim=1)
+
+    def dequant_rows() -> torch.Tensor:
+        r, h = dequant()
+        return r[h.row_index.long()].to(torch.float32)
+
+    out = []
+    try:
+        for impl, fn, rows in ((FP8_DISPATCH, fp8, fp8_rows), (FP8_DEQUANT, dequant, dequant_rows)):
+            try:
+                got = guarded(ctx, f"{impl} (check)", rows, buf)
+                err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() if want.numel() else 0.0
+                err = max(gather(ctx, err))
+                ok = err <= 0.07
+                out.append(ctx.measure(impl, fn, work, f"{'ok' if ok else 'FAIL'}: rel err {err:.1e} vs bf16 rows", ok,
+                                       buf, {**details, "wire_bytes_note": "e4m3 rows: half the rule's bytes, plus "
+                                                                           "4 bytes per 128 columns of scales"}))
+            except StageFailed as exc:
+                out.append(Measurement(impl, None, work, "", False, error=str(exc)))
+    finally:
+        buf.free()
+    return out
 
 
 @contextmanager
@@ -370,6 +434,8 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
         out = []
         if "eager" in modes:
             out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
+            if fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda):
+                out += measure_fp8(ctx, case, tokens)
             out += measure_combine(ctx, case)[0]
             if ctx.on_cuda:
                 out += measure_deepep(ctx, case.inp, ctx.shape.experts, ctx.shape.hidden,
@@ -406,6 +472,8 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
         ours += [Impl("layout"), Impl("dispatch kernel", against=d),
                  Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR_KERNEL, against=d),
                  Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
+                 *((Impl(FP8_DISPATCH, against=d), Impl(FP8_DEQUANT, against=d))
+                   if fp8_applies(req.shape.hidden, req.dtype, on_gpu) else ()),
                  Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
                  Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:

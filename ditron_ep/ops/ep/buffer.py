@@ -36,6 +36,8 @@ from ditron_ep.runtime.heap import SymmetricHeap
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8 = torch.float8_e4m3fn
+SCALE_COLS = 128  # FP8 dispatch: one fp32 scale per token and 128 columns (DeepEP's format)
 
 
 class CapacityError(DitronError, ValueError):
@@ -81,6 +83,7 @@ class DispatchHandle:
     capped_offsets: torch.Tensor | None = None  # graph mode with max_recv_rows: offsets capped at rows_cap
     row_index: torch.Tensor | None = None  # token-major layout: int32 [rows_cap], the recv_x row of each pair
     token_rows: int | None = None          # token-major layout, default mode: rows of recv_x
+    recv_scales: torch.Tensor | None = None  # FP8 dispatch: fp32 [recv_x rows, hidden / 128]
 
     @property
     def num_recv_per_expert(self) -> torch.Tensor:
@@ -97,7 +100,7 @@ class DispatchHandle:
 
 
 def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
-                      num_warps, hidden_slices, num_programs, graph_cache) -> str | None:
+                      num_warps, hidden_slices, num_programs, graph_cache, dispatch_dtype=None) -> str | None:
     """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
     for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
                     ("topk", topk)):
@@ -109,6 +112,10 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
         return f"topk={topk} exceeds num_experts={num_experts}"
     if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} unsupported; use one of {SUPPORTED_DTYPES}"
+    if dispatch_dtype not in (None, dtype, FP8):
+        return f"dispatch_dtype must be None (the buffer's dtype) or {FP8} (FP8 dispatch), got {dispatch_dtype!r}"
+    if dispatch_dtype == FP8 and hidden % SCALE_COLS:
+        return f"FP8 dispatch needs hidden to be a multiple of {SCALE_COLS} (one scale per {SCALE_COLS} columns), got {hidden}"
     if not is_positive_int(block_rows) or block_rows & (block_rows - 1):
         return f"block_rows must be a power of two, got {block_rows!r}"
     # tile widths reach tl.arange, which takes powers of two only
@@ -143,6 +150,9 @@ class EPBuffer:
             for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
             launch and raise DitronTimeoutError there (one extra device-to-host read).
+        dispatch_dtype: None (the tokens travel in `dtype`) or torch.float8_e4m3fn: FP8 dispatch
+            (half the bytes of bf16): `dispatch(x_fp8, ..., x_scales=scales)` with DeepEP's format,
+            fp32 scales [T, hidden / 128] (one per token and 128 columns); combine stays in `dtype`.
         graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
             dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
             a signature's second call and replayed after (ops/ep/layout_replay.py, runtime/call_graphs.py):
@@ -159,7 +169,7 @@ class EPBuffer:
                  backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
                  block_hidden: int | None = None, num_warps: int | None = None,
                  hidden_slices: int | None = None, wait_budget: int | None = None,
-                 check_errors: bool = True, graph_cache: int = 4) -> None:
+                 check_errors: bool = True, graph_cache: int = 4, dispatch_dtype: torch.dtype | None = None) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
@@ -167,11 +177,13 @@ class EPBuffer:
         # alone would leave the others waiting in the heap's set-up.
         agree(group, "EPBuffer", _argument_problem(
             world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
-            hidden_slices, num_programs, graph_cache), same={
+            hidden_slices, num_programs, graph_cache, dispatch_dtype), same={
                 "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
-                "topk": topk, "dtype": dtype, "block_rows": block_rows})
+                "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype})
         self._layouts: CallGraphCache[CapturedLayout] = CallGraphCache(graph_cache)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
+        self.dispatch_dtype = dispatch_dtype or dtype
+        self.fp8 = self.dispatch_dtype == FP8
         self.max_tokens = max_tokens_per_rank
         self.world_size = world
         self.num_local_experts = num_experts // world
@@ -182,12 +194,13 @@ class EPBuffer:
         W, T, K, H = world, max_tokens_per_rank, topk, hidden
         self._specs = [  # (name, shape, dtype)
             ("ep/layout", layout_landing_shape(W, self.num_local_experts), torch.int32),
+            # (FP8 dispatch stages 1-byte rows here, combine's backward replays dtype rows)
             ("ep/stage", (W, T, H), dtype),
             ("ep/meta", (W, T, 1 + 2 * K), torch.int32),
             ("ep/wstage", (W, T, K), torch.float32),
             # combine's landing buffer: (T, K, H) rows, or the rank-reduced combine's (W, T, H) partials
             ("ep/land", (T, max(K, W), H), dtype),
-        ]
+        ] + ([("ep/sstage", (W, T, H // SCALE_COLS), torch.float32)] if self.fp8 else [])
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
         self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
@@ -241,8 +254,8 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ public API
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None = None,
-                 *, sync: bool = True, max_recv_rows: int | None = None,
-                 layout: str = "expert_major") -> tuple[torch.Tensor, DispatchHandle]:
+                 *, sync: bool = True, max_recv_rows: int | None = None, layout: str = "expert_major",
+                 x_scales: torch.Tensor | None = None, dequantize: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
         """Send every token to the ranks of its experts; return the received rows and a handle.
 
         Args:
@@ -264,6 +277,11 @@ class EPBuffer:
                 1/K of the expert-major layout's writes when a token's experts share a rank. In
                 graph mode recv_x then has W * max_tokens rows (the valid ones first). Gradients
                 of a token's row return to the token (the ranks' rows added in rank order, fp32).
+            x_scales: FP8 dispatch (a buffer built with dispatch_dtype=torch.float8_e4m3fn, x in
+                e4m3): fp32 [T, hidden / 128], x[t, c] * x_scales[t, c // 128] is the token. They
+                travel with the tokens; `handle.recv_scales` holds them per received row.
+            dequantize: FP8 dispatch: return recv_x in the buffer's dtype instead, each element
+                x * scale in fp32, cast once (no recv_scales).
         Returns:
             recv_x: expert_major: [rows, H], rows of local expert e at
                 expert_offsets[e]:expert_offsets[e+1], ordered by (source rank, source token);
@@ -273,8 +291,9 @@ class EPBuffer:
         """
         self._check_alive()
         try:
-            self._check_tokens(x, "x")
+            self._check_tokens(x, "x", dtype=self.dispatch_dtype)
             w = self._check_routing(x, topk_idx, topk_weights)
+            self._check_scales(x, x_scales, dequantize)
             if max_recv_rows is not None and (sync or not is_positive_int(max_recv_rows)):
                 raise DitronConfigError(f"max_recv_rows={max_recv_rows!r}: give a positive int, with sync=False only "
                                         f"(default mode returns exactly the rows received)")
@@ -284,10 +303,25 @@ class EPBuffer:
             self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
             raise
         token_major = layout == "token_major"
-        if _needs_grad(x):  # the weights' gradients flow through combine, not here
+        if _needs_grad(x) and x_scales is None:  # the weights' gradients flow through combine, not here
             return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows, token_major)
         # no autograd node: ~10 µs less host time
-        return self._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major)
+        return self._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major, x_scales, dequantize)
+
+    def _check_scales(self, x: torch.Tensor, x_scales: object, dequantize: object) -> None:
+        """FP8 dispatch's arguments (x itself is checked against dispatch_dtype)."""
+        if not self.fp8:
+            if x_scales is not None or dequantize:
+                raise DitronConfigError("x_scales / dequantize are for FP8 dispatch: build the EPBuffer with "
+                                        "dispatch_dtype=torch.float8_e4m3fn")
+            return
+        if x_scales is None:
+            raise DitronConfigError(f"FP8 dispatch needs x_scales: fp32 [T, hidden / {SCALE_COLS}], one scale per "
+                                    f"token and {SCALE_COLS} columns")
+        check_tensor("x_scales", x_scales, shape=(("T", x.shape[0]), ("hidden / 128", self.hidden // SCALE_COLS)),
+                     dtypes=(torch.float32,), device=self.device)
+        if not isinstance(dequantize, bool):
+            raise DitronConfigError(f"dequantize must be a bool, got {dequantize!r}")
 
     def combine(self, y: torch.Tensor, handle: DispatchHandle, topk_weights: torch.Tensor | None = None, *,
                 topk_sum: str = "token_rank", partial_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -395,13 +429,15 @@ class EPBuffer:
             flagged_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget,
                                       C.FLAG_REFUSED)
 
-    def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None) -> None:
+    def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None, dtype: torch.dtype | None = None) -> None:
         check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
         if rows is not None and x.shape[0] != rows:
             raise DitronConfigError(f"{name} has {x.shape[0]} rows but dispatch produced {rows}; "
                                     f"pass expert outputs in recv_x's row order")
-        check_tensor(name, x, dtypes=(self.dtype,), device=self.device,
-                     dtype_hint=f"cast it or build the EPBuffer with dtype={x.dtype}")
+        dtype = dtype or self.dtype
+        check_tensor(name, x, dtypes=(dtype,), device=self.device,
+                     dtype_hint=f"cast it or build the EPBuffer with {'dispatch_' if dtype != self.dtype else ''}"
+                                f"dtype={x.dtype}")
 
     def _check_routing(self, x: torch.Tensor, topk_idx: torch.Tensor,
                        topk_weights: torch.Tensor | None) -> torch.Tensor | None:
@@ -495,7 +531,9 @@ class EPBuffer:
     def _launch_dispatch(self, x: torch.Tensor, w: torch.Tensor | None, send: SendLayout, recv: RecvLayout,
                          rows_cap: int, scale_rows: bool, recv_x: torch.Tensor,
                          recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor, *,
-                         after_layout: bool, row_index: torch.Tensor | None = None) -> None:
+                         after_layout: bool, row_index: torch.Tensor | None = None,
+                         scales: torch.Tensor | None = None, recv_scales: torch.Tensor | None = None,
+                         dequantize: bool = False) -> None:
         """The data kernel. after_layout: this call's counts exchange ran right before on this
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
         False for a replay along an old handle (combine's backward)."""
@@ -506,12 +544,14 @@ class EPBuffer:
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
             row_index if row_index is not None else self._dummy_i32,
+            scales if scales is not None else dummy_f, recv_scales if recv_scales is not None else dummy_f,
             h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
-            h.offset_of("ep/wstage"), self._sig_dispatch, self.hidden, h.rank, self.world_size,
-            self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap, h.wait_budget,
-            self.n_slices, self.slice_cols, self._dispatch_lag, K=self.topk, HAS_WEIGHTS=w is not None,
-            SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows, BLOCK_H=self.block_hidden,
-            BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout, TOKEN_MAJOR=row_index is not None,
+            h.offset_of("ep/wstage"), h.offset_of("ep/sstage") if self.fp8 else 0, self._sig_dispatch,
+            self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap,
+            h.wait_budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
+            K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
+            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout,
+            TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize,
             num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle,
@@ -543,7 +583,8 @@ class EPBuffer:
 
     # ------------------------------------------------------------------ raw passes (no autograd)
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
-                      max_recv_rows: int | None = None, token_major: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
+                      max_recv_rows: int | None = None, token_major: bool = False, scales: torch.Tensor | None = None,
+                      dequantize: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
         send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
@@ -572,19 +613,22 @@ class EPBuffer:
                 capped = recv.expert_off.clamp(max=rows_cap)
                 over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
                 self._pending_flags.bitwise_or_(over)
-        row_index = None
+        row_index = recv_scales = None
+        out_rows = (token_rows if sync else W * T) if token_major else rows_cap
+        recv_x = torch.empty((out_rows, self.hidden), dtype=self.dtype if dequantize else self.dispatch_dtype,
+                             device=self.device)
         if token_major:
-            recv_x = torch.empty((token_rows if sync else W * T, self.hidden), dtype=self.dtype, device=self.device)
             row_index = torch.empty(rows_cap, dtype=torch.int32, device=self.device)
-        else:
-            recv_x = torch.empty((rows_cap, self.hidden), dtype=self.dtype, device=self.device)
+        if scales is not None and not dequantize:
+            recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32, device=self.device)
         recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
-                              after_layout=True, row_index=row_index)
+                              after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
+                              dequantize=dequantize)
         self._finish(sync)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
-                                num_rows, sync, capped, row_index, token_rows)
+                                num_rows, sync, capped, row_index, token_rows, recv_scales)
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,

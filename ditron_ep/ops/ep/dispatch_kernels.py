@@ -36,11 +36,13 @@ STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk
 @triton.jit
 def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
                       stage_offset, meta_offset, wstage_offset, h_lo, h_hi, write_meta, H, E_local, MAXT,
-                      K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+                      s_ptr, sstage_offset, n_scales,
+                      K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
+                      HAS_SCALES: tl.constexpr = False, BLOCK_SC: tl.constexpr = 64):
     """Copy columns [h_lo, h_hi) of staging slots o_j (mask m_j) of the tokens going to rank i_d
     into i_d's staging area at row (rank, slot); with write_meta also the per-token metadata
     [token, local expert of every k (-1: not on i_d), position of every k] and, with HAS_WEIGHTS,
-    the routing weights."""
+    the routing weights, with HAS_SCALES the token's n_scales fp32 scales (FP8 dispatch)."""
     i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
     r_dst = (rank * MAXT + o_j).to(tl.int64)
     p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
@@ -60,6 +62,24 @@ def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, 
             if HAS_WEIGHTS:
                 p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
                 tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+        if HAS_SCALES:
+            p_sst = heap_ptr(table_ptr, i_d, sstage_offset, tl.float32)
+            for c0 in range(0, n_scales, BLOCK_SC):
+                o_c = c0 + tl.arange(0, BLOCK_SC)
+                m_c = m_j[:, None] & (o_c < n_scales)[None, :]
+                b_sc = tl.load(s_ptr + i_t[:, None] * n_scales + o_c[None, :], mask=m_c)
+                tl.store(p_sst + (r_dst * n_scales)[:, None] + o_c[None, :], b_sc, mask=m_c)
+
+
+@register_device_function
+@triton.jit
+def _copy_scales(p_sst, r_src, recv_s_ptr, dst_row, m, n_scales, BLOCK_SC: tl.constexpr):
+    """recv_s[dst_row] = the staged scales of tokens r_src (mask m), n_scales fp32 each."""
+    for c0 in range(0, n_scales, BLOCK_SC):
+        o_c = c0 + tl.arange(0, BLOCK_SC)
+        m_c = m[:, None] & (o_c < n_scales)[None, :]
+        b_sc = tl.load(p_sst + r_src[:, None] * n_scales + o_c[None, :], mask=m_c)
+        tl.store(recv_s_ptr + dst_row[:, None] * n_scales + o_c[None, :], b_sc, mask=m_c)
 
 
 @triton.jit
@@ -79,20 +99,27 @@ def ep_dispatch_kernel(
     recv_rows_ptr,    # out int32 (W, MAXT, K) row of (source, slot, k), -1 if none
     recv_tok_ptr,     # out int32 (W, MAXT) source token index of each staged token
     row_index_ptr,    # out int32 (rows_cap,) TOKEN_MAJOR: the recv_x row of each expert-major row
+    s_ptr,            # fp32 (T, n_scales) per-token, per-128-column scales of FP8 tokens (HAS_SCALES)
+    recv_s_ptr,       # out fp32 (rows, n_scales): the received rows' scales (HAS_SCALES, not DEQUANT)
     table_ptr,        # int64 (W,) arena bases
     sig_table_ptr,    # int64 (W,) signal bases
     stage_offset,     # bytes: symmetric (W, MAXT, H) staged tokens, x dtype
     meta_offset,      # bytes: symmetric int32 (W, MAXT, 1 + 2K): [token, e_local[K], pos[K]]
     wstage_offset,    # bytes: symmetric fp32 (W, MAXT, K) staged weights
+    sstage_offset,    # bytes: symmetric fp32 (W, MAXT, n_scales) staged scales (HAS_SCALES)
     sig_first,        # W * n_chunks * n_slices signals: (source, chunk, column slice)
     H, rank, world, E_local, MAXT, n_chunks, rows_cap, budget,
     n_slices,         # the buffer's column slices per chunk (task_queue.hidden_slices; a smaller call
     slice_cols,       # may use more, task_queue.call_slices) and columns per slice, a multiple of BLOCK_H
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
+    n_scales,         # scales per token (H / 128) when HAS_SCALES
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
     TOKEN_MAJOR: tl.constexpr = False,   # recv_x: one row per (source rank, token); row_index maps the pairs
+    HAS_SCALES: tl.constexpr = False,    # FP8 tokens with scales: the scales travel with the metadata
+    DEQUANT: tl.constexpr = False,       # ... and the receiver writes x * scale (fp32, cast once) to recv_x
+    BLOCK_SC: tl.constexpr = 64,
 ):
     skip = 0
     if ENTRY_BARRIER:  # a replay along a graph-mode handle of a dispatch that did not go is no call
@@ -123,7 +150,8 @@ def ep_dispatch_kernel(
                 if i_c * BLOCK_S < n:
                     stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
                                       o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
-                                      H, E_local, MAXT, K, HAS_WEIGHTS, BLOCK_H)
+                                      H, E_local, MAXT, s_ptr, sstage_offset, n_scales, K, HAS_WEIGHTS, BLOCK_H,
+                                      HAS_SCALES, BLOCK_SC)
                     notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) +
                            chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
             else:
@@ -147,6 +175,7 @@ def ep_dispatch_kernel(
                             tok_row = (tl.sum(before, axis=0) + o_j).to(tl.int64)  # [BLOCK_S]
                         if i_j == 0:
                             tl.store(recv_tok_ptr + r_src, tl.load(p_meta, mask=m_j, other=0), mask=m_j)
+                        p_sst = heap_ptr(table_ptr, rank, sstage_offset, tl.float32)
                         for k in tl.static_range(K):
                             el = tl.load(p_meta + 1 + k, mask=m_j, other=-1)
                             pos = tl.load(p_meta + 1 + K + k, mask=m_j, other=0)
@@ -159,11 +188,18 @@ def ep_dispatch_kernel(
                             if TOKEN_MAJOR:
                                 if i_j == 0:
                                     tl.store(row_index_ptr + row, tok_row.to(tl.int32), mask=m_j & (row >= 0))
+                            elif HAS_SCALES and not DEQUANT:
+                                if i_j == 0:  # each row carries its token's scales
+                                    _copy_scales(p_sst, r_src, recv_s_ptr, row.to(tl.int64), m_j & (row >= 0),
+                                                 n_scales, BLOCK_SC)
                             if HAS_WEIGHTS:
                                 if i_j == 0:
                                     b_w = tl.load(heap_ptr(table_ptr, rank, wstage_offset, tl.float32) + r_src * K + k,
                                                   mask=row >= 0, other=0.0)
                                     tl.store(recv_w_ptr + row, b_w, mask=row >= 0)
+                        if TOKEN_MAJOR and HAS_SCALES and not DEQUANT:
+                            if i_j == 0:  # each token row carries its scales
+                                _copy_scales(p_sst, r_src, recv_s_ptr, tok_row, m_j, n_scales, BLOCK_SC)
                         # recv_rows was just written lane by lane; other warps read it below.
                         tl.debug_barrier()
                         p_stage = heap_ptr(table_ptr, rank, stage_offset, x_ptr.dtype.element_ty)
@@ -171,6 +207,10 @@ def ep_dispatch_kernel(
                             o_h = h0 + tl.arange(0, BLOCK_H)
                             m = m_j[:, None] & (o_h < h_hi)[None, :]
                             b_x = tl.load(p_stage + r_src[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
+                            if DEQUANT:  # FP8 x times its 128-column block's scale, fp32, cast once
+                                b_sc = tl.load(p_sst + r_src[:, None] * n_scales + (o_h // 128)[None, :], mask=m,
+                                               other=0.0)
+                                b_x = (b_x.to(tl.float32) * b_sc).to(recv_x_ptr.dtype.element_ty)
                             if TOKEN_MAJOR:  # once per (source, token)
                                 tl.store(recv_x_ptr + tok_row[:, None] * H + o_h[None, :], b_x, mask=m)
                             else:  # once per (source, token, k) routed here
@@ -191,11 +231,11 @@ def ep_dispatch_kernel(
 _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32", "send_idx_ptr": "*i32",
         "tokens_to_ptr": "*i32", "expert_off_ptr": "*i32", "src_off_ptr": "*i32", "tokens_from_ptr": "*i32",
         "src_info_ptr": "*i32", "recv_x_ptr": "*bf16", "recv_w_ptr": "*fp32", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32",
-        "row_index_ptr": "*i32", "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
-        "wstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
+        "row_index_ptr": "*i32", "s_ptr": "*fp32", "recv_s_ptr": "*fp32", "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
+        "wstage_offset": "i64", "sstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
-        "n_slices": "i32", "slice_cols": "i32", "lag": "i32"}
-_MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "slice_cols")  # real sizes; heap offsets
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "n_scales": "i32"}
+_MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "sstage_offset", "slice_cols")  # real sizes; heap offsets
 # the forward dispatch (right after its layout: no entry barrier) ...
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
                                            "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False},
@@ -211,3 +251,12 @@ register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not i
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False, "BLOCK_S": 16,
                                            "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False, "TOKEN_MAJOR": True},
                 label="bf16-K8-token-major", multiples_of_16=_MULT16)
+# FP8 dispatch: e4m3 rows with their scales, and dequantised on receipt to bf16 (token-major)
+register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp8e4nv", "recv_x_ptr": "*fp8e4nv"},
+                {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False, "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8,
+                 "ENTRY_BARRIER": False, "HAS_SCALES": True}, label="fp8-K8-scales", multiples_of_16=_MULT16,
+                targets=("cuda:90",))
+register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp8e4nv"},
+                {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False, "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8,
+                 "ENTRY_BARRIER": False, "TOKEN_MAJOR": True, "HAS_SCALES": True, "DEQUANT": True},
+                label="fp8-K8-dequant-token-major", multiples_of_16=_MULT16, targets=("cuda:90",))

@@ -277,7 +277,7 @@ def moe_fused_kernel(
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
                 stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
-                                  xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, K, False, BLOCK_H)
+                                  xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, w_ptr, 0, 0, K, False, BLOCK_H)
                 # every ticketed chunk (below the call's n_call) is stamped, empty ones too: the
                 # receiver waits exactly once for each
                 notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, call_no)

@@ -791,3 +791,67 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
     report["grad_x_bitwise"] = torch.equal(xg.grad, cast_like_kernels(want, dtype))
     buf.free()
     return report
+
+
+def quantize_fp8(x: torch.Tensor, cols: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP's FP8 format: e4m3 [T, H] and fp32 scales [T, H / cols] (amax / 448 per token and block)."""
+    T, H = x.shape
+    blocks = x.to(torch.float32).reshape(T, H // cols, cols)
+    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-4)
+    q = (blocks / scales[:, :, None]).to(torch.float8_e4m3fn).reshape(T, H)
+    return q, scales
+
+
+def fp8_dispatch_case(tokens: list[int], H: int, E: int, K: int, kind: str, seed: int, drop_prob: float) -> dict:
+    """FP8 dispatch (dispatch_dtype=float8_e4m3fn): the e4m3 rows and their scales arrive bit for bit
+    in both layouts; dequantize=True gives x * scale in fp32, cast once (bit for bit against that
+    formula), within e4m3's rounding of the float64 tokens; bad FP8 arguments raise on every rank."""
+    from ditron_ep.runtime import DitronConfigError
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.bfloat16, kind, seed, drop_prob)
+    qs = [quantize_fp8(x) for x in xs]
+    (q, sc), idx, w = qs[rank], idxs[rank], ws[rank]
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, torch.bfloat16, dispatch_dtype=torch.float8_e4m3fn)
+    order = recv_order(idxs, rank, E)
+    e_local = E // W
+    mine = [(s, t) for s in range(W) for t in range(tokens[s]) if any(
+        int(idxs[s][t, k]) >= 0 and int(idxs[s][t, k]) // e_local == rank for k in range(K))]
+    report: dict = {}
+
+    def rows_of(pairs, which):  # which: 0 the e4m3 rows, 1 the scales
+        stacked = [qs[s][which][t] for s, t in pairs]
+        return torch.stack(stacked) if stacked else torch.empty((0, qs[0][which].shape[1]), dtype=qs[0][which].dtype)
+
+    recv, h = buf.dispatch(q, idx, w, x_scales=sc)
+    pairs = [(s, t) for s, t, _ in order]
+    report["expert_major_exact"] = recv.dtype == torch.float8_e4m3fn and \
+        torch.equal(recv.view(torch.uint8), rows_of(pairs, 0).view(torch.uint8)) and torch.equal(h.recv_scales, rows_of(pairs, 1))
+    tok, ht = buf.dispatch(q, idx, w, x_scales=sc, layout="token_major")
+    report["token_major_exact"] = torch.equal(tok.view(torch.uint8), rows_of(mine, 0).view(torch.uint8)) and \
+        torch.equal(ht.recv_scales, rows_of(mine, 1))
+    deq, hd = buf.dispatch(q, idx, w, x_scales=sc, dequantize=True, layout="token_major")
+    want = rows_of(mine, 0).to(torch.float32) * rows_of(mine, 1).repeat_interleave(128, dim=1)
+    report["dequant_bitwise"] = deq.dtype == torch.bfloat16 and hd.recv_scales is None and \
+        torch.equal(deq, cast_like_kernels(want, torch.bfloat16))
+    orig = torch.stack([xs[s][t] for s, t in mine]).to(torch.float64) if mine else torch.empty(0, H, dtype=torch.float64)
+    err = (deq.to(torch.float64) - orig).abs()
+    report["dequant_rel_err"] = float((err.max() / orig.abs().max()).item()) if mine else 0.0
+    # the dequantised rows through the experts and back (combine in bf16 on the FP8 buffer)
+    out = buf.combine(deq[hd.row_index.long()], hd, w)
+    report["combine_finite"] = bool(torch.isfinite(out.float()).all())
+    res: dict = {}
+    catch = _recorder(res)
+    catch("bf16_x", lambda: buf.dispatch(xs[rank], idx, w, x_scales=sc))
+    catch("no_scales", lambda: buf.dispatch(q, idx, w))
+    catch("bad_scales", lambda: buf.dispatch(q, idx, w, x_scales=sc[:, :1]))
+    plain = EPBuffer(None, E, H, max(max(tokens), 1), K, torch.bfloat16)
+    catch("scales_on_bf16", lambda: plain.dispatch(xs[rank], idx, w, x_scales=sc))
+    res["bad_hidden"] = ""
+    try:
+        EPBuffer(None, E, 96, 4, K, torch.bfloat16, dispatch_dtype=torch.float8_e4m3fn)
+    except DitronConfigError as err:
+        res["bad_hidden"] = str(err)
+    report["errors"] = res
+    plain.free()
+    buf.free()
+    return report

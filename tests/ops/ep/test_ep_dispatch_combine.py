@@ -266,3 +266,19 @@ def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind,
         assert rep["combine_same"], f"rank {rank}: combine along a token-major handle differs"
         assert rep["graph_same"], f"rank {rank}: graph mode differs"
         assert rep["grad_x_bitwise"], f"rank {rank}: x's gradient differs from its rank-ordered sum"
+
+
+@pytest.mark.parametrize("W,tokens,kind,drop", [(2, [20, 13], "uniform", 0.0), (3, [11, 0, 7], "zipf", 0.2)],
+                         ids=["W2-uniform", "W3-zipf-empty-rank"])
+def test_fp8_dispatch(emulated_cluster, W, tokens, kind, drop):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.fp8_dispatch_case, tokens, 256, 6 * W, 3, kind, 11, drop)):
+        assert rep["expert_major_exact"], f"rank {rank}: e4m3 rows or scales differ (expert-major)"
+        assert rep["token_major_exact"], f"rank {rank}: e4m3 rows or scales differ (token-major)"
+        assert rep["dequant_bitwise"], f"rank {rank}: dequantised rows differ from x * scale"
+        assert rep["dequant_rel_err"] < 0.07, f"rank {rank}: e4m3 round trip off by {rep['dequant_rel_err']}"
+        assert rep["combine_finite"]
+        errs = rep["errors"]
+        assert "float8_e4m3fn" in errs["bf16_x"] and "x_scales" in errs["no_scales"], errs
+        assert "x_scales must have shape" in errs["bad_scales"], errs
+        assert "dispatch_dtype=torch.float8_e4m3fn" in errs["scales_on_bf16"], errs
+        assert "multiple of 128" in errs["bad_hidden"], errs
