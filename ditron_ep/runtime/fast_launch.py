@@ -13,8 +13,9 @@ float; None; plus every keyword argument's value (constexprs and launch options)
 The first call of a key runs the ordinary `kernel[grid](...)` (which compiles) and keeps the
 compiled kernel; later calls of that key go straight to its launcher. Anything else — the
 interpreter, an argument of another type, a keyword argument that is not a constexpr or a launch
-option, a launch hook set (a profiler) — takes the ordinary path every time, so results are the
-same kernels on the same arguments either way.
+option, a callable grid, a launch hook set (a profiler) or a pre-run hook — takes the ordinary path
+every time, so results are the same kernels on the same arguments either way. Skipped: Triton's
+check that no global the kernel reads changed since it compiled (the package's are constants).
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class FastLauncher:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if not self.enabled:
+        if not self.enabled or callable(grid) or self.fn.pre_run_hooks:
             self.fn[grid](*args, **kwargs)
             return
         try:
