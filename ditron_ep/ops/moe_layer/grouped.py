@@ -15,7 +15,9 @@ backward fused (dz, and h recomputed from z), dx = dz @ W1^T, and per expert
 grad_W1 = x^T dz, grad_W2 = h^T dy (+ the bias gradients as column sums), the expert's rows
 in row order. The forward saves the pre-activation z (x's dtype, [rows, n*I]) unless
 save_preactivation=False, which recomputes it in the backward with the first GEMM.
-Gradients through `row_index` (gathered rows) are not supported: gather the rows first.
+Gradients through `row_index` (gathered rows, e.g. a token-major dispatch's `handle.row_index`):
+the backward gathers x[row_index] (what the forward read in place) and adds each x row's row
+gradients in ascending row order in fp32 (`sum_rows_into`; one host read, so not in a CUDA graph).
 """
 from __future__ import annotations
 
@@ -140,9 +142,10 @@ def grouped_mlp(
         expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
     params = (x, w1, w2, b1, b2)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
-    if needs_grad and row_index is not None:
-        raise NotImplementedError("grouped_mlp: gradients through row_index (gathered rows) are not "
-                                  "implemented; gather the rows first (x[row_index]) and pass no row_index")
+    if needs_grad and row_index is not None and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError("grouped_mlp: gradients through row_index read the most rows any x row feeds on the "
+                         "host, which a CUDA graph capture cannot; gather the rows first (x[row_index]) and pass "
+                         "no row_index there")
     if needs_grad and out is not None:
         raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
     device_type = _device_type(x.device)
@@ -177,7 +180,8 @@ def grouped_mlp(
                              f"{', '.join(stray)} must be leaf tensors (Parameters), not results of other ops; "
                              f"pass the parameters themselves, or leave grad_dtype None")
     if needs_grad:
-        return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation))
+        return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation),
+                                 row_index)
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
 
 
@@ -389,12 +393,16 @@ def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_o
 
 
 class _GroupedMLP(torch.autograd.Function):
-    """Forward: the grouped MLP launches, saving z. Backward: `_Launches.backward`."""
+    """Forward: the grouped MLP launches, saving z. Backward: `_Launches.backward`. With row_index
+    (gathered rows) the backward runs on the gathered rows x[row_index] and adds the row gradients
+    of each x row in ascending row order in fp32 (`sum_rows_into`): deterministic, no atomics."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, save_z):
-        z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device) if save_z else None
-        y = run.forward(x, expert_offsets, w1, w2, b1, b2, None, None, z=z)
+    def forward(ctx, x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, save_z, row_index):
+        rows = x.shape[0] if row_index is None else row_index.shape[0]
+        z = torch.empty((rows, w1.shape[2]), dtype=x.dtype, device=x.device) if save_z else None
+        y = run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, None, z=z)
+        ctx.row_index = row_index
         ctx.save_for_backward(x, w1, w2, b1, expert_offsets)
         # z is an intermediate, not an input: held outside save_for_backward so that the backward
         # can free it as soon as it is read (no double backward through this Function)
@@ -409,6 +417,9 @@ class _GroupedMLP(torch.autograd.Function):
         need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
         run, z_box = ctx.run, ctx.z
         ctx.z = []
+        n_x, row_index = x.shape[0], ctx.row_index
+        if row_index is not None:  # the gathered rows, as the forward read them
+            x = x[row_index.long()]
         if not z_box and x.shape[0]:  # recompute the pre-activation: the first GEMM again
             z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
             h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
@@ -419,13 +430,35 @@ class _GroupedMLP(torch.autograd.Function):
         grads = run.backward(x, expert_offsets, w1, w2, z_box, grad_y, need_x, need_w1 or need_w2, need_b1,
                              need_b2, ctx.grad_dtype)
         dx, dw1, dw2, db1, db2 = grads
+        if row_index is not None and dx is not None:
+            dx = sum_rows_into(dx, row_index, n_x)
         weight_grads = [dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2]
         if ctx.params is not None:  # fp32 gradients of low-precision weights: into main_grad
             for param, g in zip(ctx.params, weight_grads):
                 if g is not None:
                     add_main_grad(param, g)
             weight_grads = [None] * 4
-        return (dx, *weight_grads, None, None, None, None)
+        return (dx, *weight_grads, None, None, None, None, None)
+
+
+def sum_rows_into(rows: torch.Tensor, row_index: torch.Tensor, n: int) -> torch.Tensor:
+    """out [n, H] in rows' dtype: out[j] = the sum of rows[r] over r with row_index[r] == j, added in
+    ascending r in fp32, cast once (0 where none). Deterministic: a stable sort and one gather-add
+    per rank of a row among its target's rows, no atomics. One host read (the most rows a target
+    gets)."""
+    out = torch.zeros((n, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    if rows.shape[0] == 0 or n == 0:
+        return out.to(rows.dtype)
+    idx = row_index.long()
+    order = torch.argsort(idx, stable=True)
+    target = idx[order]
+    counts = torch.bincount(idx, minlength=n)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(idx.shape[0], device=idx.device) - starts[target]  # r's place among its target's rows
+    for j in range(int(counts.max())):
+        sel = rank == j  # each target at most once: a plain indexed add, in ascending r
+        out[target[sel]] += rows[order[sel]].to(torch.float32)
+    return out.to(rows.dtype)
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor:

@@ -282,3 +282,11 @@ def test_fp8_dispatch(emulated_cluster, W, tokens, kind, drop):
         assert "x_scales must have shape" in errs["bad_scales"], errs
         assert "dispatch_dtype=torch.float8_e4m3fn" in errs["scales_on_bf16"], errs
         assert "multiple of 128" in errs["bad_hidden"], errs
+
+
+def test_token_major_training_step(emulated_cluster):
+    """The token-major layout end to end with gradients: dispatch -> grouped_mlp(row_index=...) -> combine."""
+    for rank, rep in enumerate(emulated_cluster(3).run(fns.token_major_training_case, [13, 0, 21], 32, 16, 6, 2, 5)):
+        assert rep["rerun_bitwise"], f"rank {rank}: two steps differ"
+        for name, err in rep["rel_errs"]:
+            assert err <= 1e-5, f"rank {rank}: {name} off the float64 oracle by {err:.2e} (relative)"
