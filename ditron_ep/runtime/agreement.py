@@ -131,8 +131,9 @@ def call_error(flags: int, ranks: list[int], me: int, call: int, calls: dict[int
             f"with valid arguments, in the same order")
     if flags & C.FLAG_MODE_MISMATCH:
         return DitronConfigError(
-            f"rank(s) {who} called this combine in another mode than rank {me} (topk_sum or partial_dtype differ; "
-            f"call {call}); no rank moved anything. Every rank must pass the same topk_sum and partial_dtype")
+            f"rank(s) {who} called this combine in another mode than rank {me} (call {call}): combine's topk_sum or "
+            f"partial_dtype differ, or, in a backward, the dispatches' layout= did; no rank moved anything. Every rank "
+            f"must pass the same topk_sum, partial_dtype and dispatch layout")
     return None
 
 

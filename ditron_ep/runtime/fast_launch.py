@@ -3,18 +3,20 @@
 Why: an eager dispatch or combine at small T is bound by host time, and `kernel[grid](...)` of a
 kernel with ~35 arguments cost 85-120 µs of host time per launch on a lent H200 host (Triton 3.6:
 argument binding, the cache-key string, a check of every global the kernel reads, launch
-metadata) against ~10 µs for the compiled launcher itself (bench/results/host_prof_*_s19*).
+metadata) against ~30 µs through the compiled launcher alone (bench/results/host_prof_*_s19*).
 
 `fast(kernel)[grid](*args, **kwargs)` takes the same arguments as `kernel[grid](...)`. It keys
 each call by what Triton specialises a compiled kernel on, made stricter so that a hit can never
 pick a binary compiled for other arguments: per positional argument, a tensor's dtype and 16-byte
 alignment; an int's "== 1", "multiple of 16" and 32-/64-bit/unsigned range; a bool's value; a
-float; None; plus every keyword argument's value (constexprs and launch options) and the device.
+float; None; plus every keyword argument's value (constexprs and launch options), the device and
+Triton's debug and instrumentation knobs.
 The first call of a key runs the ordinary `kernel[grid](...)` (which compiles) and keeps the
 compiled kernel; later calls of that key go straight to its launcher. Anything else — the
 interpreter, an argument of another type, a keyword argument that is not a constexpr or a launch
-option, a callable grid, a launch hook set (a profiler) or a pre-run hook — takes the ordinary path
-every time, so results are the same kernels on the same arguments either way. Skipped: Triton's
+option, a constexpr passed positionally, a callable grid, a launch hook set (a profiler) or a
+pre-run hook — takes the ordinary path every time, so results are the same kernels on the same
+arguments either way. Skipped: Triton's
 check that no global the kernel reads changed since it compiled (the package's are constants).
 """
 from __future__ import annotations
@@ -70,7 +72,7 @@ class FastLauncher:
         from triton import knobs
         from triton.runtime.jit import JITFunction
         self.fn = fn
-        self._runtime_knobs = knobs.runtime
+        self._knobs = knobs
         # The interpreter (CPU) and wrappers (autotuners) always take the ordinary path.
         self.enabled = type(fn) is JITFunction
         self._compiled: dict[tuple, tuple[Any, tuple]] = {}
@@ -78,23 +80,28 @@ class FastLauncher:
             self._names = [p.name for p in fn.params]
             self._constexpr = {p.name for p in fn.params if p.is_constexpr}
             self._defaults = {p.name: p.default for p in fn.params if p.has_default}
+            # a constexpr given positionally would be keyed by its class, not its value: such calls
+            # take the ordinary path
+            self._first_constexpr = min((i for i, p in enumerate(fn.params) if p.is_constexpr), default=len(fn.params))
 
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if not self.enabled or callable(grid) or self.fn.pre_run_hooks:
+        if (not self.enabled or callable(grid) or self.fn.pre_run_hooks or len(args) > self._first_constexpr):
             self.fn[grid](*args, **kwargs)
             return
+        knobs = self._knobs
         try:
-            key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()))
+            key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()), knobs.runtime.debug,
+                   knobs.compilation.instrumentation_mode)
         except TypeError:  # an argument of a type the key does not cover
             self.fn[grid](*args, **kwargs)
             return
         entry = self._compiled.get(key)
-        if entry is None or _hooked(self._runtime_knobs.launch_enter_hook):
+        if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
-            if entry is None:
+            if entry is None and kernel is not None:
                 self._remember(key, kernel, len(args), kwargs)
             return
         kernel, tail = entry

@@ -45,7 +45,7 @@ def test_cached_launches_equal_ordinary_launches():
     assert len(keys) == 5, keys
 
 
-def test_non_constexpr_keyword_is_never_cached():
+def test_non_constexpr_keyword_or_positional_constexpr_is_never_cached():
     fl = FastLauncher(_scaled_add)
     dev = torch.device("cuda", torch.cuda.current_device())
     x, y = torch.randn(100, device=dev), torch.randn(100, device=dev)
@@ -54,6 +54,12 @@ def test_non_constexpr_keyword_is_never_cached():
         fl[(2,)](x, y, out, 100, a=a, BLOCK=64)
         _scaled_add[(2,)](x, y, want, 100, a=a, BLOCK=64)  # (compiled: a fused multiply-add, not torch's x * a + y)
         assert torch.equal(out, want), a
+    assert not fl._compiled
+    for block in (64, 32):  # a constexpr given positionally: keyed by class only, so never cached
+        out, want = torch.empty_like(x), torch.empty_like(x)
+        fl[(triton.cdiv(100, block),)](x, y, out, 100, 1.5, block)
+        _scaled_add[(triton.cdiv(100, block),)](x, y, want, 100, 1.5, BLOCK=block)
+        assert torch.equal(out, want), block
     assert not fl._compiled
 
 

@@ -84,6 +84,7 @@ class DispatchHandle:
     row_index: torch.Tensor | None = None  # token-major layout: int32 [rows_cap], the recv_x row of each pair
     token_rows: int | None = None          # token-major layout, default mode: rows of recv_x
     recv_scales: torch.Tensor | None = None  # FP8 dispatch: fp32 [recv_x rows, hidden / 128]
+    weights_need_grad: bool = False        # the dispatched weights required grad (they get none through here)
 
     @property
     def num_recv_per_expert(self) -> torch.Tensor:
@@ -356,7 +357,7 @@ class EPBuffer:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
                 raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
             self._check_tokens(y, "y", rows=handle.rows_cap)
-            mode = self._combine_mode(topk_sum, partial_dtype, topk_weights)
+            mode = self._combine_mode(topk_sum, partial_dtype, topk_weights, handle)
             w = None
             if topk_weights is not None:
                 w = self._check_weights(topk_weights, handle.num_tokens)
@@ -367,7 +368,8 @@ class EPBuffer:
             return _Combine.apply(y, w, self, handle, mode)
         return self._combine_raw(y, handle, w, mode)
 
-    def _combine_mode(self, topk_sum: object, partial_dtype: object, topk_weights: object) -> int:
+    def _combine_mode(self, topk_sum: object, partial_dtype: object, topk_weights: object,
+                      handle: DispatchHandle) -> int:
         """combine's mode bits (control.MODE_FLAGS) for its keywords, or DitronConfigError."""
         if topk_sum not in ("token_rank", "expert_rank"):
             raise DitronConfigError(f"topk_sum must be 'token_rank' (the exact combine) or 'expert_rank' (the "
@@ -380,6 +382,11 @@ class EPBuffer:
         if topk_weights is not None:
             raise DitronConfigError("topk_sum='expert_rank' applies the weights given to dispatch (the expert rank "
                                     "sums before anything returns): pass topk_weights to dispatch, and None here")
+        if handle.weights_need_grad and torch.is_grad_enabled():
+            raise DitronConfigError("the routing weights given to dispatch require grad, and topk_sum='expert_rank' "
+                                    "cannot return their gradient (they were carried as data): use the default "
+                                    "topk_sum='token_rank' with topk_weights=, or scale y by ops.dispatched_weights("
+                                    "topk_weights, handle) and combine unweighted")
         if partial_dtype not in (None, self.dtype, torch.float32):
             raise DitronConfigError(f"partial_dtype must be None (y's dtype), {self.dtype} or torch.float32, got "
                                     f"{partial_dtype!r}")
@@ -618,17 +625,21 @@ class EPBuffer:
         recv_x = torch.empty((out_rows, self.hidden), dtype=self.dtype if dequantize else self.dispatch_dtype,
                              device=self.device)
         if token_major:
-            row_index = torch.empty(rows_cap, dtype=torch.int32, device=self.device)
+            # graph mode: rows past the received ones read token row 0 (their y rows are zero)
+            row_index = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.int32, device=self.device)
         if scales is not None and not dequantize:
             recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32, device=self.device)
-        recv_w = torch.empty(rows_cap, dtype=torch.float32, device=self.device) if w is not None else None
+        # graph mode: the rows past the received ones weigh 0 (a rank-reduced backward scales by them)
+        recv_w = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.float32, device=self.device) \
+            if w is not None else None
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
                               after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                               dequantize=dequantize)
         self._finish(sync)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
-                                num_rows, sync, capped, row_index, token_rows, recv_scales)
+                                num_rows, sync, capped, row_index, token_rows, recv_scales,
+                                w is not None and w.requires_grad and torch.is_grad_enabled())
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,

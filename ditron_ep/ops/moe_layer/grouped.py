@@ -143,9 +143,7 @@ def grouped_mlp(
     params = (x, w1, w2, b1, b2)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     if needs_grad and row_index is not None and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError("grouped_mlp: gradients through row_index read the most rows any x row feeds on the "
-                         "host, which a CUDA graph capture cannot; gather the rows first (x[row_index]) and pass "
-                         "no row_index there")
+        raise ValueError(_ROW_INDEX_CAPTURE)
     if needs_grad and out is not None:
         raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
     device_type = _device_type(x.device)
@@ -419,7 +417,13 @@ class _GroupedMLP(torch.autograd.Function):
         ctx.z = []
         n_x, row_index = x.shape[0], ctx.row_index
         if row_index is not None:  # the gathered rows, as the forward read them
-            x = x[row_index.long()]
+            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(_ROW_INDEX_CAPTURE)
+            # rows past the experts' (a fixed-capacity buffer) may hold any index: they read row 0
+            # and their (zero) gradients go nowhere
+            live = torch.arange(row_index.shape[0], device=x.device) < expert_offsets[-1]
+            row_index = torch.where(live, row_index.long().clamp(0, max(n_x - 1, 0)), -1)
+            x = x[row_index.clamp_min(0)] if n_x else x.new_zeros((row_index.shape[0], x.shape[1]))
         if not z_box and x.shape[0]:  # recompute the pre-activation: the first GEMM again
             z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
             h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
@@ -431,7 +435,7 @@ class _GroupedMLP(torch.autograd.Function):
                              need_b2, ctx.grad_dtype)
         dx, dw1, dw2, db1, db2 = grads
         if row_index is not None and dx is not None:
-            dx = sum_rows_into(dx, row_index, n_x)
+            dx = sum_rows_into(dx, row_index, n_x)  # -1: no row
         weight_grads = [dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2]
         if ctx.params is not None:  # fp32 gradients of low-precision weights: into main_grad
             for param, g in zip(ctx.params, weight_grads):
@@ -441,24 +445,29 @@ class _GroupedMLP(torch.autograd.Function):
         return (dx, *weight_grads, None, None, None, None, None)
 
 
+_ROW_INDEX_CAPTURE = ("grouped_mlp: gradients through row_index read the most rows any x row feeds on the host, "
+                      "which a CUDA graph capture cannot; gather the rows first (x[row_index]) and pass no row_index "
+                      "there")
+
+
 def sum_rows_into(rows: torch.Tensor, row_index: torch.Tensor, n: int) -> torch.Tensor:
     """out [n, H] in rows' dtype: out[j] = the sum of rows[r] over r with row_index[r] == j, added in
-    ascending r in fp32, cast once (0 where none). Deterministic: a stable sort and one gather-add
-    per rank of a row among its target's rows, no atomics. One host read (the most rows a target
-    gets)."""
-    out = torch.zeros((n, rows.shape[1]), dtype=torch.float32, device=rows.device)
+    ascending r in fp32, cast once (0 where none; row_index -1: the row goes nowhere).
+    Deterministic: a stable sort and one gather-add per rank of a row among its target's rows, no
+    atomics. One host read (the most rows a target gets)."""
+    out = torch.zeros((n + 1, rows.shape[1]), dtype=torch.float32, device=rows.device)  # row n: nowhere
     if rows.shape[0] == 0 or n == 0:
-        return out.to(rows.dtype)
-    idx = row_index.long()
+        return out[:n].to(rows.dtype)
+    idx = torch.where(row_index.long() < 0, n, row_index.long())
     order = torch.argsort(idx, stable=True)
     target = idx[order]
-    counts = torch.bincount(idx, minlength=n)
+    counts = torch.bincount(idx, minlength=n + 1)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(idx.shape[0], device=idx.device) - starts[target]  # r's place among its target's rows
-    for j in range(int(counts.max())):
-        sel = rank == j  # each target at most once: a plain indexed add, in ascending r
+    for j in range(int(counts[:n].max())):
+        sel = (rank == j) & (target < n)  # each target at most once: a plain indexed add, in ascending r
         out[target[sel]] += rows[order[sel]].to(torch.float32)
-    return out.to(rows.dtype)
+    return out[:n].to(rows.dtype)
 
 
 def main_grad_of(param: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,7 @@ def test_rank_reduced_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind,
         assert rep["oracle_ok"], f"rank {rank}: off the float64 oracle by {rep['oracle_max_abs']}"
         assert rep["rerun_bitwise"] and rep["graph_bitwise"], f"rank {rank}: not deterministic"
         assert rep["grad_y_bitwise"], f"rank {rank}: y's gradient differs from w[t, k] * g[t]"
+        assert rep["graph_grad_clean"], f"rank {rank}: graph mode's y gradient is not w * g, then zeros"
 
 
 def test_rank_reduced_combine_bits_do_not_depend_on_the_grid(emulated_cluster):
@@ -246,6 +247,7 @@ def test_rank_reduced_combine_bad_modes(emulated_cluster):
         assert "applies to topk_sum='expert_rank' only" in res["partial_exact"], res["partial_exact"]
         assert "partial_dtype must be" in res["partial_bad"], res["partial_bad"]
         assert "needs 2 fp32 partials" in res["partial_room"], res["partial_room"]
+        assert "cannot return their gradient" in res["weights_grad"], res["weights_grad"]
         assert res["after_ok"]
 
 
@@ -288,5 +290,6 @@ def test_token_major_training_step(emulated_cluster):
     """The token-major layout end to end with gradients: dispatch -> grouped_mlp(row_index=...) -> combine."""
     for rank, rep in enumerate(emulated_cluster(3).run(fns.token_major_training_case, [13, 0, 21], 32, 16, 6, 2, 5)):
         assert rep["rerun_bitwise"], f"rank {rank}: two steps differ"
+        assert rep["graph_bitwise"], f"rank {rank}: the graph-mode (sync=False) step differs"
         for name, err in rep["rel_errs"]:
             assert err <= 1e-5, f"rank {rank}: {name} off the float64 oracle by {err:.2e} (relative)"
