@@ -62,5 +62,10 @@ def check_dims(named: Sequence[tuple[str, object, int]], shapes: str, hints: dic
             raise DitronConfigError(f"{name} must be a {dims}-D tensor, got {got} (shapes: {shapes}){hint}")
 
 
+def grad_needed(*tensors: object) -> bool:
+    """Whether autograd records a call on these arguments (None and non-tensors never require grad)."""
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
+
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

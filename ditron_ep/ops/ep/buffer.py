@@ -33,11 +33,12 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = torch.float8_e4m3fn
 SCALE_COLS = 128  # FP8 dispatch: one fp32 scale per token and 128 columns (DeepEP's format)
+
 
 
 class CapacityError(DitronError, ValueError):
@@ -304,7 +305,7 @@ class EPBuffer:
             self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
             raise
         token_major = layout == "token_major"
-        if _needs_grad(x) and x_scales is None:  # the weights' gradients flow through combine, not here
+        if grad_needed(x) and x_scales is None:  # the weights' gradients flow through combine, not here
             return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows, token_major)
         # no autograd node: ~10 µs less host time
         return self._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major, x_scales, dequantize)
@@ -364,7 +365,7 @@ class EPBuffer:
         except DitronConfigError:
             self._refuse_combine()
             raise
-        if _needs_grad(y, w):
+        if grad_needed(y, w):
             return _Combine.apply(y, w, self, handle, mode)
         return self._combine_raw(y, handle, w, mode)
 
@@ -794,11 +795,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd records this call (else the raw pass runs, without a graph node)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _alive_for_backward(buffer: EPBuffer) -> None:

@@ -18,7 +18,7 @@ from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import staged_moe
 from ditron_ep.runtime.agreement import CallSlot, per_group
 from ditron_ep.runtime.errors import DitronConfigError
-from ditron_ep.runtime.input_checks import check_dims
+from ditron_ep.runtime.input_checks import check_dims, grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem
 
 SCHEDULES = ("overlap", "sequential", "staged")
@@ -119,8 +119,7 @@ def run_moe(slots: MoESlots, x, topk_idx, topk_weights, w1, w2, *, b1=None, b2=N
     """`moe` on `slots` (its arguments). A rank whose arguments fail (or that passes the `error`
     it found itself) still joins the call, flagged, on the buffer or layer the call runs on, so
     every rank raises before anything moves."""
-    needs_grad = torch.is_grad_enabled() and any(
-        getattr(t, "requires_grad", False) for t in (x, topk_weights, w1, w2, b1, b2))
+    needs_grad = grad_needed(x, topk_weights, w1, w2, b1, b2)
     staged = schedule == "staged" or (needs_grad and not recompute)
     try:
         if error is not None:

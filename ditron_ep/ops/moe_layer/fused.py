@@ -37,7 +37,7 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor
+from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem
 
 STAGES = ("dispatch_send", "dispatch_recv", "gemm_gate_up", "gemm_down", "combine_reduce")
@@ -307,8 +307,7 @@ class FusedMoE:
         try:
             self._validate(x, topk_idx, topk_weights, w1, w2, b1, b2)
             check_grad_dtype(grad_dtype)
-            needs_grad = torch.is_grad_enabled() and any(
-                t is not None and t.requires_grad for t in (x, topk_weights, w1, w2, b1, b2))
+            needs_grad = grad_needed(x, topk_weights, w1, w2, b1, b2)
             if needs_grad and (not sync or trace):
                 raise NotImplementedError("FusedMoE with gradients needs sync=True and trace=False (its backward "
                                           "recomputes the layer with the staged schedule, which reads the host)")

@@ -41,6 +41,7 @@ from ditron_ep.ops.moe_layer import hopper_path
 from ditron_ep.ops.moe_layer.hopper_path import PATHS, default_hopper_configs, path_problem
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import fast
+from ditron_ep.runtime.input_checks import grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
 __all__ = ["MAX_LOCAL_EXPERTS", "add_main_grad", "check_grad_dtype", "grouped_mlp", "launch_grouped_down",
@@ -141,7 +142,7 @@ def grouped_mlp(
     elif check is None:
         expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
     params = (x, w1, w2, b1, b2)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
+    needs_grad = grad_needed(*params)
     if needs_grad and row_index is not None and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise ValueError(_ROW_INDEX_CAPTURE)
     if needs_grad and out is not None:
