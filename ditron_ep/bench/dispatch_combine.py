@@ -56,6 +56,7 @@ from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, M
 from ditron_ep.bench.timing import capture_graph
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import EPBuffer
+from ditron_ep.ops.ep.buffer import quantize_fp8
 
 BASELINE = "all_to_all_single"
 A2A_DISPATCH, A2A_COMBINE, A2A_ROUND_TRIP = "a2a dispatch", "a2a combine", "a2a dispatch+combine"
@@ -133,14 +134,6 @@ def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | No
 def fp8_applies(hidden: int, dtype: str, on_gpu: bool) -> bool:
     """Whether the FP8 dispatch rows run: GPUs, bf16 tokens, hidden a multiple of 128."""
     return on_gpu and dtype == "bf16" and hidden % 128 == 0
-
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's FP8 format of x [T, H]: e4m3 [T, H] and fp32 scales [T, H / 128] (amax / 448 per block)."""
-    T, H = x.shape
-    blocks = x.to(torch.float32).reshape(T, H // 128, 128)
-    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-4)
-    return (blocks / scales[:, :, None]).to(torch.float8_e4m3fn).reshape(T, H), scales
 
 
 def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measurement]:

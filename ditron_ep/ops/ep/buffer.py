@@ -40,6 +40,14 @@ FP8 = torch.float8_e4m3fn
 SCALE_COLS = 128  # FP8 dispatch: one fp32 scale per token and 128 columns (DeepEP's format)
 
 
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (H a multiple of 128) in FP8 dispatch's format: e4m3 [T, H] and fp32 scales
+    [T, H / 128], each scale the block's amax / 448 (e4m3's largest value), at least 1e-4."""
+    T, H = x.shape
+    blocks = x.to(torch.float32).reshape(T, H // SCALE_COLS, SCALE_COLS)
+    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-4)
+    return (blocks / scales[:, :, None]).to(FP8).reshape(T, H), scales
+
 
 class CapacityError(DitronError, ValueError):
     """Some rank has more tokens than `max_tokens_per_rank`; raised on every rank alike.

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ditron_ep.check import TOLERANCES, make_routing
 from ditron_ep.ops import EPBuffer
+from ditron_ep.ops.ep.buffer import quantize_fp8
 from ditron_ep.ops.ep.naive import recv_order
 
 
@@ -800,15 +801,6 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
     report["grad_x_bitwise"] = torch.equal(xg.grad, cast_like_kernels(want, dtype))
     buf.free()
     return report
-
-
-def quantize_fp8(x: torch.Tensor, cols: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's FP8 format: e4m3 [T, H] and fp32 scales [T, H / cols] (amax / 448 per token and block)."""
-    T, H = x.shape
-    blocks = x.to(torch.float32).reshape(T, H // cols, cols)
-    scales = (blocks.abs().amax(dim=2) / 448.0).clamp_min(1e-4)
-    q = (blocks / scales[:, :, None]).to(torch.float8_e4m3fn).reshape(T, H)
-    return q, scales
 
 
 def fp8_dispatch_case(tokens: list[int], H: int, E: int, K: int, kind: str, seed: int, drop_prob: float) -> dict:
