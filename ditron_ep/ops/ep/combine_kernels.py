@@ -27,6 +27,7 @@ import triton.language as tl
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
+from ditron_ep.ops.ep.dispatch_kernels import token_major_row
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
 
@@ -161,9 +162,7 @@ def ep_combine_kernel(
                             p_part = heap_ptr(table_ptr, i_s, land_offset, tl.float32)
                         else:
                             p_part = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
-                        o_w = tl.arange(0, BLOCK_W)  # token-major rows of source s follow the earlier sources'
-                        before = tl.load(tokens_from_ptr + o_w, mask=o_w < i_s, other=0)
-                        tok_row = (tl.sum(before, axis=0) + o_j).to(tl.int64)
+                        tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)
                         send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok_row, m_j, rank,
                                           h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
                     else:

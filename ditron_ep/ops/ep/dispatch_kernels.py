@@ -73,6 +73,17 @@ def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, 
 
 @register_device_function
 @triton.jit
+def token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W: tl.constexpr):
+    """The token-major row of staging slots o_j of source i_s: rows in (source rank, token) order,
+    so after the tokens of the sources before i_s (the dispatch writes there, the backward of a
+    token-major dispatch reads there)."""
+    o_w = tl.arange(0, BLOCK_W)
+    before = tl.load(tokens_from_ptr + o_w, mask=o_w < i_s, other=0)
+    return (tl.sum(before, axis=0) + o_j).to(tl.int64)
+
+
+@register_device_function
+@triton.jit
 def _copy_scales(p_sst, r_src, recv_s_ptr, dst_row, m, n_scales, BLOCK_SC: tl.constexpr):
     """recv_s[dst_row] = the staged scales of tokens r_src (mask m), n_scales fp32 each."""
     for c0 in range(0, n_scales, BLOCK_SC):
@@ -169,10 +180,8 @@ def ep_dispatch_kernel(
                         m_j = o_j < n
                         r_src = (i_s * MAXT + o_j).to(tl.int64)
                         p_meta = heap_ptr(table_ptr, rank, meta_offset, tl.int32) + r_src * META
-                        if TOKEN_MAJOR:  # rows in (source rank, token) order: after the earlier sources'
-                            o_w = tl.arange(0, BLOCK_W)
-                            before = tl.load(tokens_from_ptr + o_w, mask=o_w < i_s, other=0)
-                            tok_row = (tl.sum(before, axis=0) + o_j).to(tl.int64)  # [BLOCK_S]
+                        if TOKEN_MAJOR:
+                            tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)  # [BLOCK_S]
                         if i_j == 0:
                             tl.store(recv_tok_ptr + r_src, tl.load(p_meta, mask=m_j, other=0), mask=m_j)
                         p_sst = heap_ptr(table_ptr, rank, sstage_offset, tl.float32)
