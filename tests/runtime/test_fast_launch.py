@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.runtime.fast_launch import _arg_key, fast
+from ditron_ep.runtime.fast_launch import _args_key, fast
 
 
 @triton.jit
@@ -15,6 +15,10 @@ def _scaled_add(x_ptr, y_ptr, out_ptr, n, a, BLOCK: tl.constexpr):
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < n
     tl.store(out_ptr + o, tl.load(x_ptr + o, mask=m) * a + tl.load(y_ptr + o, mask=m), mask=m)
+
+
+def _arg_key(a):
+    return _args_key((a,))[0]
 
 
 def test_key_separates_what_triton_specialises_on():
@@ -28,6 +32,7 @@ def test_key_separates_what_triton_specialises_on():
     assert _arg_key(32) == _arg_key(48) and _arg_key(3) == _arg_key(5)
     assert _arg_key(True) != _arg_key(False) != _arg_key(0)
     assert _arg_key(2.0) == _arg_key(0.5) and _arg_key(None) == "N"
+    assert _arg_key(torch.nn.Parameter(buf)) == _arg_key(buf)
     with pytest.raises(TypeError):
         _arg_key((1, 2))
 
