@@ -16,6 +16,22 @@ def _gather_list(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _two_runs(op, a: torch.Tensor, b: torch.Tensor, gout: torch.Tensor) -> list[tuple]:
+    """op(a, b) -> outputs (the first is y), twice, each with the gradients of sum(y * gout):
+    [(outputs..., da, db)] per run."""
+    runs = []
+    for _ in range(2):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        outs = op(la, lb)
+        (outs[0] * gout).sum().backward()
+        runs.append((*(o.detach() for o in outs), la.grad, lb.grad))
+    return runs
+
+
+def _float64_leaves(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.double().requires_grad_() for t in ts]
+
+
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)) if want.numel() else 0.0
 
@@ -31,15 +47,9 @@ def ops_case(m: int, k: int, n: int, seed: int) -> dict:
     a = torch.randn(m, k, generator=g)
     b = torch.randn(k, n + rank, generator=g)
     gout = torch.randn(world * m, n + rank, generator=g)
-    runs = []
-    for _ in range(2):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y, gathered = all_gather_matmul(la, lb, return_gathered=True)
-        (y * gout).sum().backward()
-        runs.append((y.detach(), gathered, la.grad, lb.grad))
+    runs = _two_runs(lambda la, lb: all_gather_matmul(la, lb, return_gathered=True), a, b, gout)
     a_all, b_all, g_all = _gather_list(a), _gather_list(b), _gather_list(gout)
-    ad = [t.double().requires_grad_() for t in a_all]
-    bd = [t.double().requires_grad_() for t in b_all]
+    ad, bd = _float64_leaves(a_all), _float64_leaves(b_all)
     total = sum(((torch.cat(ad) @ bd[r]) * g_all[r].double()).sum() for r in range(world))
     total.backward()
     y, gathered, da, db = runs[0]
@@ -53,15 +63,9 @@ def ops_case(m: int, k: int, n: int, seed: int) -> dict:
     a = torch.randn(world * m, k, generator=g)
     b = torch.randn(k, n, generator=g)
     gout = torch.randn(m, n, generator=g)
-    runs = []
-    for _ in range(2):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y = matmul_reduce_scatter(la, lb)
-        (y * gout).sum().backward()
-        runs.append((y.detach(), la.grad, lb.grad))
+    runs = _two_runs(lambda la, lb: (matmul_reduce_scatter(la, lb),), a, b, gout)
     a_all, b_all, g_all = _gather_list(a), _gather_list(b), _gather_list(gout)
-    ad = [t.double().requires_grad_() for t in a_all]
-    bd = [t.double().requires_grad_() for t in b_all]
+    ad, bd = _float64_leaves(a_all), _float64_leaves(b_all)
     full = sum(x @ z for x, z in zip(ad, bd))
     (full * torch.cat(g_all).double()).sum().backward()
     y, da, db = runs[0]
@@ -74,15 +78,9 @@ def ops_case(m: int, k: int, n: int, seed: int) -> dict:
     a = torch.randn(m, k + 2 * rank, generator=g)
     b = torch.randn(k + 2 * rank, n, generator=g)
     gout = torch.randn(m, n, generator=torch.Generator().manual_seed(seed))  # the same upstream gradient everywhere
-    runs = []
-    for _ in range(2):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y = matmul_all_reduce(la, lb)
-        (y * gout).sum().backward()
-        runs.append((y.detach(), la.grad, lb.grad))
+    runs = _two_runs(lambda la, lb: (matmul_all_reduce(la, lb),), a, b, gout)
     a_all, b_all = _gather_list(a), _gather_list(b)
-    ad = [t.double().requires_grad_() for t in a_all]
-    bd = [t.double().requires_grad_() for t in b_all]
+    ad, bd = _float64_leaves(a_all), _float64_leaves(b_all)
     (sum(x @ z for x, z in zip(ad, bd)) * gout.double()).sum().backward()
     y, da, db = runs[0]
     errs["ar y"] = _rel(y, matmul_all_reduce_ref(a_all, b_all))
