@@ -844,13 +844,15 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, y, w, buffer, handle, mode):
         out = buffer._combine_raw(y, handle, w, mode)
         ctx.buffer, ctx.handle, ctx.mode = buffer, handle, mode
-        ctx.save_for_backward(w)
-        ctx.landed = buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None
+        # y(t, k) as landed, for the weights' gradient: saved (not a ctx attribute) so that the
+        # engine frees it once this backward has run, not when the graph goes (rows * H elements
+        # through the rest of the backward otherwise)
+        ctx.save_for_backward(w, buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (w,) = ctx.saved_tensors
+        w, landed = ctx.saved_tensors
         buffer, handle = ctx.buffer, ctx.handle
         _alive_for_backward(buffer)
         grad_y = None
@@ -863,8 +865,8 @@ class _Combine(torch.autograd.Function):
         elif ctx.needs_input_grad[0]:
             grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, w)
         grad_w = None
-        if ctx.landed is not None and ctx.needs_input_grad[1]:
+        if landed is not None and ctx.needs_input_grad[1]:
             valid = handle.send.topk_idx >= 0
-            dots = torch.einsum("th,tkh->tk", grad_out.to(torch.float32), ctx.landed.to(torch.float32))
+            dots = torch.einsum("th,tkh->tk", grad_out.to(torch.float32), landed.to(torch.float32))
             grad_w = torch.where(valid, dots, torch.zeros_like(dots)).to(w.dtype)
         return grad_y, grad_w, None, None, None

@@ -9,7 +9,7 @@ gathered in place, e.g. from a receive buffer) or x[r]. Two persistent launches
 (x's dtype), then the second. Neither reads anything back to the host, so the op can be
 captured in a CUDA graph.
 
-Gradients (`_GroupedMLP`), three more launches, each output tile one fp32 dot over its whole
+Gradients (`_GroupedUp`, `_GroupedDown`), three more launches, each output tile one fp32 dot over its whole
 reduction in a fixed order (no atomics, no split): dh = dy @ W2^T with the activation's
 backward fused (dz, and h recomputed from z), dx = dz @ W1^T, and per expert
 grad_W1 = x^T dz, grad_W2 = h^T dy (+ the bias gradients as column sums), the expert's rows
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch.autograd.graph import increment_version
 
 from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs, default_gemm_configs
 from ditron_ep.compiler.plan import is_positive_int
@@ -78,6 +79,7 @@ def grouped_mlp(
     grad_dtype: torch.dtype | None = None,
     save_preactivation: bool = True,
     path: str = "auto",
+    x_is_scratch: bool = False,
 ) -> torch.Tensor:
     """The MLP of every local expert over its rows; returns y [rows, H] in x's dtype.
 
@@ -123,6 +125,11 @@ def grouped_mlp(
             them to the weights' dtype). The weights must then be leaf tensors (Parameters).
         save_preactivation: with gradients, keep z for the backward (memory: rows * n*I
             elements) or recompute it there (one more first GEMM).
+        x_is_scratch: with gradients and no row_index: x belongs to this call alone (e.g. rows a
+            dispatch just received, read by nothing after the MLP), so the backward writes dx over
+            it once dW1 has read it: one [rows, H] buffer less at a training step's peak (the same
+            bits). A second backward through a retained graph then raises (autograd's version
+            check) instead of reading dx as x.
         path: "portable" (the `tl` kernels), "hopper" (the Gluon wgmma/TMA kernels,
             `hopper_path.py`; DitronConfigError saying why when these inputs cannot take it) or
             "auto" (default): hopper where `hopper_path.path_problem` finds nothing against it,
@@ -179,8 +186,9 @@ def grouped_mlp(
                              f"{', '.join(stray)} must be leaf tensors (Parameters), not results of other ops; "
                              f"pass the parameters themselves, or leave grad_dtype None")
     if needs_grad:
-        return _GroupedMLP.apply(x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, bool(save_preactivation),
-                                 row_index)
+        z, h = _GroupedUp.apply(x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch)
+        return _GroupedDown.apply(z, h, w2, b2, expert_offsets, run, grad_dtype,
+                                  None if save_preactivation else (x, w1, b1, row_index))
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
 
 
@@ -230,6 +238,7 @@ class _Launches:
     def __init__(self, choices, num_programs, input_precision, group_rows, act):
         self.choices, self.num_programs = choices, num_programs
         self.input_precision, self.group_rows, self.act = input_precision, group_rows, act
+        self._tile_maps: dict[int, torch.Tensor] = {}  # block_m -> the call's tile map
 
     def _on_hopper(self, kernel: str) -> bool:
         return self.choices[kernel][0] == "hopper"
@@ -240,7 +249,7 @@ class _Launches:
     def launch_up(self, x, w1, h, expert_offsets, row_index=None, b1=None, z=None, tile_start=None):
         """The first GEMM with the activation, on its chosen path."""
         cfg = self._cfg("up")
-        tiles = tile_start if tile_start is not None else build_tile_map(expert_offsets, cfg.block_m)
+        tiles = tile_start if tile_start is not None else self._maps(expert_offsets, "up")["up"]
         if self._on_hopper("up"):
             hopper_path.launch_up(x, w1, h, z, expert_offsets, tiles, cfg, self.num_programs, self.act)
         else:
@@ -248,13 +257,14 @@ class _Launches:
                               self.input_precision, self.group_rows, act=self.act, b1=b1, z=z)
 
     def _maps(self, expert_offsets, *kernels):
-        """build_tile_map for the block_m of each kernel (one map per distinct block_m)."""
-        maps = {}
+        """build_tile_map for the block_m of each kernel: one map per distinct block_m for the
+        call (its forward and backward launches share them: one object per call, whose offsets
+        do not change)."""
         for k in kernels:
             bm = self._cfg(k).block_m
-            if bm not in maps:
-                maps[bm] = build_tile_map(expert_offsets, bm)
-        return {k: maps[self._cfg(k).block_m] for k in kernels}
+            if bm not in self._tile_maps:
+                self._tile_maps[bm] = build_tile_map(expert_offsets, bm)
+        return {k: self._tile_maps[self._cfg(k).block_m] for k in kernels}
 
     def launch_down(self, h, w2, y, expert_offsets, tile_start, b2=None):
         """y = h @ W2[e] (+ b2[e]) per expert's rows, rows past the last expert zero."""
@@ -324,46 +334,55 @@ class _Launches:
         self.launch_down(h, w2, out, expert_offsets, maps["down"], b2)
         return out
 
-    def backward(self, x, expert_offsets, w1, w2, z, grad_y, need_x, need_w, need_b1, need_b2, grad_dtype):
-        """(dx, dW1, dW2, db1, db2) for grad_y [rows, H] (None where not needed). z: a one-element
-        list holding the pre-activation, emptied once read (its memory is freed before the weight
-        gradients are allocated)."""
-        rows, hidden = x.shape
-        num_local, inter = w2.shape[0], w2.shape[1]
-        width = w1.shape[2]
-        dev, dt = x.device, x.dtype
-        wdt = grad_dtype or w1.dtype
-        # Outputs are allocated with torch.empty: the kernels write every element (rows past the
-        # experts zeroed, experts without rows get zero gradients), so no memset of the weight
-        # gradients (2.8 GB at the layer shape)
+    def down_backward(self, dy, w2, z, expert_offsets, need_w2, need_b2, wdt):
+        """(dz, dW2, db2) for dy [rows, H]: dz = the activation's backward of dy @ W2[e]^T at z (h
+        recomputed from z on the way), dW2 = h^T dy per expert (None where not needed)."""
+        rows, width = z.shape
         if rows == 0:
-            z.clear()
-            return tuple(torch.zeros(shape, dtype=d, device=dev) if need else None for need, shape, d in (
-                (need_x, x.shape, dt), (need_w, w1.shape, wdt), (need_w, w2.shape, wdt),
-                (need_b1, (num_local, width), wdt), (need_b2, (num_local, hidden), wdt)))
-        dy = grad_y.contiguous()
-        dz = torch.empty((rows, width), dtype=dt, device=dev)
-        h = torch.empty((rows, inter), dtype=dt, device=dev)
-        maps = self._maps(expert_offsets, "act_grad", "dgrad")
-        self.launch_act_grad(dy, w2, z[0], dz, h, expert_offsets, maps["act_grad"])
-        z.clear()
+            return _empty_grads(dy.device, ((True, z.shape, z.dtype), (need_w2, w2.shape, wdt),
+                                            (need_b2, (w2.shape[0], w2.shape[2]), wdt)))
+        dy = dy.contiguous()
+        dz = torch.empty((rows, width), dtype=z.dtype, device=z.device)
+        h = torch.empty((rows, w2.shape[1]), dtype=z.dtype, device=z.device)
+        self.launch_act_grad(dy, w2, z, dz, h, expert_offsets, self._maps(expert_offsets, "act_grad")["act_grad"])
+        dw2, db2 = self._wgrad(h, dy, need_w2, need_b2, wdt, expert_offsets)
+        return dz, dw2, db2
 
-        def wgrad(a, b, need_g, need_gb):
-            """(g [E_local, a cols, b cols], gb [E_local, b cols]) per expert over its rows."""
-            g = torch.empty((num_local, a.shape[1], b.shape[1]), dtype=wdt, device=dev)
-            gb = torch.empty((num_local, b.shape[1]), dtype=wdt, device=dev) if need_gb else None
-            self.launch_wgrad(a, b, g, gb, expert_offsets)
-            return g if need_g else None, gb
-
-        # W2's gradients first, so that h is freed before the larger ones are allocated
-        dw2, db2 = wgrad(h, dy, need_w, need_b2) if need_w or need_b2 else (None, None)
-        del h
+    def up_backward(self, x, dz, w1, expert_offsets, need_x, need_w1, need_b1, wdt, dx_into_x=False):
+        """(dx, dW1, db1) for dz [rows, n*I]: dx = dz @ W1[e]^T, dW1 = x^T dz per expert.
+        dx_into_x: dW1 first, then dx written over x (its last reader done; the same bits)."""
+        if x.shape[0] == 0:
+            return _empty_grads(x.device, ((need_x, x.shape, x.dtype), (need_w1, w1.shape, wdt),
+                                           (need_b1, (w1.shape[0], w1.shape[2]), wdt)))
         dx = None
+        if need_x and dx_into_x:
+            dw1, db1 = self._wgrad(x, dz, need_w1, need_b1, wdt, expert_offsets)
+            increment_version(x)  # a second backward through a retained graph raises, not reads dx
+            self.launch_dgrad(dz, w1, x, expert_offsets, self._maps(expert_offsets, "dgrad")["dgrad"])
+            return x, dw1, db1
         if need_x:
-            dx = torch.empty(x.shape, dtype=dt, device=dev)
-            self.launch_dgrad(dz, w1, dx, expert_offsets, maps["dgrad"])
-        dw1, db1 = wgrad(x, dz, need_w, need_b1) if need_w or need_b1 else (None, None)
-        return dx, dw1, dw2, db1, db2
+            dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            self.launch_dgrad(dz, w1, dx, expert_offsets, self._maps(expert_offsets, "dgrad")["dgrad"])
+        dw1, db1 = self._wgrad(x, dz, need_w1, need_b1, wdt, expert_offsets)
+        return dx, dw1, db1
+
+    def _wgrad(self, a, b, need_g, need_gb, wdt, expert_offsets):
+        """(g [E_local, a cols, b cols], gb [E_local, b cols]) per expert over its rows. Allocated
+        with torch.empty: the kernels write every element (experts without rows get zeros), so no
+        memset of the weight gradients (2.8 GB at the layer shape)."""
+        if not (need_g or need_gb):
+            return None, None
+        num_local = expert_offsets.shape[0] - 1
+        g = torch.empty((num_local, a.shape[1], b.shape[1]), dtype=wdt, device=a.device)
+        gb = torch.empty((num_local, b.shape[1]), dtype=wdt, device=a.device) if need_gb else None
+        self.launch_wgrad(a, b, g, gb, expert_offsets)
+        return g if need_g else None, gb
+
+
+def _empty_grads(device, specs):
+    """Zeros of (shape, dtype) for each (needed, shape, dtype), None where not needed: the
+    gradients of a call without rows."""
+    return tuple(torch.zeros(shape, dtype=dt, device=device) if need else None for need, shape, dt in specs)
 
 
 def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_offsets, w1, w2, bufs: dict,
@@ -391,59 +410,99 @@ def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_o
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
-class _GroupedMLP(torch.autograd.Function):
-    """Forward: the grouped MLP launches, saving z. Backward: `_Launches.backward`. With row_index
-    (gathered rows) the backward runs on the gathered rows x[row_index] and adds the row gradients
-    of each x row in ascending row order in fp32 (`sum_rows_into`): deterministic, no atomics."""
+class _GroupedUp(torch.autograd.Function):
+    """The first GEMM: (z, h) from x (h = act(z), rounded, non-differentiable: the second GEMM's
+    input; `_GroupedDown` gives z its gradient). Backward: dx = dz @ W1^T and dW1 = x^T dz; with
+    row_index on the gathered rows x[row_index], each x row's row gradients added in ascending row
+    order in fp32 (`sum_rows_into`): deterministic, no atomics. Two autograd nodes rather than
+    one: the engine frees dy (the output's gradient) when `_GroupedDown`'s backward returns, before
+    dx and dW1 are allocated — the step's peak memory (-rows * H elements)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, b1, b2, expert_offsets, run, grad_dtype, save_z, row_index):
+    def forward(ctx, x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch):
         rows = x.shape[0] if row_index is None else row_index.shape[0]
-        z = torch.empty((rows, w1.shape[2]), dtype=x.dtype, device=x.device) if save_z else None
-        y = run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, None, z=z)
-        ctx.row_index = row_index
-        ctx.save_for_backward(x, w1, w2, b1, expert_offsets)
-        # z is an intermediate, not an input: held outside save_for_backward so that the backward
-        # can free it as soon as it is read (no double backward through this Function)
-        ctx.z = [z] if save_z else []
-        ctx.run, ctx.grad_dtype = run, grad_dtype
-        ctx.params = (w1, w2, b1, b2) if grad_dtype is not None else None  # for their main_grad
+        z = torch.empty((rows, w1.shape[2]), dtype=x.dtype, device=x.device)
+        h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        if rows:
+            run.launch_up(x, w1, h, expert_offsets, row_index, b1, z)
+        ctx.mark_non_differentiable(h)
+        ctx.save_for_backward(x, w1, b1, expert_offsets)
+        ctx.run, ctx.grad_dtype, ctx.row_index = run, grad_dtype, row_index
+        ctx.dx_into_x = x_is_scratch and row_index is None and x.is_contiguous()
+        ctx.params = (w1, b1) if grad_dtype is not None else None  # for their main_grad
+        return z, h
+
+    @staticmethod
+    def backward(ctx, dz, _dh):
+        x, w1, b1, expert_offsets = ctx.saved_tensors
+        need_x, need_w1, need_b1 = ctx.needs_input_grad[:3]
+        n_x, row_index = x.shape[0], ctx.row_index
+        rows, row_index = gathered_rows(x, row_index, expert_offsets)
+        dx, dw1, db1 = ctx.run.up_backward(rows, dz, w1, expert_offsets, need_x, need_w1, need_b1,
+                                           ctx.grad_dtype or w1.dtype, ctx.dx_into_x)
+        if row_index is not None and dx is not None:
+            dx = sum_rows_into(dx, row_index, n_x)  # -1: no row
+        return (dx, *_weight_grads(ctx.params, (dw1 if need_w1 else None, db1)), None, None, None, None, None,
+                None)
+
+
+class _GroupedDown(torch.autograd.Function):
+    """The second GEMM: y = h @ W2 (+ b2) from the first's h. Backward: dz (the activation's
+    backward fused into dy @ W2^T, at the saved pre-activation z) and dW2 = h^T dy. recompute
+    (save_preactivation=False): (x, w1, b1, row_index) to recompute z from in the backward instead
+    of keeping it."""
+
+    @staticmethod
+    def forward(ctx, z, h, w2, b2, expert_offsets, run, grad_dtype, recompute):
+        y = torch.empty((h.shape[0], w2.shape[2]), dtype=h.dtype, device=h.device)
+        if h.shape[0]:
+            run.launch_down(h, w2, y, expert_offsets, run._maps(expert_offsets, "down")["down"], b2)
+        ctx.save_for_backward(None if recompute else z, w2, expert_offsets)
+        ctx.run, ctx.grad_dtype, ctx.recompute, ctx.width = run, grad_dtype, recompute, z.shape[1]
+        ctx.params = (w2, b2) if grad_dtype is not None else None
         return y
 
     @staticmethod
-    def backward(ctx, grad_y):
-        x, w1, w2, b1, expert_offsets = ctx.saved_tensors
-        need_x, need_w1, need_w2, need_b1, need_b2 = ctx.needs_input_grad[:5]
-        run, z_box = ctx.run, ctx.z
-        ctx.z = []
-        n_x, row_index = x.shape[0], ctx.row_index
-        if row_index is not None:  # the gathered rows, as the forward read them
-            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise ValueError(_ROW_INDEX_CAPTURE)
-            # rows past the experts' (a fixed-capacity buffer) may hold any index: they read row 0
-            # and their (zero) gradients go nowhere
-            live = torch.arange(row_index.shape[0], device=x.device) < expert_offsets[-1]
-            row_index = torch.where(live, row_index.long().clamp(0, max(n_x - 1, 0)), -1)
-            x = x[row_index.clamp_min(0)] if n_x else x.new_zeros((row_index.shape[0], x.shape[1]))
-        if not z_box and x.shape[0]:  # recompute the pre-activation: the first GEMM again
-            z = torch.empty((x.shape[0], w1.shape[2]), dtype=x.dtype, device=x.device)
-            h = torch.empty((x.shape[0], w2.shape[1]), dtype=x.dtype, device=x.device)
-            run.launch_up(x, w1, h, expert_offsets, b1=b1, z=z)
-            del h
-            z_box = [z]
-            del z
-        grads = run.backward(x, expert_offsets, w1, w2, z_box, grad_y, need_x, need_w1 or need_w2, need_b1,
-                             need_b2, ctx.grad_dtype)
-        dx, dw1, dw2, db1, db2 = grads
-        if row_index is not None and dx is not None:
-            dx = sum_rows_into(dx, row_index, n_x)  # -1: no row
-        weight_grads = [dw1 if need_w1 else None, dw2 if need_w2 else None, db1, db2]
-        if ctx.params is not None:  # fp32 gradients of low-precision weights: into main_grad
-            for param, g in zip(ctx.params, weight_grads):
-                if g is not None:
-                    add_main_grad(param, g)
-            weight_grads = [None] * 4
-        return (dx, *weight_grads, None, None, None, None, None)
+    def backward(ctx, dy):
+        z, w2, expert_offsets = ctx.saved_tensors
+        need_w2, need_b2 = ctx.needs_input_grad[2:4]
+        if ctx.recompute is not None:  # the first GEMM again, on the rows the forward read
+            x, w1, b1, row_index = ctx.recompute
+            rows, _ = gathered_rows(x, row_index, expert_offsets)
+            z = torch.empty((rows.shape[0], ctx.width), dtype=rows.dtype, device=rows.device)
+            if rows.shape[0]:
+                h = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
+                ctx.run.launch_up(rows, w1, h, expert_offsets, b1=b1, z=z)
+                del h
+            del rows
+        dz, dw2, db2 = ctx.run.down_backward(dy, w2, z, expert_offsets, need_w2, need_b2, ctx.grad_dtype or w2.dtype)
+        return (dz, None, *_weight_grads(ctx.params, (dw2 if need_w2 else None, db2)), None, None, None, None)
+
+
+def gathered_rows(x: torch.Tensor, row_index: torch.Tensor | None, expert_offsets: torch.Tensor):
+    """(the rows the forward read, row_index as sum_rows_into takes it): x itself, or x[row_index]
+    gathered (rows past the experts' — a fixed-capacity buffer — may hold any index: they read
+    row 0 and their zero gradients go nowhere, -1)."""
+    if row_index is None:
+        return x, None
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ValueError(_ROW_INDEX_CAPTURE)
+    n_x = x.shape[0]
+    live = torch.arange(row_index.shape[0], device=x.device) < expert_offsets[-1]
+    row_index = torch.where(live, row_index.long().clamp(0, max(n_x - 1, 0)), -1)
+    rows = x[row_index.clamp_min(0)] if n_x else x.new_zeros((row_index.shape[0], x.shape[1]))
+    return rows, row_index
+
+
+def _weight_grads(params, grads):
+    """The weight / bias gradients autograd returns: as computed, or (grad_dtype=fp32 with
+    low-precision weights) added to each parameter's main_grad, None to autograd."""
+    if params is None:
+        return grads
+    for param, g in zip(params, grads):
+        if g is not None:
+            add_main_grad(param, g)
+    return (None,) * len(grads)
 
 
 _ROW_INDEX_CAPTURE = ("grouped_mlp: gradients through row_index read the most rows any x row feeds on the host, "

@@ -28,8 +28,9 @@ def staged_moe(x, topk_idx, topk_weights, w1, w2, b1, b2, *, slot: BufferSlot, n
     capacity; rows past the received ones are zero and get no gradient), so forward + backward
     can be captured; max_recv_rows: the rows graph mode keeps (EPBuffer.dispatch)."""
     recv_x, handle = slot.dispatch(x, topk_idx, num_experts=num_experts, sync=sync, max_recv_rows=max_recv_rows)
+    # offsets built by dispatch; recv_x is read by nothing else, so the backward may write dx over it
     y = grouped_mlp(recv_x, handle.expert_offsets, w1, w2, b1=b1, b2=b2, activation=activation,
-                    check=False, grad_dtype=grad_dtype)  # offsets built by dispatch
+                    check=False, grad_dtype=grad_dtype, x_is_scratch=True)
     return slot.combine(y, handle, topk_weights)
 
 

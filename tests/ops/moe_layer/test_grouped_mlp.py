@@ -194,6 +194,64 @@ def test_activations_forward_and_gradients_match_float64(sizes, H, I, rows, acti
     assert not runs[0][1][sum(sizes):].any(), "rows past the last expert got a gradient"
 
 
+def test_partial_gradients_and_the_output_gradient_freed_before_the_first_gemm(monkeypatch):
+    """Asking for one gradient at a time gives the bits of that gradient in the full backward; and
+    the output's gradient (rows x H) is freed before the first GEMM's backward allocates dx and
+    dW1 (two autograd nodes: the step's peak memory)."""
+    import weakref
+
+    from ditron_ep.ops.moe_layer import grouped as grouped_mod
+
+    inp = make_inputs([6, 0, 11], 32, 16, seed=12)
+    g = torch.Generator().manual_seed(13)
+    b1, b2 = torch.randn(3, 32, generator=g), torch.randn(3, 32, generator=g)
+    scale = torch.randn(17, 32, generator=g)
+    names = ("x", "w1", "w2", "b1", "b2")
+    seen = []
+    up_backward = grouped_mod._Launches.up_backward
+
+    def checked_up_backward(self, *args, **kwargs):
+        seen.append(all(ref() is None for ref in dy_refs))
+        return up_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(grouped_mod._Launches, "up_backward", checked_up_backward)
+
+    def grads(wanted):
+        leaves = {n: t.clone().requires_grad_(n in wanted) for n, t in
+                  zip(names, (inp["x"], inp["w1"], inp["w2"], b1, b2))}
+        y = grouped_mlp(leaves["x"], inp["expert_offsets"], leaves["w1"], leaves["w2"], b1=leaves["b1"],
+                        b2=leaves["b2"])
+        y.register_hook(lambda grad: dy_refs.append(weakref.ref(grad)))
+        (y * scale).sum().backward()  # y's gradient made inside autograd, held by nobody here
+        return {n: leaves[n].grad for n in wanted}
+
+    dy_refs: list = []
+    full = grads(names)
+    assert seen == [True], "the output's gradient was still alive in the first GEMM's backward"
+    for name in names:
+        dy_refs = []
+        assert torch.equal(grads((name,))[name], full[name]), f"grad {name} alone differs"
+
+
+def test_x_is_scratch_gives_the_same_gradients_and_guards_a_retained_graph():
+    """x_is_scratch=True (rows only this call reads): dx is written over x after dW1 has read it,
+    with every gradient bit as without; a second backward through a retained graph raises
+    (autograd's version check) instead of reading dx as x."""
+    inp = make_inputs([7, 0, 12, 3], 40, 24, rows=25, seed=21)
+    grad_y = torch.randn(25, 40, generator=torch.Generator().manual_seed(22))
+    runs = []
+    for scratch in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (inp["x"], inp["w1"], inp["w2"])]
+        rows = leaves[0] * 1  # a non-leaf the call owns, like a dispatch's received rows
+        y = grouped_mlp(rows, inp["expert_offsets"], leaves[1], leaves[2], x_is_scratch=scratch)
+        y.backward(grad_y, retain_graph=True)
+        runs.append([y.detach()] + [t.grad.clone() for t in leaves])
+        if scratch:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                y.backward(grad_y)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_strided_weights_give_the_bits_of_contiguous_ones(activation):
     """nn.Linear-layout weights ([E, n*I, H] and [E, H, I] stacked, passed transposed: views) and
