@@ -45,8 +45,15 @@ def default_cache_path() -> Path:
 
 
 def rows_bucket(rows: int) -> int:
-    """The power of two >= rows (at least 128) that a row count is tuned under."""
-    return max(128, 1 << max(0, int(rows) - 1).bit_length())
+    """The power of two nearest to rows on a log scale (at least 128) that a row count is tuned
+    under: rows in [b/sqrt(2), b*sqrt(2)) share bucket b. Nearest, not the next one up: an EP
+    layer tuned at T*K rows receives T*K rows give or take a few per rank, and with "the next
+    power of two up" every rank that got one row more than T*K missed the entry."""
+    rows = int(rows)
+    if rows <= 128:
+        return 128
+    low = 1 << (rows.bit_length() - 1)
+    return 2 * low if rows * rows >= 2 * low * low else low
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,10 @@ def _key(rows: int = 4096, device: str = "NVIDIA H100 80GB HBM3") -> TuneKey:
     return TuneKey("grouped_mlp.act0", (rows_bucket(rows), 7168, 2048, 32), "bfloat16", 2, device)
 
 
-def test_rows_bucket_rounds_up_to_a_power_of_two():
-    assert [rows_bucket(r) for r in (0, 1, 128, 129, 4096, 5000)] == [128, 128, 128, 256, 4096, 8192]
+def test_rows_bucket_is_the_nearest_power_of_two():
+    """A layer tuned at T*K = 32768 rows keeps its entry when a rank receives a few rows more or less."""
+    rows = (0, 1, 128, 129, 4096, 5000, 5792, 5793, 32700, 32769, 46340, 46341)
+    assert [rows_bucket(r) for r in rows] == [128, 128, 128, 128, 4096, 4096, 4096, 8192, 32768, 32768, 32768, 65536]
 
 
 def test_key_and_choice_text_round_trip():
