@@ -232,3 +232,30 @@ register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
                                           "BLOCK_H": 512, "BLOCK_W": 8, "RANK_REDUCED": True, "TOKEN_ROWS": True},
                 label="bf16-K8-token-rows", multiples_of_16=_MULT16)
+
+
+@triton.jit
+def topk_dots_kernel(g_ptr, y_ptr, topk_ptr, out_ptr, T, H, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The combine's weight gradient: out[t, k] = <g[t], y[t, k]> in fp32 (0 where topk[t, k] < 0),
+    g [T, H], y [T, K, H] (the landed expert outputs), read once in their dtype; each dot adds
+    its columns in one fixed order (deterministic). A block of BLOCK_T tokens a program."""
+    o_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_k = tl.arange(0, BLOCK_K)
+    m_tk = (o_t < T)[:, None] & (o_k < K)[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        o_h = h0 + tl.arange(0, BLOCK_H)
+        m_h = o_h < H
+        g = tl.load(g_ptr + o_t[:, None].to(tl.int64) * H + o_h[None, :],
+                    mask=(o_t < T)[:, None] & m_h[None, :], other=0.0).to(tl.float32)
+        rows = (o_t[:, None].to(tl.int64) * K + o_k[None, :])[:, :, None] * H + o_h[None, None, :]
+        y = tl.load(y_ptr + rows, mask=m_tk[:, :, None] & m_h[None, None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(y * g[:, None, :], axis=2)
+    valid = tl.load(topk_ptr + o_t[:, None] * K + o_k[None, :], mask=m_tk, other=-1) >= 0
+    tl.store(out_ptr + o_t[:, None] * K + o_k[None, :], tl.where(valid, acc, 0.0), mask=m_tk)
+
+
+register_kernel(topk_dots_kernel, {"g_ptr": "*bf16", "y_ptr": "*bf16", "topk_ptr": "*i32", "out_ptr": "*fp32",
+                                   "T": "i32", "H": "i32"},
+                {"K": 8, "BLOCK_K": 8, "BLOCK_T": 4, "BLOCK_H": 256}, label="bf16-K8", multiples_of_16=("H",))
