@@ -12,6 +12,13 @@ Each at `Buffer.num_sms` 20, 24 and 32; the row is the fastest, the others are i
 Checks: the tokens DeepEP received == the tokens the all_to_all baseline moved to this rank (one
 copy per (token, rank)); combine's output == x times the number of ranks the token went to,
 within the dtype's rtol.
+
+`DeepEPMoE`: the MoE layer a DeepEP user builds, for the layer benchmarks' "DeepEP + grouped_mm"
+rows: layout + dispatch (one row per (token, rank), local expert ids, weights), a permutation of
+the (row, k) pairs to expert-major order, torch._grouped_mm SwiGLU experts, the rows times their
+weights added back per received token (index_add, as Megatron's unpermute), combine; autograd
+through every step (dispatch's backward a combine of the row and weight gradients, combine's a
+dispatch along the handle, as Megatron's DeepEP dispatcher does). At the largest SM budget.
 """
 from __future__ import annotations
 
@@ -21,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.bench.ep_inputs import Inputs
-from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded
+from ditron_ep.bench.ranks import RankContext, StageFailed, all_ranks, guarded
 from ditron_ep.bench.spec import BenchContext, Measurement
 from ditron_ep.check.tolerances import TOLERANCES
 
-__all__ = ["DEEPEP_COMBINE", "DEEPEP_DISPATCH", "SM_BUDGETS", "deepep_absent", "measure_deepep"]
+__all__ = ["DEEPEP_COMBINE", "DEEPEP_DISPATCH", "DeepEPMoE", "SM_BUDGETS", "deepep_absent", "measure_deepep"]
 
 DEEPEP_DISPATCH, DEEPEP_COMBINE = "DeepEP layout+dispatch", "DeepEP combine"
 SM_BUDGETS = (20, 24, 32)
@@ -124,7 +131,85 @@ def measure_deepep(ctx: BenchContext, inp: Inputs, experts: int, hidden: int,
     return out
 
 
-def _destroy(ctx: BenchContext, buf: Any) -> None:
-    torch.cuda.synchronize(ctx.device)
+def _destroy(ctx: RankContext, buf: Any) -> None:
+    if ctx.on_cuda:
+        torch.cuda.synchronize(ctx.device)
     dist.barrier(group=ctx.group)
     buf.destroy()
+
+
+class DeepEPMoE:
+    """out = DeepEPMoE(ctx, E, H)(x, idx, w, w1, w2): DeepEP v1 dispatch / combine around
+    torch._grouped_mm SwiGLU experts (module docstring), differentiable. Collective to build and
+    to `close()`; raises StageFailed when DeepEP is absent or its buffer cannot be made."""
+
+    def __init__(self, ctx: RankContext, experts: int, hidden: int) -> None:
+        why = deepep_absent()
+        if why is not None:
+            raise StageFailed(why)
+        deep_ep = _deep_ep()
+        W = ctx.world
+        deep_ep.Buffer.set_num_sms(max(SM_BUDGETS))
+        self.configs = (deep_ep.Buffer.get_dispatch_config(W), deep_ep.Buffer.get_combine_config(W))
+        hint = max(c.get_nvl_buffer_size_hint(hidden * 2, W) for c in self.configs)  # bf16 rows
+        group = ctx.group if ctx.group is not None else dist.group.WORLD
+        self.ctx, self.experts = ctx, experts
+        self.buf = guarded(ctx, "DeepEP Buffer (layer)", lambda: deep_ep.Buffer(group, hint, 0, explicitly_destroy=True))
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, w1: torch.Tensor,
+                 w2: torch.Tensor) -> torch.Tensor:
+        from ditron_ep.bench.torch_moe import torch_experts  # noqa: PLC0415 - keeps this module light
+
+        idx = idx.to(torch.int64)
+        per_rank, _, per_expert, in_rank, _ = self.buf.get_dispatch_layout(idx, self.experts)
+        state: dict[str, Any] = {}
+        recv_x, recv_w = _DeepEPDispatch.apply(x, w.to(torch.float32), self, state, idx, per_rank, per_expert, in_rank)
+        e_local, K = w1.shape[0], idx.shape[1]
+        counts = state["counts"]  # host list: rows per local expert
+        keys = state["recv_idx"].reshape(-1)
+        keys = torch.where(keys >= 0, keys, e_local)                       # other ranks' k last
+        pairs = torch.argsort(keys, stable=True)[:sum(counts)]             # (row, k) pairs, expert-major
+        rows_of = pairs // K
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(x.device)
+        y = torch_experts(recv_x.index_select(0, rows_of), offs, w1, w2, None)
+        y = y * recv_w.reshape(-1).index_select(0, pairs).to(y.dtype)[:, None]
+        tok = torch.index_add(recv_x.new_zeros(recv_x.shape), 0, rows_of, y)   # per received token
+        return _DeepEPCombine.apply(tok, self, state)
+
+    def close(self) -> None:
+        _destroy(self.ctx, self.buf)
+
+
+class _DeepEPDispatch(torch.autograd.Function):
+    """(recv_x, recv_w) = DeepEP dispatch of (x, w); state gets the handle, local expert ids and
+    per-expert counts. Backward: combine of the rows' and the weights' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, w, layer, state, idx, per_rank, per_expert, in_rank):
+        recv_x, recv_idx, recv_w, counts, handle, _ = layer.buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w, config=layer.configs[0])
+        state.update(handle=handle, recv_idx=recv_idx, counts=counts)
+        ctx.layer, ctx.handle = layer, handle
+        return recv_x, recv_w
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_w):
+        gx, gw, _ = ctx.layer.buf.combine(grad_x.contiguous(), ctx.handle,
+                                          topk_weights=None if grad_w is None else grad_w.contiguous(),
+                                          config=ctx.layer.configs[1])
+        return gx, gw, None, None, None, None, None, None
+
+
+class _DeepEPCombine(torch.autograd.Function):
+    """DeepEP combine of the per-token sums; backward: a dispatch of the gradient along the handle."""
+
+    @staticmethod
+    def forward(ctx, tok, layer, state):
+        ctx.layer, ctx.handle = layer, state["handle"]
+        return layer.buf.combine(tok, state["handle"], config=layer.configs[1])[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_tok = ctx.layer.buf.dispatch(grad_out.contiguous(), handle=ctx.handle, config=ctx.layer.configs[0])[0]
+        return grad_tok, None, None

@@ -20,6 +20,10 @@ fused layers of `moe` sized for T (caches cleared first); everything under torch
                       index_select + bmm combine; with the faster weight layout per GEMM of the
                       references below (a per-expert matmul loop where torch._grouped_mm is
                       unsupported);
+  DeepEP + grouped_mm (GPUs, bf16, where deep_ep imports: bench/deepep.py) `deepep.DeepEPMoE`:
+                      DeepEP's layout + dispatch, a permutation to expert-major rows, the same
+                      torch._grouped_mm experts as torch-native, the weighted rows added per
+                      received token, DeepEP's combine — the layer a DeepEP user builds;
   grouped GEMM alone  `grouped_mlp` on this rank's real received rows (one untimed dispatch
                       beforehand): the expert work inside the layer, no communication;
   references (--opt refs=1, the default): gate-up (rows @ W1, no activation) and down (h @ W2)
@@ -42,6 +46,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from ditron_ep.bench.deepep import SM_BUDGETS, DeepEPMoE
 from ditron_ep.bench.ep_inputs import Inputs, Weights, make_inputs, make_weights
 from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
@@ -64,6 +69,7 @@ NO_GRAPH_CACHE = "FusedMoE, graph cache off"
 COPY = "memory copy"
 FLOOR = "floor: max(compute, memory)"
 GEMMS = ("gate-up", "down")
+DEEPEP_LAYER = "DeepEP + grouped_mm"
 AGAINST = (TORCH_NATIVE, GEMM_ALONE)
 
 
@@ -326,7 +332,7 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
         recv_x, off[1:], wts.w1, wts.w2, None if grouped else host_off))
     rel_alone = relative_errors(ctx, experts_ref, {GEMM_ALONE: guarded(ctx, f"{GEMM_ALONE} (check)", alone)})
     overlap = outs.get("moe overlap")
-    del ref, outs, experts_ref
+    del outs, experts_ref
 
     out = [Measurement(i, work=flops, ok=False, error=errors[i]) if i in errors else
            ctx.measure(i, fn, flops, *tolerance_check(rel[i], rtol)) for i, fn in ours.items()]
@@ -353,7 +359,35 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
     note = f"reference [{layout}]" if grouped else "reference (per-expert matmul loop: no torch._grouped_mm here)"
     out.append(ctx.measure(TORCH_NATIVE, lambda: torch_native_moe(inp.x, inp.idx, inp.w, w1, w2, grouped, ctx.group),
                            flops, note, True, details={"grouped_mm": grouped, "weight_layout": layout}))
+    if deepep_layer_wanted(ctx):
+        out.append(measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped))
     return out
+
+
+def deepep_layer_wanted(ctx: BenchContext) -> bool:
+    """The DeepEP layer row is planned where DeepEP could run: GPUs, bf16."""
+    return ctx.on_cuda and ctx.dtype == torch.bfloat16
+
+
+def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float, ref: torch.Tensor | None,
+                         rtol: float, grouped: bool) -> Measurement:
+    """The "DeepEP + grouped_mm" row: its output against torch-native's, then timed."""
+    if not grouped:
+        return Measurement(DEEPEP_LAYER, work=flops, ok=False, error="torch._grouped_mm does not run here")
+    layer = None
+    try:
+        layer = DeepEPMoE(ctx, ctx.shape.experts, ctx.shape.hidden)
+        call = lambda: layer(inp.x, inp.idx, inp.w, wts.w1, wts.w2)  # noqa: E731
+        got = guarded(ctx, f"{DEEPEP_LAYER} (check)", call)
+        rel = relative_errors(ctx, ref, {DEEPEP_LAYER: got})[DEEPEP_LAYER] if ref is not None else float("inf")
+        del got
+        return ctx.measure(DEEPEP_LAYER, call, flops, *tolerance_check(rel, rtol),
+                           details={"num_sms": max(SM_BUDGETS)})
+    except StageFailed as exc:
+        return Measurement(DEEPEP_LAYER, work=flops, ok=False, error=str(exc))
+    finally:
+        if layer is not None:
+            layer.close()
 
 
 def measure_graph(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float,
@@ -383,7 +417,10 @@ def plan_moe(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu:
         ours.append(sized(layer_tokens(req, options)))
     refs = [Impl(n, "reference") for g in GEMMS for n in ref_names(g)] + [
         Impl(COPY, "reference"), Impl(FLOOR, "reference", timed=False)] if options.get("refs", True) else []
-    return (*(Impl(n, against=AGAINST) for n in ours), Impl(TORCH_NATIVE, "baseline"), Impl(GEMM_ALONE, "baseline"),
+    deepep = (Impl(DEEPEP_LAYER, "baseline"),) if on_gpu and req.dtype == "bf16" else ()
+    against = AGAINST + ((DEEPEP_LAYER,) if deepep else ())
+    return (*(Impl(n, against=against) for n in ours), Impl(TORCH_NATIVE, "baseline"), *deepep,
+            Impl(GEMM_ALONE, "baseline"),
             *refs)
 
 

@@ -14,6 +14,9 @@ w1, w2), grad_out): every input's gradient, no accumulation into .grad. Rows:
   torch-native, fwd+bwd    `torch_moe.torch_native_moe(..., differentiable=True)`: NCCL
                       all_to_all_single with autograd (torch.distributed.nn), torch._grouped_mm
                       and its backward (a per-expert matmul loop where unsupported);
+  DeepEP + grouped_mm, fwd+bwd  (GPUs, bf16, where deep_ep imports) `deepep.DeepEPMoE` under
+                      autograd: DeepEP's dispatch / combine (each one's backward the other) around
+                      the same torch._grouped_mm experts;
   gate-up / down: dense, one expert's W  one torch.matmul of the busiest rank's rows against one
                       expert's weights (the forward GEMMs' FLOPs at cuBLAS's dense rate);
   floor: 3 x forward GEMMs  3 x (gate-up + down dense): a step's FLOPs are the forward's and twice
@@ -33,8 +36,10 @@ from typing import Callable
 
 import torch
 
-from ditron_ep.bench.moe_layer import (DENSE, LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES, layer_case, on_fresh_caches,
-                                       probe_grouped_mm, training_floor)
+from ditron_ep.bench.deepep import DeepEPMoE
+from ditron_ep.bench.moe_layer import (DEEPEP_LAYER, DENSE, LAYER_DTYPES, LAYER_ROUTINGS, LAYER_SHAPES,
+                                       deepep_layer_wanted, layer_case, on_fresh_caches, probe_grouped_mm,
+                                       training_floor)
 from ditron_ep.bench.moe_layer import TRAINING_FLOOR as FLOOR
 from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
@@ -43,6 +48,7 @@ from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import dispatch, moe
 
 TORCH_NATIVE = "torch-native, fwd+bwd"
+DEEPEP_TRAIN = f"{DEEPEP_LAYER}, fwd+bwd"
 GRADS = ("x", "topk_weights", "w1", "w2")
 FLOP_RULE = ("FLOPs = 3 x (2*rows*H*2I + 2*rows*I*H): the forward's expert GEMMs and twice them in the backward, "
              "rows = the (token, k) rows of the busiest rank; TFLOP/s = those FLOPs / median of the slowest "
@@ -103,11 +109,33 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
                          grad_out) for name, (S, rc) in OURS.items()}
     steps[TORCH_NATIVE] = _step(lambda *a: torch_native_moe(*a, grouped, ctx.group, differentiable=True), inp, wts,
                                 grad_out)
+    errors: dict[str, str] = {}
+    deepep = None
+    if deepep_layer_wanted(ctx):
+        try:
+            if not grouped:
+                raise StageFailed("torch._grouped_mm does not run here")
+            deepep = DeepEPMoE(ctx, s.experts, s.hidden)
+            steps[DEEPEP_TRAIN] = _step(deepep, inp, wts, grad_out)
+        except StageFailed as exc:
+            steps[DEEPEP_TRAIN] = None
+            errors[DEEPEP_TRAIN] = str(exc)
+    try:
+        return _checked_and_timed(ctx, case, steps, errors, grad_out, flops, rtol)
+    finally:
+        if deepep is not None:
+            deepep.close()
+
+
+def _checked_and_timed(ctx: BenchContext, case, steps: dict, errors: dict[str, str], grad_out: torch.Tensor,
+                       flops: float, rtol: float) -> list[Measurement]:
+    s, inp, wts = ctx.shape, case.inp, case.wts
     # ---- checks: every gradient against float32 ones; the recompute rows' bits against the default's
     ref = guarded(ctx, "float32 gradients (check)", lambda: _float32_grads(ctx, inp, wts, grad_out))
     results: dict[str, tuple] = {}
-    errors: dict[str, str] = {}
     for impl, fn in steps.items():
+        if impl in errors:
+            continue
         try:
             results[impl] = guarded(ctx, f"{impl} (check)", fn)
         except StageFailed as exc:
@@ -128,7 +156,7 @@ def _run(ctx: BenchContext, case) -> list[Measurement]:
         ok = all(mine[g] <= rtol or (g in theirs and mine[g] <= 1.25 * theirs[g]) for g in GRADS)
         text = f"{'ok' if ok else 'FAIL'}: grads vs fp32 <= {mine[worst]:.1e} ({worst}"
         text += f"; torch-native {theirs[worst]:.1e})" if worst in theirs else ")"
-        if impl != DEFAULT and DEFAULT in results:
+        if impl in OURS and impl != DEFAULT and DEFAULT in results:
             same = all_ranks(ctx, all(torch.equal(a, b) for a, b in zip(results[impl], results[DEFAULT])))
             ok = ok and same
             text += ", bitwise == default" if same else ", FAIL: differs from the default's"
@@ -189,7 +217,9 @@ def _workspace_mib(ctx: BenchContext) -> float | None:
 
 
 def plan_moe_train(req: BenchRequest, tokens: int, options, on_gpu: bool) -> tuple[Impl, ...]:
-    return (*(Impl(name, against=(TORCH_NATIVE,)) for name in OURS), Impl(TORCH_NATIVE, "baseline"),
+    deepep = (DEEPEP_TRAIN,) if on_gpu and req.dtype == "bf16" else ()
+    return (*(Impl(name, against=(TORCH_NATIVE, *deepep)) for name in OURS), Impl(TORCH_NATIVE, "baseline"),
+            *(Impl(n, "baseline") for n in deepep),
             *(Impl(n, "reference") for n in DENSE), Impl(FLOOR, "reference", timed=False))
 
 
