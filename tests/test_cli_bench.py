@@ -94,7 +94,8 @@ def test_json_schema(run: dict) -> None:
     for name, b in doc["benchmarks"].items():
         assert set(b) == BENCH_KEYS
         assert b["tokens"] == list(TOKENS) and b["dtype"] == "fp32" and (b["iters"], b["warmup"]) == (1, 0)
-        assert b["metric"] == ("GB/s" if name in ("dispatch", "combine", "dispatch_combine") else "TFLOP/s")
+        gbs = ("dispatch", "combine", "dispatch_combine", "megatron_dispatch")
+        assert b["metric"] == ("GB/s" if name in gbs else "TFLOP/s")
         options = {"moe_timeline": [["variant", VARIANT]], "grouped_gemm": [["sweep", "1"]],
                    "moe": [["layer_tokens", str(CAPACITY)]]}
         assert b["options"] == options.get(name, [])

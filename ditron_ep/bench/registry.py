@@ -6,6 +6,7 @@ from ditron_ep.bench.deepspeed_moe import DEEPSPEED_MOE
 from ditron_ep.bench.dispatch_combine import COMBINE, DISPATCH, DISPATCH_COMBINE
 from ditron_ep.bench.gemm_collectives import GEMM_COLLECTIVES
 from ditron_ep.bench.gemm_core import DENSE_GEMM, EXPERT_GEMMS
+from ditron_ep.bench.megatron_dispatch import MEGATRON_DISPATCH
 from ditron_ep.bench.grouped_gemm import GROUPED_GEMM
 from ditron_ep.bench.moe_layer import MOE
 from ditron_ep.bench.moe_timeline import MOE_TIMELINE
@@ -14,4 +15,4 @@ from ditron_ep.bench.spec import Benchmark
 
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b for b in (DISPATCH, COMBINE, MOE, MOE_TRAIN, DISPATCH_COMBINE, MOE_TIMELINE, GROUPED_GEMM,
-                       EXPERT_GEMMS, DENSE_GEMM, GEMM_COLLECTIVES, DEEPSPEED_MOE)}
+                       EXPERT_GEMMS, DENSE_GEMM, GEMM_COLLECTIVES, DEEPSPEED_MOE, MEGATRON_DISPATCH)}
