@@ -11,6 +11,8 @@ Rows of one (op, K, N):
                         added in rank order);
     ours overlap AG+GEMM  all_gather_matmul(schedule="overlap"): one persistent launch, copies and
                         GEMM tiles in one queue; checked bitwise against "ours";
+    ours overlap GEMM+RS  matmul_reduce_scatter(schedule="overlap"): one persistent launch, partial
+                        tiles written into their owner's buffer, reduced as they land; bitwise vs "ours";
     NCCL+cuBLAS <op>    all_gather_into_tensor + torch.mm / torch.mm + reduce_scatter_tensor /
                         torch.mm + all_reduce (gloo on emulated ranks);
     cuBLAS alone <op>   torch.mm of the op's GEMM on this rank (the time an overlapped kernel
@@ -36,6 +38,7 @@ OPS = {"ag": "AG+GEMM", "rs": "GEMM+RS", "ar": "GEMM+AR"}
 GPU_CASES = {128: (("ar", 8192, 8192),), 1024: (("ag", 8192, 8192), ("rs", 8192, 8192)),
              4096: (("ag", 8192, 8192),), 8192: (("ag", 8192, 3584), ("rs", 3584, 8192))}
 CPU_CASES = (("ag", 40, 24), ("rs", 24, 40), ("ar", 40, 24))
+OVERLAPPED = ("ag", "rs")  # the ops with an overlapped schedule
 
 
 def cases(tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[tuple[str, int, int], ...]:
@@ -95,8 +98,9 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
             rel = relative_errors(ctx, want, {"ours": got})["ours"]
             out.append(ctx.measure(name("ours", op, k, n), ours, work, *tolerance_check(rel, TOLERANCES[dt][0]),
                                    details=details))
-            if op == "ag":  # the overlapped schedule: bitwise the sequential one
-                over = lambda a=a, b=b: all_gather_matmul(a, b, group=grp, schedule="overlap")
+            if op in OVERLAPPED:  # the overlapped schedule: bitwise the sequential one
+                fn = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+                over = lambda a=a, b=b, fn=fn: fn(a, b, group=grp, schedule="overlap")
                 try:
                     same = torch.equal(guarded(ctx, f"{name('ours overlap', op, k, n)} (check)", over), got)
                     out.append(ctx.measure(name("ours overlap", op, k, n), over, work,
@@ -115,7 +119,7 @@ def plan_gemm_collectives(req: BenchRequest, tokens: int, options: Mapping[str, 
     for op, k, n in cases(tokens, options, on_gpu):
         ours.append(Impl(name("ours", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
                                                           name("cuBLAS alone", op, k, n))))
-        if op == "ag":
+        if op in OVERLAPPED:
             ours.append(Impl(name("ours overlap", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
                                                                       name("cuBLAS alone", op, k, n))))
         base += [Impl(name("NCCL+cuBLAS", op, k, n), "baseline"), Impl(name("cuBLAS alone", op, k, n), "reference")]
@@ -130,7 +134,7 @@ def validate(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> 
 
 GEMM_COLLECTIVES = Benchmark(
     name="gemm_collectives",
-    description="tensor-parallel GEMM + collective ops (AG+GEMM, GEMM+RS, GEMM+AR; sequential schedule) vs "
+    description="tensor-parallel GEMM + collective ops (AG+GEMM, GEMM+RS, GEMM+AR; sequential and overlapped schedules) vs "
                 "NCCL + cuBLAS in sequence and cuBLAS alone",
     metric="TFLOP/s", work_rule="FLOPs = this rank's GEMM, 2*rows*K*N (rows = W*M for AG+GEMM / GEMM+RS, M for GEMM+AR)",
     check_rule="ours vs NCCL+cuBLAS's output within the dtype's rtol",

@@ -13,6 +13,20 @@ rank by enumerating the queue with the kernel's own index formulas (every chunk 
 lands on every rank exactly once, from a copy ticket that comes before any GEMM ticket; every GEMM
 tile waits for exactly the chunks holding its rows; the tiles cover the output exactly once).
 The launcher takes its chunk size, role split and tile from a verified plan.
+
+`GemmRSPlan` is the overlapped GEMM+ReduceScatter (`ops/tp/gemm_rs_kernels.py`):
+  Task   — each rank computes its fp32 partial a_r @ b_r tile by tile, the M-tiles in shard order
+           from the next rank's shard (its own last), each tile's rows written straight into the
+           landing buffer of the rank(s) whose shard they lie in, at [source rank, row];
+  Device — the queue: GEMM tickets [0, n_gemm), then reduce tickets (the M-tiles meeting this
+           rank's shard x N-tiles); signal family (source rank, M-tile, N-tile), one word each,
+           stamped with the call number; a reduce ticket waits for its tile from every source;
+  Core   — the GEMM tile, the sequential schedule's (as above); the reduce adds the W partials in
+           rank order in fp32 and casts once, as `functional.sum_in_rank_order` does.
+`verify_gemm_rs` checks that every rank computes every output tile of its partial once, in GEMM
+tickets before any reduce ticket; that every row of a rank's shard lands from every source exactly
+once, from the tile whose signal the reduce of those rows waits for; and that the reduce tickets
+cover the rank's shard once.
 """
 from __future__ import annotations
 
@@ -22,11 +36,38 @@ import hashlib
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
 from ditron_ep.compiler.plan import PlanError, cdiv, is_nonnegative_int, is_positive_int
 
-__all__ = ["AGGemmPlan", "lower_ag_gemm", "verify_ag_gemm"]
+__all__ = ["AGGemmPlan", "GemmRSPlan", "lower_ag_gemm", "lower_gemm_rs", "verify_ag_gemm", "verify_gemm_rs"]
+
+
+class _Verified:
+    """A plan's identity (every field but the digest it was verified under) and its check."""
+
+    def digest(self) -> str:
+        fields = dataclasses.asdict(self)
+        fields.pop("verified_digest")
+        return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+    @property
+    def verified(self) -> bool:
+        return self.verified_digest == self.digest()
+
+
+def shard_order_tile(i: int, first: int, world: int, m: int, bm: int) -> int:
+    """The i-th M-tile of the W*m rows in shard order from shard `first` (a tile belongs to the
+    shard of its first row): the kernels' `shard_tile`."""
+    before = 0
+    for j in range(world):
+        s = (first + j) % world
+        lo = cdiv(s * m, bm)
+        count = cdiv((s + 1) * m, bm) - lo
+        if before <= i < before + count:
+            return lo + i - before
+        before += count
+    raise PlanError(f"M-tile number {i} of {world} shards of {m} rows maps to no tile")
 
 
 @dataclasses.dataclass(frozen=True)
-class AGGemmPlan:
+class AGGemmPlan(_Verified):
     world_size: int
     rows: int                  # M, rows of a per rank
     k: int
@@ -51,15 +92,6 @@ class AGGemmPlan:
     def n_gemm(self) -> int:
         return cdiv(self.world_size * self.rows, self.tile.block_m) * cdiv(self.n, self.tile.block_n)
 
-    def digest(self) -> str:
-        fields = dataclasses.asdict(self)
-        fields.pop("verified_digest")
-        return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
-
-    @property
-    def verified(self) -> bool:
-        return self.verified_digest == self.digest()
-
     # ---- the kernel's index formulas, in Python
     def copy_task(self, rank: int, t: int) -> tuple[int, int]:
         """Copy ticket t of `rank` -> (chunk, destination rank)."""
@@ -69,16 +101,7 @@ class AGGemmPlan:
         """GEMM ticket g (0-based after the copies) of `rank` -> (M-tile, N-tile): M-tiles in shard
         order from rank's own shard (a tile belongs to the shard of its first row)."""
         n_n = cdiv(self.n, self.tile.block_n)
-        i, bm, m = g // n_n, self.tile.block_m, self.rows
-        before = 0
-        for j in range(self.world_size):
-            s = (rank + j) % self.world_size
-            lo = cdiv(s * m, bm)
-            count = cdiv((s + 1) * m, bm) - lo
-            if before <= i < before + count:
-                return lo + i - before, g % n_n
-            before += count
-        raise PlanError(f"GEMM ticket {g} of rank {rank} maps to no M-tile")
+        return shard_order_tile(g // n_n, rank, self.world_size, self.rows, self.tile.block_m), g % n_n
 
     def waits(self, t_m: int) -> list[tuple[int, int]]:
         """The (source rank, chunk) signals M-tile t_m waits for: every chunk holding one of its rows."""
@@ -167,3 +190,128 @@ def verify_ag_gemm(plan: AGGemmPlan) -> None:
         if bad:
             raise PlanError(f"device: output tiles computed other than once on rank {rank}: {bad[:4]} "
                             f"(M-tile, N-tile, times)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmRSPlan(_Verified):
+    world_size: int
+    rows: int                  # M: output rows per rank (a has W*M rows)
+    k: int
+    n: int
+    dtype: str
+    device_type: str
+    tile: GemmTileConfig       # Core: the sequential schedule's
+    verified_digest: str = ""
+
+    @property
+    def n_m(self) -> int:
+        return cdiv(self.world_size * self.rows, self.tile.block_m)
+
+    @property
+    def n_n(self) -> int:
+        return cdiv(self.n, self.tile.block_n)
+
+    @property
+    def n_gemm(self) -> int:
+        return self.n_m * self.n_n
+
+    def shard_tiles(self, rank: int) -> range:
+        """The M-tiles holding rows of `rank`'s shard."""
+        bm, m = self.tile.block_m, self.rows
+        return range(rank * m // bm, ((rank + 1) * m - 1) // bm + 1)
+
+    def n_reduce(self, rank: int) -> int:
+        return len(self.shard_tiles(rank)) * self.n_n
+
+    @property
+    def num_signals(self) -> int:
+        return self.world_size * self.n_gemm
+
+    # ---- the kernel's index formulas, in Python
+    def gemm_task(self, rank: int, g: int) -> tuple[int, int]:
+        """GEMM ticket g -> (M-tile, N-tile): M-tiles in shard order from shard rank + 1."""
+        w = self.world_size
+        return shard_order_tile(g // self.n_n, (rank + 1) % w, w, self.rows, self.tile.block_m), g % self.n_n
+
+    def destinations(self, t_m: int) -> list[tuple[int, int, int]]:
+        """(destination rank, first row, end row) of M-tile t_m's rows by shard (local rows)."""
+        bm, m = self.tile.block_m, self.rows
+        row0, end = t_m * bm, min(t_m * bm + bm, self.world_size * m)
+        return [(d, max(row0, d * m) - d * m, min(end, (d + 1) * m) - d * m) for d in range(row0 // m, (end - 1) // m + 1)]
+
+    def signal(self, src: int, t_m: int, t_n: int) -> int:
+        return (src * self.n_m + t_m) * self.n_n + t_n
+
+    def reduce_task(self, rank: int, j: int) -> tuple[int, int]:
+        """Reduce ticket j (0-based after the GEMM tickets) -> (M-tile, N-tile)."""
+        return self.shard_tiles(rank)[j // self.n_n], j % self.n_n
+
+    def reduce_waits(self, rank: int, t_m: int, t_n: int) -> list[int]:
+        return [self.signal(s, t_m, t_n) for s in range(self.world_size)]
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"GEMM+ReduceScatter plan  W={self.world_size}  M={self.rows}/rank out  K={self.k}  N={self.n}  "
+            f"{self.dtype}  {'verified' if self.verified else 'NOT verified'} ({self.digest()})",
+            "Task level: each rank's fp32 partial tile by tile, M-tiles in shard order from the next rank's shard (own "
+            "last), rows written into their shard owner's landing buffer at [source, row]",
+            f"Device level: {self.n_gemm} GEMM tickets then the reduce tickets of the own shard; signals (source, "
+            f"M-tile, N-tile): {self.num_signals}",
+            f"Core level: GEMM tile {self.tile} (the sequential schedule's); partials added in rank order in fp32, "
+            f"cast once",
+        ])
+
+
+def lower_gemm_rs(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
+    """The verified GEMM+ReduceScatter plan (the sequential schedule's tile)."""
+    plan = GemmRSPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type))
+    verify_gemm_rs(plan)
+    return dataclasses.replace(plan, verified_digest=plan.digest())
+
+
+def verify_gemm_rs(plan: GemmRSPlan) -> None:
+    """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
+    for name in ("world_size", "rows", "k", "n"):
+        if not is_positive_int(getattr(plan, name)):
+            raise PlanError(f"GemmRSPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
+    want = sequential_tile(plan.dtype, plan.device_type)
+    if plan.tile != want:
+        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
+                        f"kernel would not be bitwise equal to it")
+    w, m = plan.world_size, plan.rows
+    landed: list[dict[tuple[int, int], int]] = [{} for _ in range(w)]  # per destination: (source, row) -> signal
+    for src in range(w):
+        covered: dict[tuple[int, int], int] = {}
+        for g in range(plan.n_gemm):
+            t_m, t_n = plan.gemm_task(src, g)
+            covered[(t_m, t_n)] = covered.get((t_m, t_n), 0) + 1
+            if t_n == 0:
+                for d, lo, hi in plan.destinations(t_m):
+                    for r in range(lo, hi):
+                        if (src, r) in landed[d]:
+                            raise PlanError(f"task: row {r} of rank {d}'s shard lands from rank {src} twice")
+                        landed[d][(src, r)] = t_m
+        bad = [k for k in ((i, j) for i in range(plan.n_m) for j in range(plan.n_n)) if covered.get(k) != 1]
+        if bad:
+            raise PlanError(f"device: output tiles of rank {src}'s partial computed other than once: {bad[:4]} "
+                            f"(M-tile, N-tile)")
+    for d in range(w):
+        missing = [(s, r) for s in range(w) for r in range(m) if (s, r) not in landed[d]]
+        if missing:
+            raise PlanError(f"task: rows {missing[:4]} (source, row) never land on rank {d}")
+        reduced: dict[tuple[int, int], int] = {}
+        for j in range(plan.n_reduce(d)):
+            t_m, t_n = plan.reduce_task(d, j)
+            waits = set(plan.reduce_waits(d, t_m, t_n))
+            for dd, lo, hi in plan.destinations(t_m):
+                if dd != d:
+                    continue
+                for r in range(lo, hi):
+                    reduced[(r, t_n)] = reduced.get((r, t_n), 0) + 1
+                    need = {plan.signal(s, landed[d][(s, r)], t_n) for s in range(w)}
+                    if not need <= waits:
+                        raise PlanError(f"device: the reduce of rank {d}'s row {r}, N-tile {t_n} waits for signals "
+                                        f"{sorted(waits)[:4]}, its partials are stamped on {sorted(need)[:4]}")
+        bad = [(r, t) for r in range(m) for t in range(plan.n_n) if reduced.get((r, t)) != 1]
+        if bad:
+            raise PlanError(f"device: rows of rank {d}'s shard reduced other than once: {bad[:4]} (row, N-tile)")

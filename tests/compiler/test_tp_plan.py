@@ -10,7 +10,7 @@ import pytest
 
 from ditron_ep.compiler.core_config import GemmTileConfig
 from ditron_ep.compiler.plan import PlanError
-from ditron_ep.compiler.tp_plan import AGGemmPlan, lower_ag_gemm, verify_ag_gemm
+from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_rs, verify_ag_gemm, verify_gemm_rs
 
 
 @pytest.mark.parametrize("world, rows, n, chunk", [(2, 21, 24, None), (3, 5, 13, None), (4, 37, 50, 8), (2, 1, 1, None),
@@ -59,3 +59,42 @@ def test_bad_parameters_are_rejected(field, value):
     good = lower_ag_gemm(2, 21, 40, 24, "float32", "cpu")
     with pytest.raises(PlanError, match=field):
         verify_ag_gemm(dataclasses.replace(good, **{field: value}))
+
+
+# ---- GEMM+ReduceScatter
+@pytest.mark.parametrize("world, rows, n", [(2, 21, 24), (3, 5, 13), (4, 37, 50), (2, 1, 1), (3, 16, 32)])
+def test_lowered_gemm_rs_plans_verify(world, rows, n):
+    plan = lower_gemm_rs(world, rows, 40, n, "float32", "cpu")
+    assert plan.verified and "GEMM+ReduceScatter" in plan.describe() and "Core level" in plan.describe()
+    assert dataclasses.replace(plan, n=n + 1).verified is False
+
+
+def _broken_rs(name: str):
+    class Broken(GemmRSPlan):
+        def gemm_task(self, rank, g):
+            t_m, t_n = super().gemm_task(rank, g)
+            return (0, 0) if name == "twice" and g == 1 else (t_m, t_n)
+
+        def destinations(self, t_m):
+            got = super().destinations(t_m)
+            return got[:1] if name == "lost" and len(got) > 1 else got
+
+        def reduce_waits(self, rank, t_m, t_n):
+            got = super().reduce_waits(rank, t_m, t_n)
+            return got[:-1] if name == "waits" else got
+
+        def reduce_task(self, rank, j):
+            t_m, t_n = super().reduce_task(rank, j)
+            return (t_m, 0) if name == "reduce twice" else (t_m, t_n)
+    return Broken
+
+
+@pytest.mark.parametrize("name, match", [("twice", "lands from rank 0 twice"), ("lost", "never land"),
+                                         ("waits", "waits for signals"), ("reduce twice", "reduced other than once")])
+def test_gemm_rs_plans_the_verifier_must_reject(name, match):
+    good = lower_gemm_rs(3, 21, 40, 40, "float32", "cpu")  # 21 rows a shard: tiles of 16 span two shards
+    fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}
+    with pytest.raises(PlanError, match=match):
+        verify_gemm_rs(_broken_rs(name)(**fields))
+    with pytest.raises(PlanError, match="not the sequential schedule's"):
+        verify_gemm_rs(dataclasses.replace(good, tile=GemmTileConfig(32, 32, 16, 4, 1)))

@@ -59,8 +59,8 @@ def ag_gemm_kernel(
     table_ptr,      # int64 (W,) heap bases
     sig_table_ptr,  # int64 (W,) signal bases
     land_offset,    # bytes: symmetric (W*M_cap, K) landing buffer, a's dtype
-    sig_first,      # W * n_chunks signals: (source rank, chunk)
-    M, K, N, rank, world, budget, s_bk, s_bn, n_chunks_cap, comm_programs,
+    sig_first,      # W * n_chunks signals: (source rank, chunk) of this call's shapes
+    M, K, N, rank, world, budget, s_bk, s_bn, comm_programs,
     CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
@@ -84,7 +84,7 @@ def ag_gemm_kernel(
                 r0 = c * CHUNK
                 dst = heap_ptr(table_ptr, d, land_offset, y_ptr.dtype.element_ty) + (rank * M + r0).to(tl.int64) * K
                 copy_rows(a_ptr + r0.to(tl.int64) * K, K, dst, K, tl.minimum(CHUNK, M - r0), K, CHUNK, BLOCK_C)
-                notify(heap_ptr(sig_table_ptr, d, 0, tl.int32) + sig_first + rank * n_chunks_cap + c, call_no)
+                notify(heap_ptr(sig_table_ptr, d, 0, tl.int32) + sig_first + rank * n_chunks + c, call_no)
             else:
                 g = t - n_copy
                 t_m = shard_tile(g // n_n, rank, world, M, BM)
@@ -96,7 +96,7 @@ def ag_gemm_kernel(
                     lo = tl.maximum(row0 - s * M, 0) // CHUNK
                     hi = (tl.minimum(row0 + n_rows - s * M, M) - 1) // CHUNK
                     for c in range(lo, hi + 1):
-                        i_sig = sig_first + s * n_chunks_cap + c
+                        i_sig = sig_first + s * n_chunks + c
                         n_bad += (wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_AG_GEMM_WAIT, i_sig, budget)
                                   == 0).to(tl.int32)
                 if n_bad == 0:
@@ -113,7 +113,7 @@ def ag_gemm_kernel(
 
 _SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "table_ptr": "*i64", "sig_table_ptr": "*i64",
         "land_offset": "i64", "sig_first": "i32", "M": "i32", "K": "i32", "N": "i32", "rank": "i32", "world": "i32",
-        "budget": "i32", "s_bk": "i32", "s_bn": "i32", "n_chunks_cap": "i32", "comm_programs": "i32"}
+        "budget": "i32", "s_bk": "i32", "s_bn": "i32", "comm_programs": "i32"}
 register_kernel(ag_gemm_kernel, _SIG, {"CHUNK": 128, "BLOCK_C": 256, "BM": 128, "BN": 128, "BK": 64,
                                        "INPUT_PRECISION": "tf32"},
                 label="bf16", options={"num_warps": 8, "num_stages": 2},

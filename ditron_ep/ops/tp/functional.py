@@ -5,10 +5,10 @@ GEMM+AllReduce, on the process group's ranks.
     matmul_reduce_scatter(a, b)  a [W*M, K] on each rank, b [K, N] -> rows r*M:(r+1)*M of Σ_ranks a @ b
     matmul_all_reduce(a, b)      a [M, K] on each rank, b [K, N]   -> Σ_ranks a_r @ b_r        [M, N]
 
-This module runs them on their **sequential schedule** — the collective, then (or before) the
-GEMM, as separate steps: torch.distributed moves the rows, `gemm.matmul` (the expert-MLP
-kernels with one expert) multiplies. It is the schedule the overlapped kernels of the GEMM +
-collective issue must equal bit for bit; those kernels are not built yet.
+The default **sequential schedule** runs the collective, then (or before) the GEMM, as separate
+steps: torch.distributed moves the rows, `gemm.matmul` (the expert-MLP kernels with one expert)
+multiplies. `schedule="overlap"` (all_gather_matmul, matmul_reduce_scatter) runs one persistent
+launch that overlaps them at tile granularity (fused.py), bitwise equal to the sequential one.
 
 Determinism: every GEMM output element is one fp32 accumulation over K in order; the reductions
 (GEMM+RS, GEMM+AR and the gradients that are reductions) keep each rank's partial in fp32 and add
@@ -134,15 +134,19 @@ def matmul_grads(ctx, a: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> tup
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group):
+    def forward(ctx, a, b, group, overlap):
         ctx.save_for_backward(a, b)
         ctx.group = group
+        if overlap:
+            from ditron_ep.ops.tp.fused import overlapped_matmul_reduce_scatter
+
+            return overlapped_matmul_reduce_scatter(a, b, group)
         return reduce_scatter_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
-        return (*matmul_grads(ctx, a, b, all_gather_rows(dy, ctx.group)), None)
+        return (*matmul_grads(ctx, a, b, all_gather_rows(dy, ctx.group)), None, None)
 
 
 class _MatmulAllReduce(torch.autograd.Function):
@@ -188,15 +192,21 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
     return _AllGatherMatmul.apply(a, b, group, bool(return_gathered), schedule == "overlap")
 
 
-def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                          schedule: str = "sequential") -> torch.Tensor:
     """Rows [r*M, (r+1)*M) of Σ_ranks a @ b on rank r: a [W*M, K], b [K, N] (the same shapes on
-    every rank); returns [M, N]. Collective."""
+    every rank); returns [M, N]. Collective. schedule "overlap": one persistent launch on a
+    symmetric heap in which each partial tile lands in its rows' owner's buffer as it is computed
+    and each owner adds a tile's partials as soon as all have landed (fused.py), bitwise equal to
+    "sequential" (the fp32 partial, an all-to-all, the partials added in rank order)."""
     world, _ = _world(group)
     problem = _pair_problem(a, b)
     if problem is None and a.shape[0] % world:
         problem = f"a's rows ({a.shape[0]}) must be a multiple of the group's {world} ranks"
-    _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype"))
-    return _MatmulReduceScatter.apply(a, b, group)
+    if problem is None and schedule not in SCHEDULES:
+        problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
+    _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype", "schedule"), schedule=schedule)
+    return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap")
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:

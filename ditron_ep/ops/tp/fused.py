@@ -1,12 +1,17 @@
-"""The overlapped schedule of all_gather_matmul: one persistent launch on a symmetric heap
-(`ag_gemm_kernels.ag_gemm_kernel`), bitwise equal to the sequential schedule.
+"""The overlapped schedules of the GEMM + collective ops: one persistent launch each on a symmetric
+heap, bitwise equal to the sequential schedule.
 
-`AllGatherMatmulHeap` holds one group's heap: a landing buffer for the gathered rows and one signal
-per (source rank, chunk of rows). It is built at the first call and rebuilt, on every rank together,
-when a call needs more rows, another K or another dtype (every rank knows the call's shapes: they
-were agreed on before anything moves, functional._agree). Each launch follows a verified
-`compiler.tp_plan.AGGemmPlan` (chunk size, role split, GEMM tile): its tile is `gemm.matmul`'s, so
-every output tile is computed by the same code with the same tile.
+  all_gather_matmul      `ag_gemm_kernels.ag_gemm_kernel`: the gathered rows land in every rank's
+                         buffer chunk by chunk, each GEMM tile starts when its rows are there;
+  matmul_reduce_scatter  `gemm_rs_kernels.gemm_rs_kernel`: each partial tile lands in its rows'
+                         owner's buffer, each owner adds a tile's W partials once they are there.
+
+`OverlapHeap` holds one group's heap for one op: a landing buffer and a signal family. It is built
+at the first call and rebuilt, on every rank together, when a call needs more rows or signals,
+other columns or another dtype (every rank knows the call's shapes: they were agreed on before
+anything moves, functional._agree). Each launch follows a verified plan of compiler.tp_plan
+(AGGemmPlan, GemmRSPlan); its GEMM tile is `gemm.matmul`'s, so every output tile is computed by the
+same code with the same tile as in the sequential schedule.
 """
 from __future__ import annotations
 
@@ -16,44 +21,44 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ditron_ep.compiler.tp_plan import AGGemmPlan, lower_ag_gemm
+from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_rs
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
 
-__all__ = ["AllGatherMatmulHeap", "overlapped_all_gather_matmul"]
+__all__ = ["OverlapHeap", "overlapped_all_gather_matmul", "overlapped_matmul_reduce_scatter"]
 
-_HEAPS: dict = {}
+_AG_HEAPS: dict = {}
+_RS_HEAPS: dict = {}
 
 
-class AllGatherMatmulHeap:
-    """One process group's landing buffer and signals for overlapped AllGather+GEMM."""
+class OverlapHeap:
+    """One process group's landing buffer ("tp/land", rows x cols) and signals for one overlapped op."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self.heap: SymmetricHeap | None = None
-        self.rows_cap = self.k = 0
+        self.rows_cap = self.signals_cap = self.cols = 0
         self.dtype: torch.dtype | None = None
 
-    def ensure(self, rows: int, k: int, dtype: torch.dtype, device: torch.device, chunk: int) -> None:
+    def ensure(self, rows: int, cols: int, dtype: torch.dtype, signals: int, device: torch.device) -> None:
         """(Re)build the heap when this call does not fit (collective: every rank passes the same)."""
-        if self.heap is not None and rows <= self.rows_cap and k == self.k and dtype == self.dtype:
+        same = cols == self.cols and dtype == self.dtype
+        if self.heap is not None and same and rows <= self.rows_cap and signals <= self.signals_cap:
             return
         if self.heap is not None:
             self.heap.free()
             self.heap = None
-        world = dist.get_world_size(self.group)
-        rows_cap = max(rows, self.rows_cap if k == self.k and dtype == self.dtype else 0)
-        self.n_chunks_cap = triton.cdiv(rows_cap // world, chunk) + 1
-        num_signals = world * self.n_chunks_cap
-        data = C.align_up(rows_cap * k * torch.empty((), dtype=dtype).element_size())
-        size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
-        self.heap = SymmetricHeap(self.group, size_bytes=size, num_signals=num_signals,
+        rows_cap = max(rows, self.rows_cap if same else 0)
+        signals_cap = max(signals, self.signals_cap if same else 0)
+        data = C.align_up(rows_cap * cols * torch.empty((), dtype=dtype).element_size())
+        size = C.align_up(C.CTRL_BYTES + 4 * signals_cap) + data
+        self.heap = SymmetricHeap(self.group, size_bytes=size, num_signals=signals_cap,
                                   device=device if device.type == "cuda" else None)
-        self.heap.alloc("tp/land", (rows_cap, k), dtype)
-        self.sig_first = self.heap.alloc_signals("tp/ag", num_signals)
-        self.rows_cap, self.k, self.dtype = rows_cap, k, dtype
+        self.heap.alloc("tp/land", (rows_cap, cols), dtype)
+        self.sig_first = self.heap.alloc_signals("tp/sig", signals_cap)
+        self.rows_cap, self.signals_cap, self.cols, self.dtype = rows_cap, signals_cap, cols, dtype
 
 
 # Copy programs of the role split on a GPU: enough to keep NVLink busy with per-program tile copies,
@@ -77,15 +82,16 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     plan = _plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type,
                  (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs)
     cfg = plan.tile
-    state = per_group(_HEAPS, group, AllGatherMatmulHeap)
-    state.ensure(world * m, k, a.dtype, a.device, plan.chunk_rows)
+    state = per_group(_AG_HEAPS, group, OverlapHeap)
+    n_chunks = triton.cdiv(m, plan.chunk_rows)
+    state.ensure(world * m, k, a.dtype, world * n_chunks, a.device)
     h = state.heap
     y = torch.empty((world * m, n), dtype=a.dtype, device=a.device)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
     elt = a.element_size()
     fast(ag_gemm_kernel)[(programs,)](
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
-        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), state.n_chunks_cap, plan.comm_programs,
+        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), plan.comm_programs,
         CHUNK=plan.chunk_rows, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
     h.check_error()
@@ -101,9 +107,40 @@ def _plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str, comm
     return lower_ag_gemm(world, m, k, n, dtype, device_type, comm_programs=comm_programs)
 
 
+def overlapped_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's rows of sum_ranks a @ b in one launch (arguments already checked and agreed on
+    every rank): gemm_rs_kernels.gemm_rs_kernel on a verified GemmRSPlan."""
+    from ditron_ep.ops.tp.gemm_rs_kernels import gemm_rs_kernel
+
+    world = dist.get_world_size(group)
+    m, k = a.shape[0] // world, a.shape[1]
+    n = b.shape[1]
+    on_gpu = a.device.type == "cuda"
+    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    plan = _rs_plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type)
+    cfg = plan.tile
+    state = per_group(_RS_HEAPS, group, OverlapHeap)
+    state.ensure(world * m, n, torch.float32, plan.num_signals, a.device)
+    h = state.heap
+    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
+    fast(gemm_rs_kernel)[(programs,)](
+        a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
+        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
+    h.check_error()
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _rs_plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
+    return lower_gemm_rs(world, m, k, n, dtype, device_type)
+
+
 def free_heaps() -> None:
-    """Free every group's heap (collective on each group)."""
-    for state in list(_HEAPS.values()):
-        if state.heap is not None:
-            state.heap.free()
-    _HEAPS.clear()
+    """Free every group's heaps (collective on each group)."""
+    for heaps in (_AG_HEAPS, _RS_HEAPS):
+        for state in list(heaps.values()):
+            if state.heap is not None:
+                state.heap.free()
+        heaps.clear()

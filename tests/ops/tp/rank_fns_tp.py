@@ -169,3 +169,29 @@ def overlap_case(m: int, k: int, n: int, seed: int) -> dict:
             same[-1].append(torch.equal(overlapped_all_gather_matmul(a, b, None, comm_programs=1),
                                         outs["sequential"][0]))
     return {"same": same}
+
+
+def overlap_rs_case(m: int, k: int, n: int, seed: int) -> dict:
+    """matmul_reduce_scatter(schedule="overlap") against "sequential": y and both gradients bit for
+    bit (the backward is the sequential one's), for two calls in a row (the second reuses the heap
+    and its signals, stamped with a new call number), one with more rows (the heap is rebuilt on
+    every rank) and one with other columns; and y against float64."""
+    from ditron_ep.ops.tp import matmul_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    same, errs = [], []
+    for rows, cols in ((m, n), (m, n), (2 * m + 3, n), (m, n + 7)):
+        a = torch.randn(world * rows, k, generator=g)
+        b = torch.randn(k, cols, generator=g)
+        gout = torch.randn(rows, cols, generator=g)
+        outs = {}
+        for schedule in ("sequential", "overlap"):
+            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            y = matmul_reduce_scatter(la, lb, schedule=schedule)
+            (y * gout).sum().backward()
+            outs[schedule] = (y.detach(), la.grad, lb.grad)
+        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        full = sum(p.double() @ q.double() for p, q in zip(_gather_list(a), _gather_list(b)))
+        errs.append(_rel(outs["overlap"][0], full[rank * rows:(rank + 1) * rows]))
+    return {"same": same, "errs": errs}

@@ -43,3 +43,10 @@ def test_tp_mlp_block_matches_the_unsharded_block(emulated_cluster, seq_parallel
 def test_overlapped_all_gather_matmul_equals_sequential_bitwise(emulated_cluster, world, m, k, n):
     for rank, rep in enumerate(emulated_cluster(world).run(fns.overlap_case, m, k, n, 4)):
         assert all(all(call) for call in rep["same"]), (rank, rep)
+
+
+@pytest.mark.parametrize("world, m, k, n", [(2, 21, 40, 24), (3, 5, 19, 13)])
+def test_overlapped_matmul_reduce_scatter_equals_sequential_bitwise(emulated_cluster, world, m, k, n):
+    for rank, rep in enumerate(emulated_cluster(world).run(fns.overlap_rs_case, m, k, n, 5)):
+        assert all(all(call) for call in rep["same"]), (rank, rep)
+        assert all(e <= TOL for e in rep["errs"]), (rank, rep["errs"])
