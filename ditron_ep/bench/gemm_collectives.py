@@ -13,6 +13,8 @@ Rows of one (op, K, N):
                         GEMM tiles in one queue; checked bitwise against "ours";
     ours overlap GEMM+RS  matmul_reduce_scatter(schedule="overlap"): one persistent launch, partial
                         tiles written into their owner's buffer, reduced as they land; bitwise vs "ours";
+    ours overlap GEMM+AR  matmul_all_reduce(schedule="overlap"): the same with tiles owned round-robin,
+                        each owner's sum written to every rank; bitwise vs "ours";
     NCCL+cuBLAS <op>    all_gather_into_tensor + torch.mm / torch.mm + reduce_scatter_tensor /
                         torch.mm + all_reduce (gloo on emulated ranks);
     cuBLAS alone <op>   torch.mm of the op's GEMM on this rank (the time an overlapped kernel
@@ -38,7 +40,7 @@ OPS = {"ag": "AG+GEMM", "rs": "GEMM+RS", "ar": "GEMM+AR"}
 GPU_CASES = {128: (("ar", 8192, 8192),), 1024: (("ag", 8192, 8192), ("rs", 8192, 8192)),
              4096: (("ag", 8192, 8192),), 8192: (("ag", 8192, 3584), ("rs", 3584, 8192))}
 CPU_CASES = (("ag", 40, 24), ("rs", 24, 40), ("ar", 40, 24))
-OVERLAPPED = ("ag", "rs")  # the ops with an overlapped schedule
+OVERLAPPED = ("ag", "rs", "ar")  # the ops with an overlapped schedule
 
 
 def cases(tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[tuple[str, int, int], ...]:
@@ -99,7 +101,7 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
             out.append(ctx.measure(name("ours", op, k, n), ours, work, *tolerance_check(rel, TOLERANCES[dt][0]),
                                    details=details))
             if op in OVERLAPPED:  # the overlapped schedule: bitwise the sequential one
-                fn = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+                fn = {"ag": all_gather_matmul, "rs": matmul_reduce_scatter, "ar": matmul_all_reduce}[op]
                 over = lambda a=a, b=b, fn=fn: fn(a, b, group=grp, schedule="overlap")
                 try:
                     same = torch.equal(guarded(ctx, f"{name('ours overlap', op, k, n)} (check)", over), got)

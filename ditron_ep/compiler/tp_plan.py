@@ -27,6 +27,19 @@ The launcher takes its chunk size, role split and tile from a verified plan.
 tickets before any reduce ticket; that every row of a rank's shard lands from every source exactly
 once, from the tile whose signal the reduce of those rows waits for; and that the reduce tickets
 cover the rank's shard once.
+
+`GemmARPlan` is the overlapped GEMM+AllReduce (`ops/tp/gemm_ar_kernels.py`):
+  Task   — output tile t (M-tile-major) is owned by rank t % W; every rank computes its fp32
+           partial of every tile and writes it into the tile owner's landing buffer at [source];
+  Device — GEMM tickets (every tile), then reduce tickets (the own tiles: wait for every source's
+           partial, add them in rank order in fp32, cast once, write the result into every
+           rank's result rows and stamp it there), then copy-out tickets (every tile: wait for the
+           owner's stamp, copy the result into this rank's output); signals (source, tile) and
+           (tile);
+  Core   — the GEMM tile, the sequential schedule's.
+`verify_gemm_ar` checks that every rank computes every tile once, that each tile has one owner who
+reduces it once after every source's partial, and that every rank copies every tile out once
+after its owner's stamp.
 """
 from __future__ import annotations
 
@@ -36,7 +49,8 @@ import hashlib
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
 from ditron_ep.compiler.plan import PlanError, cdiv, is_nonnegative_int, is_positive_int
 
-__all__ = ["AGGemmPlan", "GemmRSPlan", "lower_ag_gemm", "lower_gemm_rs", "verify_ag_gemm", "verify_gemm_rs"]
+__all__ = ["AGGemmPlan", "GemmARPlan", "GemmRSPlan", "lower_ag_gemm", "lower_gemm_ar", "lower_gemm_rs", "verify_ag_gemm",
+           "verify_gemm_ar", "verify_gemm_rs"]
 
 
 class _Verified:
@@ -315,3 +329,99 @@ def verify_gemm_rs(plan: GemmRSPlan) -> None:
         bad = [(r, t) for r in range(m) for t in range(plan.n_n) if reduced.get((r, t)) != 1]
         if bad:
             raise PlanError(f"device: rows of rank {d}'s shard reduced other than once: {bad[:4]} (row, N-tile)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmARPlan(_Verified):
+    world_size: int
+    rows: int                  # M (every rank's a and the result)
+    k: int                     # this rank's K (its shard of the reduction: may differ between ranks)
+    n: int
+    dtype: str
+    device_type: str
+    tile: GemmTileConfig
+    verified_digest: str = ""
+
+    @property
+    def n_tiles(self) -> int:
+        return cdiv(self.rows, self.tile.block_m) * cdiv(self.n, self.tile.block_n)
+
+    def owner(self, t: int) -> int:
+        return t % self.world_size
+
+    def n_owned(self, rank: int) -> int:
+        return len(range(rank, self.n_tiles, self.world_size))
+
+    @property
+    def num_signals(self) -> int:
+        return (self.world_size + 1) * self.n_tiles
+
+    # ---- the kernel's index formulas, in Python
+    def gemm_task(self, rank: int, g: int) -> int:
+        """GEMM ticket g -> tile: from the next rank's tiles on (tile g + rank + 1, wrapping)."""
+        return (g + rank + 1) % self.n_tiles
+
+    def reduce_task(self, rank: int, j: int) -> int:
+        return rank + j * self.world_size
+
+    def partial_signal(self, src: int, t: int) -> int:
+        return src * self.n_tiles + t
+
+    def result_signal(self, t: int) -> int:
+        return self.world_size * self.n_tiles + t
+
+    def copy_task(self, rank: int, j: int) -> int:
+        return j
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"GEMM+AllReduce plan  W={self.world_size}  M={self.rows}  K={self.k} (this rank)  N={self.n}  "
+            f"{self.dtype}  {'verified' if self.verified else 'NOT verified'} ({self.digest()})",
+            "Task level: tile t owned by rank t % W; every rank's fp32 partial of a tile lands in its owner's buffer; "
+            "the owner's sum goes to every rank",
+            f"Device level: {self.n_tiles} GEMM tickets, the owned tiles' reduce tickets, {self.n_tiles} copy-out "
+            f"tickets; signals (source, tile) and (tile): {self.num_signals}",
+            f"Core level: GEMM tile {self.tile} (the sequential schedule's); partials added in rank order in fp32, "
+            f"cast once",
+        ])
+
+
+def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
+    """The verified GEMM+AllReduce plan (the sequential schedule's tile)."""
+    plan = GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type))
+    verify_gemm_ar(plan)
+    return dataclasses.replace(plan, verified_digest=plan.digest())
+
+
+def verify_gemm_ar(plan: GemmARPlan) -> None:
+    """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
+    for name in ("world_size", "rows", "k", "n"):
+        if not is_positive_int(getattr(plan, name)):
+            raise PlanError(f"GemmARPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
+    want = sequential_tile(plan.dtype, plan.device_type)
+    if plan.tile != want:
+        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
+                        f"kernel would not be bitwise equal to it")
+    w, n_t = plan.world_size, plan.n_tiles
+    stamped: set[int] = set()  # partial signals some GEMM ticket stamps
+    for src in range(w):
+        tiles = [plan.gemm_task(src, g) for g in range(n_t)]
+        if sorted(tiles) != list(range(n_t)):
+            raise PlanError(f"device: rank {src}'s GEMM tickets compute tiles other than once each")
+        stamped |= {plan.partial_signal(src, t) for t in tiles}
+    reduced: dict[int, int] = {}
+    for rank in range(w):
+        for j in range(plan.n_owned(rank)):
+            t = plan.reduce_task(rank, j)
+            if not 0 <= t < n_t or plan.owner(t) != rank:
+                raise PlanError(f"task: reduce ticket {j} of rank {rank} names tile {t}, which it does not own")
+            reduced[t] = reduced.get(t, 0) + 1
+            if not all(plan.partial_signal(s, t) in stamped for s in range(w)):
+                raise PlanError(f"device: tile {t}'s reduce waits for a partial no GEMM ticket stamps")
+    bad = [t for t in range(n_t) if reduced.get(t) != 1]
+    if bad:
+        raise PlanError(f"task: tiles {bad[:4]} reduced other than once")
+    for rank in range(w):
+        copied = sorted(plan.copy_task(rank, j) for j in range(n_t))
+        if copied != list(range(n_t)):
+            raise PlanError(f"device: rank {rank} copies tiles out other than once each")

@@ -10,7 +10,8 @@ import pytest
 
 from ditron_ep.compiler.core_config import GemmTileConfig
 from ditron_ep.compiler.plan import PlanError
-from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_rs, verify_ag_gemm, verify_gemm_rs
+from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs,
+                                       verify_ag_gemm, verify_gemm_ar, verify_gemm_rs)
 
 
 @pytest.mark.parametrize("world, rows, n, chunk", [(2, 21, 24, None), (3, 5, 13, None), (4, 37, 50, 8), (2, 1, 1, None),
@@ -98,3 +99,33 @@ def test_gemm_rs_plans_the_verifier_must_reject(name, match):
         verify_gemm_rs(_broken_rs(name)(**fields))
     with pytest.raises(PlanError, match="not the sequential schedule's"):
         verify_gemm_rs(dataclasses.replace(good, tile=GemmTileConfig(32, 32, 16, 4, 1)))
+
+
+# ---- GEMM+AllReduce
+@pytest.mark.parametrize("world, rows, n", [(2, 21, 24), (3, 5, 13), (4, 37, 50), (3, 40, 40)])
+def test_lowered_gemm_ar_plans_verify(world, rows, n):
+    plan = lower_gemm_ar(world, rows, 40, n, "float32", "cpu")
+    assert plan.verified and "GEMM+AllReduce" in plan.describe()
+
+
+def _broken_ar(name: str):
+    class Broken(GemmARPlan):
+        def gemm_task(self, rank, g):
+            return 0 if name == "twice" and g == 1 else super().gemm_task(rank, g)
+
+        def reduce_task(self, rank, j):
+            t = super().reduce_task(rank, j)
+            return (t + 1) % self.n_tiles if name == "not owned" else t
+
+        def copy_task(self, rank, j):
+            return 0 if name == "copy" and j == 1 else super().copy_task(rank, j)
+    return Broken
+
+
+@pytest.mark.parametrize("name, match", [("twice", "other than once"), ("not owned", "does not own"),
+                                         ("copy", "copies tiles out other than once")])
+def test_gemm_ar_plans_the_verifier_must_reject(name, match):
+    good = lower_gemm_ar(3, 40, 40, 40, "float32", "cpu")
+    fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}
+    with pytest.raises(PlanError, match=match):
+        verify_gemm_ar(_broken_ar(name)(**fields))

@@ -142,3 +142,27 @@ def test_overlapped_matmul_reduce_scatter_equals_sequential_bitwise(dist_env, m,
     ref = outs["sequential"][0]
     differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
     assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 1024, 768), (1000, 512, 384)])
+def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(dist_env, m, k, n):
+    """bf16, each rank its own K: y and both gradients bit for bit, twice; y the same on every rank."""
+    rank = dist.get_rank()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(rank + 7)
+    kr = k + 64 * rank
+    a = torch.randn(m, kr, generator=g, device=dev).to(torch.bfloat16)
+    b = (torch.randn(kr, n, generator=g, device=dev) / kr ** 0.5).to(torch.bfloat16)
+    gout = torch.randn(m, n, generator=torch.Generator(device=dev).manual_seed(11), device=dev).to(torch.bfloat16)
+    outs = {}
+    for schedule in ("sequential", "overlap", "overlap"):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        y = matmul_all_reduce(la, lb, schedule=schedule)
+        (y.float() * gout.float()).sum().backward()
+        outs.setdefault(schedule, []).append((y.detach(), la.grad, lb.grad))
+    ref = outs["sequential"][0]
+    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
+    ys = [torch.empty_like(ref[0]) for _ in range(dist.get_world_size())]
+    dist.all_gather(ys, outs["overlap"][0][0])
+    assert all(torch.equal(y, ys[0]) for y in ys), "the overlapped all-reduce differs between ranks"

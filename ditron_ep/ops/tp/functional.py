@@ -7,8 +7,8 @@ GEMM+AllReduce, on the process group's ranks.
 
 The default **sequential schedule** runs the collective, then (or before) the GEMM, as separate
 steps: torch.distributed moves the rows, `gemm.matmul` (the expert-MLP kernels with one expert)
-multiplies. `schedule="overlap"` (all_gather_matmul, matmul_reduce_scatter) runs one persistent
-launch that overlaps them at tile granularity (fused.py), bitwise equal to the sequential one.
+multiplies. `schedule="overlap"` (every op) runs one persistent launch that overlaps them at
+tile granularity (fused.py), bitwise equal to the sequential one.
 
 Determinism: every GEMM output element is one fp32 accumulation over K in order; the reductions
 (GEMM+RS, GEMM+AR and the gradients that are reductions) keep each rank's partial in fp32 and add
@@ -151,13 +151,17 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group):
+    def forward(ctx, a, b, group, overlap):
         ctx.save_for_backward(a, b)
+        if overlap:
+            from ditron_ep.ops.tp.fused import overlapped_matmul_all_reduce
+
+            return overlapped_matmul_all_reduce(a, b, group)
         return _all_reduce_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        return (*matmul_grads(ctx, *ctx.saved_tensors, dy), None)
+        return (*matmul_grads(ctx, *ctx.saved_tensors, dy), None, None)
 
 
 def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...], schedule: str = "sequential") -> None:
@@ -209,10 +213,16 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.Proce
     return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap")
 
 
-def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                      schedule: str = "sequential") -> torch.Tensor:
     """Σ_ranks a_r @ b_r on every rank (bitwise the same everywhere): a [M, K], b [K, N], M and N
-    the same on every rank (K may differ). Collective."""
+    the same on every rank (K may differ). Collective. schedule "overlap": one persistent launch
+    in which each output tile's partials land in its owner's buffer, the owner adds them and
+    writes the sum to every rank (fused.py), bitwise equal to "sequential"."""
     _world(group)  # torch.distributed must be initialised
     problem = _pair_problem(a, b)
-    _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype"))  # K: each rank's own shard
-    return _MatmulAllReduce.apply(a, b, group)
+    if problem is None and schedule not in SCHEDULES:
+        problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
+    # K: each rank's own shard
+    _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype", "schedule"), schedule=schedule)
+    return _MatmulAllReduce.apply(a, b, group, schedule == "overlap")

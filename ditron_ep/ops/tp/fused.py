@@ -4,13 +4,15 @@ heap, bitwise equal to the sequential schedule.
   all_gather_matmul      `ag_gemm_kernels.ag_gemm_kernel`: the gathered rows land in every rank's
                          buffer chunk by chunk, each GEMM tile starts when its rows are there;
   matmul_reduce_scatter  `gemm_rs_kernels.gemm_rs_kernel`: each partial tile lands in its rows'
-                         owner's buffer, each owner adds a tile's W partials once they are there.
+                         owner's buffer, each owner adds a tile's W partials once they are there;
+  matmul_all_reduce      `gemm_ar_kernels.gemm_ar_kernel`: the same with tiles owned round-robin,
+                         each owner's sum written to every rank, copied out as it lands.
 
 `OverlapHeap` holds one group's heap for one op: a landing buffer and a signal family. It is built
 at the first call and rebuilt, on every rank together, when a call needs more rows or signals,
 other columns or another dtype (every rank knows the call's shapes: they were agreed on before
 anything moves, functional._agree). Each launch follows a verified plan of compiler.tp_plan
-(AGGemmPlan, GemmRSPlan); its GEMM tile is `gemm.matmul`'s, so every output tile is computed by the
+(AGGemmPlan, GemmRSPlan, GemmARPlan); its GEMM tile is `gemm.matmul`'s, so every output tile is computed by the
 same code with the same tile as in the sequential schedule.
 """
 from __future__ import annotations
@@ -21,16 +23,18 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_rs
+from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
 
-__all__ = ["OverlapHeap", "overlapped_all_gather_matmul", "overlapped_matmul_reduce_scatter"]
+__all__ = ["OverlapHeap", "overlapped_all_gather_matmul", "overlapped_matmul_all_reduce",
+           "overlapped_matmul_reduce_scatter"]
 
 _AG_HEAPS: dict = {}
 _RS_HEAPS: dict = {}
+_AR_HEAPS: dict = {}
 
 
 class OverlapHeap:
@@ -137,9 +141,38 @@ def _rs_plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str) -
     return lower_gemm_rs(world, m, k, n, dtype, device_type)
 
 
+def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """sum_ranks a @ b on every rank in one launch (arguments already checked and agreed on every
+    rank): gemm_ar_kernels.gemm_ar_kernel on a verified GemmARPlan."""
+    from ditron_ep.ops.tp.gemm_ar_kernels import gemm_ar_kernel
+
+    world = dist.get_world_size(group)
+    (m, k), n = a.shape, b.shape[1]
+    on_gpu = a.device.type == "cuda"
+    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    plan = _ar_plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type)
+    cfg = plan.tile
+    state = per_group(_AR_HEAPS, group, OverlapHeap)
+    state.ensure((world + 1) * m, n, torch.float32, plan.num_signals, a.device)
+    h = state.heap
+    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
+    fast(gemm_ar_kernel)[(programs,)](
+        a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
+        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1),
+        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
+    h.check_error()
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _ar_plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
+    return lower_gemm_ar(world, m, k, n, dtype, device_type)
+
+
 def free_heaps() -> None:
     """Free every group's heaps (collective on each group)."""
-    for heaps in (_AG_HEAPS, _RS_HEAPS):
+    for heaps in (_AG_HEAPS, _RS_HEAPS, _AR_HEAPS):
         for state in list(heaps.values()):
             if state.heap is not None:
                 state.heap.free()

@@ -89,7 +89,7 @@ def gemm_rs_kernel(
                     at = local.to(tl.int64)[:, None] * N + o_n[None, :]
                     acc = tl.load(land + at, mask=m, other=0.0)
                     for s in range(1, world):  # rank order, fp32, one cast: sum_in_rank_order's bits
-                        acc += tl.load(land + s * M * N + at, mask=m, other=0.0)
+                        acc += tl.load(land + (s * M).to(tl.int64) * N + at, mask=m, other=0.0)
                     tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=m)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank, call_no)

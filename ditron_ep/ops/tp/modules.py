@@ -15,6 +15,7 @@ gradient on each rank covers that rank's rows only (`bias.sequence_parallel = Tr
 marks it: sum it over the group, as Megatron's optimizer does).
 
 Tokens are the rows of x.reshape(-1, features): sequence sharding splits those rows in rank order.
+schedule="overlap" runs the GEMM + collective ops on their overlapped kernels (the same bits).
 `from_linear(linear, group=...)` shards an existing nn.Linear (every rank holding the same one).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ditron_ep.ops.tp.functional import (_world, all_gather_matmul, all_gather_rows, matmul_all_reduce,
+from ditron_ep.ops.tp.functional import (SCHEDULES, _world, all_gather_matmul, all_gather_rows, matmul_all_reduce,
                                         matmul_grads, matmul_reduce_scatter, sum_in_rank_order)
 from ditron_ep.ops.tp.gemm import matmul
 from ditron_ep.runtime.errors import DitronConfigError
@@ -113,10 +114,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
                  gather_output: bool = False, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, schedule: str = "sequential") -> None:
         super().__init__()
         self.world, self.rank = _world(group)
         self.group, self.sequence_parallel, self.gather_output = group, bool(sequence_parallel), bool(gather_output)
+        self.schedule = _check_schedule(schedule)
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _split(out_features, self.world, "out_features")
         self._init((self.out_per_rank, in_features), in_features, self.out_per_rank if bias else None, dtype, device)
@@ -130,7 +132,7 @@ class ColumnParallelLinear(_ParallelLinear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.sequence_parallel:
-            y = all_gather_matmul(x2, self.weight.t(), group=self.group)
+            y = all_gather_matmul(x2, self.weight.t(), group=self.group, schedule=self.schedule)
             lead = (y.shape[0],)  # every rank's rows, in rank order
         else:
             y = _LocalMatmul.apply(copy_to_group(x2, self.group), self.weight.t())
@@ -147,10 +149,12 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  group: dist.ProcessGroup | None = None, sequence_parallel: bool = False,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 schedule: str = "sequential") -> None:
         super().__init__()
         self.world, self.rank = _world(group)
         self.group, self.sequence_parallel = group, bool(sequence_parallel)
+        self.schedule = _check_schedule(schedule)
         self.in_features, self.out_features = in_features, out_features
         self.in_per_rank = _split(in_features, self.world, "in_features")
         self._init((out_features, self.in_per_rank), in_features, out_features if bias else None, dtype, device)
@@ -166,13 +170,19 @@ class RowParallelLinear(_ParallelLinear):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_per_rank)
         if self.sequence_parallel:
-            y = matmul_reduce_scatter(x2, self.weight.t(), group=self.group)
+            y = matmul_reduce_scatter(x2, self.weight.t(), group=self.group, schedule=self.schedule)
             lead = (y.shape[0],)  # this rank's rows
         else:
-            y = matmul_all_reduce(x2, self.weight.t(), group=self.group)
+            y = matmul_all_reduce(x2, self.weight.t(), group=self.group, schedule=self.schedule)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
+
+
+def _check_schedule(schedule: object) -> str:
+    if schedule not in SCHEDULES:
+        raise DitronConfigError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return schedule
 
 
 class _LocalMatmul(torch.autograd.Function):

@@ -114,7 +114,8 @@ def bad_input_case(kind: str) -> str:
     return "no error"
 
 
-def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: int) -> dict:
+def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: int,
+                 schedule: str = "sequential") -> dict:
     """A TP MLP block (ColumnParallel -> GELU -> RowParallel, from the same nn.Linears on every rank)
     against the unsharded block: outputs and every gradient (weights: this rank's shard)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -122,8 +123,8 @@ def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: i
     fc1, fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
     x = torch.randn(tokens, hidden)
     gout = torch.randn(tokens, hidden)
-    col = ColumnParallelLinear.from_linear(fc1, sequence_parallel=seq_parallel)
-    row = RowParallelLinear.from_linear(fc2, sequence_parallel=seq_parallel)
+    col = ColumnParallelLinear.from_linear(fc1, sequence_parallel=seq_parallel, schedule=schedule)
+    row = RowParallelLinear.from_linear(fc2, sequence_parallel=seq_parallel, schedule=schedule)
     rows = slice(rank * tokens // world, (rank + 1) * tokens // world)
     xin = (x[rows] if seq_parallel else x).clone().requires_grad_()
     y = row(torch.nn.functional.gelu(col(xin)))
@@ -195,3 +196,29 @@ def overlap_rs_case(m: int, k: int, n: int, seed: int) -> dict:
         full = sum(p.double() @ q.double() for p, q in zip(_gather_list(a), _gather_list(b)))
         errs.append(_rel(outs["overlap"][0], full[rank * rows:(rank + 1) * rows]))
     return {"same": same, "errs": errs}
+
+
+def overlap_ar_case(m: int, k: int, n: int, seed: int) -> dict:
+    """matmul_all_reduce(schedule="overlap") against "sequential" (each rank its own K, as a
+    row-parallel layer's shard): y and both gradients bit for bit, twice in a row, then with more
+    rows (a rebuilt heap); y identical on every rank and against float64."""
+    from ditron_ep.ops.tp import matmul_all_reduce
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    same, errs, ys = [], [], []
+    for rows in (m, m, 2 * m + 3):
+        a = torch.randn(rows, k + 3 * rank, generator=g)
+        b = torch.randn(k + 3 * rank, n, generator=g)
+        gout = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed + rows))  # the same on every rank
+        outs = {}
+        for schedule in ("sequential", "overlap"):
+            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+            y = matmul_all_reduce(la, lb, schedule=schedule)
+            (y * gout).sum().backward()
+            outs[schedule] = (y.detach(), la.grad, lb.grad)
+        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        full = sum(p.double() @ q.double() for p, q in zip(_gather_list(a), _gather_list(b)))
+        errs.append(_rel(outs["overlap"][0], full))
+        ys.append(all(torch.equal(y, outs["overlap"][0]) for y in _gather_list(outs["overlap"][0])))
+    return {"same": same, "errs": errs, "same_on_every_rank": ys}

@@ -32,9 +32,10 @@ def test_bad_input_raises_on_every_rank(emulated_cluster, kind, match):
         assert err.startswith("DitronConfigError") and re.search(match, err), (rank, err)
 
 
+@pytest.mark.parametrize("schedule", ["sequential", "overlap"])
 @pytest.mark.parametrize("seq_parallel", [False, True], ids=["replicated", "sequence-parallel"])
-def test_tp_mlp_block_matches_the_unsharded_block(emulated_cluster, seq_parallel):
-    for rank, errs in enumerate(emulated_cluster(2).run(fns.modules_case, seq_parallel, 10, 24, 40, 3)):
+def test_tp_mlp_block_matches_the_unsharded_block(emulated_cluster, seq_parallel, schedule):
+    for rank, errs in enumerate(emulated_cluster(2).run(fns.modules_case, seq_parallel, 10, 24, 40, 3, schedule)):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, (rank, errs)
 
@@ -49,4 +50,12 @@ def test_overlapped_all_gather_matmul_equals_sequential_bitwise(emulated_cluster
 def test_overlapped_matmul_reduce_scatter_equals_sequential_bitwise(emulated_cluster, world, m, k, n):
     for rank, rep in enumerate(emulated_cluster(world).run(fns.overlap_rs_case, m, k, n, 5)):
         assert all(all(call) for call in rep["same"]), (rank, rep)
+        assert all(e <= TOL for e in rep["errs"]), (rank, rep["errs"])
+
+
+@pytest.mark.parametrize("world, m, k, n", [(2, 21, 40, 24), (3, 5, 19, 13), (3, 40, 16, 40)])
+def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(emulated_cluster, world, m, k, n):
+    for rank, rep in enumerate(emulated_cluster(world).run(fns.overlap_ar_case, m, k, n, 6)):
+        assert all(all(call) for call in rep["same"]), (rank, rep)
+        assert all(rep["same_on_every_rank"]), (rank, rep)
         assert all(e <= TOL for e in rep["errs"]), (rank, rep["errs"])
