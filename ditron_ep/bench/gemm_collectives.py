@@ -17,6 +17,8 @@ Rows of one (op, K, N):
                         each owner's sum written to every rank; bitwise vs "ours";
     NCCL+cuBLAS <op>    all_gather_into_tensor + torch.mm / torch.mm + reduce_scatter_tensor /
                         torch.mm + all_reduce (gloo on emulated ranks);
+    torch symm_mem <op> (GPUs, AG+GEMM and GEMM+RS) PyTorch's overlapped ops on symmetric memory,
+                        torch.ops.symm_mem.fused_all_gather_matmul / fused_matmul_reduce_scatter;
     cuBLAS alone <op>   torch.mm of the op's GEMM on this rank (the time an overlapped kernel
                         would hide the communication behind).
 Work: this rank's GEMM FLOPs, 2·rows·K·N (rows = W·M for AG+GEMM and GEMM+RS, M for GEMM+AR).
@@ -41,6 +43,7 @@ GPU_CASES = {128: (("ar", 8192, 8192),), 1024: (("ag", 8192, 8192), ("rs", 8192,
              4096: (("ag", 8192, 8192),), 8192: (("ag", 8192, 3584), ("rs", 3584, 8192))}
 CPU_CASES = (("ag", 40, 24), ("rs", 24, 40), ("ar", 40, 24))
 OVERLAPPED = ("ag", "rs", "ar")  # the ops with an overlapped schedule
+SYMM_MEM_OPS = ("ag", "rs")       # the ops torch.ops.symm_mem fuses (GPUs)
 
 
 def cases(tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[tuple[str, int, int], ...]:
@@ -110,21 +113,44 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
                                            details=details))
                 except StageFailed as exc:
                     out.append(Measurement(name("ours overlap", op, k, n), work=work, ok=False, error=str(exc)))
+            if ctx.on_cuda and op in SYMM_MEM_OPS:
+                out.append(_measure_symm_mem(ctx, op, a, b, want, work, details))
             out.append(ctx.measure(name("NCCL+cuBLAS", op, k, n), base, work, "reference", True, details=details))
             del a, b, alone_a
     return out
+
+
+def _measure_symm_mem(ctx: BenchContext, op: str, a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, work: float,
+                      details: dict) -> Measurement:
+    """PyTorch's own overlapped op (torch.ops.symm_mem, async TP on symmetric memory) as a baseline,
+    checked against NCCL+cuBLAS's output within the dtype's rtol."""
+    impl = name("torch symm_mem", op, details["k"], details["n"])
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        group_name = (ctx.group if ctx.group is not None else dist.group.WORLD).group_name
+        guarded(ctx, f"{impl} (enable)", lambda: enable_symm_mem_for_group(group_name))
+        if op == "ag":
+            fn = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)[1][0]  # noqa: E731
+        else:
+            fn = lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, group_name)  # noqa: E731
+        got = guarded(ctx, f"{impl} (check)", fn)
+    except StageFailed as exc:
+        return Measurement(impl, work=work, ok=False, error=str(exc))
+    rel = relative_errors(ctx, want, {"g": got})["g"]
+    return ctx.measure(impl, fn, work, *tolerance_check(rel, TOLERANCES[ctx.dtype][0]), details=details)
 
 
 def plan_gemm_collectives(req: BenchRequest, tokens: int, options: Mapping[str, Any],
                           on_gpu: bool) -> tuple[Impl, ...]:
     ours, base = [], []
     for op, k, n in cases(tokens, options, on_gpu):
-        ours.append(Impl(name("ours", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
-                                                          name("cuBLAS alone", op, k, n))))
+        theirs = (name("NCCL+cuBLAS", op, k, n), *((name("torch symm_mem", op, k, n),) if on_gpu and op in SYMM_MEM_OPS
+                                                  else ()))
+        ours.append(Impl(name("ours", op, k, n), against=(*theirs, name("cuBLAS alone", op, k, n))))
         if op in OVERLAPPED:
-            ours.append(Impl(name("ours overlap", op, k, n), against=(name("NCCL+cuBLAS", op, k, n),
-                                                                      name("cuBLAS alone", op, k, n))))
-        base += [Impl(name("NCCL+cuBLAS", op, k, n), "baseline"), Impl(name("cuBLAS alone", op, k, n), "reference")]
+            ours.append(Impl(name("ours overlap", op, k, n), against=(*theirs, name("cuBLAS alone", op, k, n))))
+        base += [*(Impl(t, "baseline") for t in theirs), Impl(name("cuBLAS alone", op, k, n), "reference")]
     return (*ours, *base)
 
 
