@@ -57,7 +57,14 @@ def test_moe_plans_layers_references_and_floor() -> None:
     small, big = plan("moe", on_gpu=True), plan("moe", on_gpu=True, at=4096)
     assert "FusedMoE sized for T=4096" in small and "FusedMoE sized for T=4096" not in big
     assert {"moe overlap, CUDA graph", "FusedMoE, graph cache off"} <= set(big)
-    assert [n for n, i in big.items() if i.kind == "baseline"] == ["torch-native", "grouped GEMM alone"]
+    # DeepEP + grouped_mm: GPUs, bf16 (a row saying why where deep_ep does not import)
+    assert [n for n, i in big.items() if i.kind == "baseline"] == ["torch-native", "DeepEP + grouped_mm",
+                                                                   "grouped GEMM alone"]
+    assert big["moe overlap"].against == ("torch-native", "grouped GEMM alone", "DeepEP + grouped_mm")
+    assert "DeepEP + grouped_mm" not in plan("moe", at=4096)
+    train = plan("moe_train", on_gpu=True)
+    assert train["moe overlap, fwd+bwd"].against == ("torch-native, fwd+bwd", "DeepEP + grouped_mm, fwd+bwd")
+    assert "DeepEP + grouped_mm, fwd+bwd" not in plan("moe_train")
     refs = [n for n, i in big.items() if i.kind == "reference"]
     assert len(refs) == 8 and refs[-1].startswith("floor") and not big[refs[-1]].timed
     assert not [i for i in plan("moe", ("refs", "0")).values() if i.kind == "reference"]
@@ -109,6 +116,9 @@ def test_gpu_defaults(name: str) -> None:
     if name == "deepspeed_moe":  # the drop-in issue's DeepSpeed block: H=4096, I=4H, E=16, top-2, T=4096
         assert b.shapes["torch"] == Shape(4096, 16, 2, 16384) and b.tokens["torch"] == (4096,)
         return
+    if name == "megatron_dispatch":  # the drop-in issue's Megatron run: top-8 of 64, 4096 tokens a rank
+        assert b.shapes["torch"] == Shape(7168, 64, 8) and b.tokens["torch"] == (4096,)
+        return
     if name == "gemm_collectives":  # the GEMM+collective issue's M per rank (its (op, K, N) table)
         assert b.tokens["torch"] == (128, 1024, 4096, 8192)
         return
@@ -122,3 +132,12 @@ def test_gpu_defaults(name: str) -> None:
     assert b.shapes["torch"] == (Shape(7168, 256, 8) if ep else Shape(7168, 64, 8, 2048))
     # training is timed at the training issue's token counts
     assert b.tokens["torch"] == ((1024, 4096) if name == "moe_train" else (128, 4096)) and b.dtypes["torch"][0] == "bf16"
+
+
+def test_megatron_dispatch_plans_megatrons_dispatchers_on_gpus():
+    """Megatron's own dispatchers need CUDA: CPU ranks time ours alone."""
+    assert list(plan("megatron_dispatch")) == ["ditron dispatcher, fwd+bwd"]
+    gpu = plan("megatron_dispatch", on_gpu=True)
+    assert list(gpu) == ["ditron dispatcher, fwd+bwd", "alltoall dispatcher, fwd+bwd", "flex dispatcher (DeepEP), fwd+bwd"]
+    assert gpu["ditron dispatcher, fwd+bwd"].against == ("alltoall dispatcher, fwd+bwd",
+                                                        "flex dispatcher (DeepEP), fwd+bwd")
