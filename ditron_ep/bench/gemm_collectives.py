@@ -125,11 +125,15 @@ def _measure_symm_mem(ctx: BenchContext, op: str, a: torch.Tensor, b: torch.Tens
     """PyTorch's own overlapped op (torch.ops.symm_mem, async TP on symmetric memory) as a baseline,
     checked against NCCL+cuBLAS's output within the dtype's rtol."""
     impl = name("torch symm_mem", op, details["k"], details["n"])
-    try:
-        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-        group_name = (ctx.group if ctx.group is not None else dist.group.WORLD).group_name
-        guarded(ctx, f"{impl} (enable)", lambda: enable_symm_mem_for_group(group_name))
+    def enable() -> None:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group  # absent on some builds
+
+        enable_symm_mem_for_group(group_name)
+
+    group_name = (ctx.group if ctx.group is not None else dist.group.WORLD).group_name
+    try:
+        guarded(ctx, f"{impl} (enable)", enable)
         if op == "ag":
             fn = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [b], 0, group_name)[1][0]  # noqa: E731
         else:

@@ -160,9 +160,11 @@ def lower_ag_gemm(world_size: int, rows: int, k: int, n: int, dtype: str, device
 
 def verify_ag_gemm(plan: AGGemmPlan) -> None:
     """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
-    for name in ("world_size", "rows", "k", "n", "chunk_rows"):
+    for name in ("world_size", "rows", "k", "chunk_rows"):
         if not is_positive_int(getattr(plan, name)):
             raise PlanError(f"AGGemmPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
+    if not is_nonnegative_int(plan.n):  # N is each rank's own: a rank with none only gathers
+        raise PlanError(f"AGGemmPlan.n must be an int >= 0, got {plan.n!r}")
     if not is_nonnegative_int(plan.comm_programs):
         raise PlanError(f"AGGemmPlan.comm_programs must be an int >= 0, got {plan.comm_programs!r}")
     want = sequential_tile(plan.dtype, plan.device_type)
@@ -373,6 +375,18 @@ class GemmARPlan(_Verified):
     def copy_task(self, rank: int, j: int) -> int:
         return j
 
+    def reduce_waits(self, t: int) -> list[int]:
+        """The signals tile t's reduce waits for: every source's partial."""
+        return [self.partial_signal(s, t) for s in range(self.world_size)]
+
+    def result_destinations(self, t: int) -> range:
+        """The ranks the owner of tile t writes its sum to (and stamps result_signal(t) on)."""
+        return range(self.world_size)
+
+    def copy_waits(self, t: int) -> list[int]:
+        """The signals rank's copy-out of tile t waits for: the owner's stamp of the tile."""
+        return [self.result_signal(t)]
+
     def describe(self) -> str:
         return "\n".join([
             f"GEMM+AllReduce plan  W={self.world_size}  M={self.rows}  K={self.k} (this rank)  N={self.n}  "
@@ -395,9 +409,11 @@ def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device
 
 def verify_gemm_ar(plan: GemmARPlan) -> None:
     """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
-    for name in ("world_size", "rows", "k", "n"):
+    for name in ("world_size", "rows", "n"):
         if not is_positive_int(getattr(plan, name)):
             raise PlanError(f"GemmARPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
+    if not is_nonnegative_int(plan.k):  # a rank's shard of the reduction may be empty
+        raise PlanError(f"GemmARPlan.k must be an int >= 0, got {plan.k!r}")
     want = sequential_tile(plan.dtype, plan.device_type)
     if plan.tile != want:
         raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
@@ -410,14 +426,19 @@ def verify_gemm_ar(plan: GemmARPlan) -> None:
             raise PlanError(f"device: rank {src}'s GEMM tickets compute tiles other than once each")
         stamped |= {plan.partial_signal(src, t) for t in tiles}
     reduced: dict[int, int] = {}
+    results: set[tuple[int, int]] = set()  # (rank, result signal) an owner's reduce stamps
     for rank in range(w):
         for j in range(plan.n_owned(rank)):
             t = plan.reduce_task(rank, j)
             if not 0 <= t < n_t or plan.owner(t) != rank:
                 raise PlanError(f"task: reduce ticket {j} of rank {rank} names tile {t}, which it does not own")
             reduced[t] = reduced.get(t, 0) + 1
-            if not all(plan.partial_signal(s, t) in stamped for s in range(w)):
-                raise PlanError(f"device: tile {t}'s reduce waits for a partial no GEMM ticket stamps")
+            waits = set(plan.reduce_waits(t))
+            need = {plan.partial_signal(s, t) for s in range(w)}
+            if waits != need or not need <= stamped:
+                raise PlanError(f"device: tile {t}'s reduce waits for {sorted(waits)[:4]}, its partials are stamped "
+                                f"on {sorted(need)[:4]}")
+            results |= {(d, plan.result_signal(t)) for d in plan.result_destinations(t)}
     bad = [t for t in range(n_t) if reduced.get(t) != 1]
     if bad:
         raise PlanError(f"task: tiles {bad[:4]} reduced other than once")
@@ -425,3 +446,8 @@ def verify_gemm_ar(plan: GemmARPlan) -> None:
         copied = sorted(plan.copy_task(rank, j) for j in range(n_t))
         if copied != list(range(n_t)):
             raise PlanError(f"device: rank {rank} copies tiles out other than once each")
+        for t in range(n_t):
+            if not any((rank, sig) in results for sig in plan.copy_waits(t)) or \
+                    plan.result_signal(t) not in plan.copy_waits(t):
+                raise PlanError(f"device: rank {rank}'s copy-out of tile {t} waits for {plan.copy_waits(t)}, not "
+                                f"for its owner's stamp of the sum on this rank")

@@ -35,7 +35,7 @@ __all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TuneCache", "TuneKey", "cho
            "tuned_choices"]
 
 CACHE_ENV = "DITRON_TUNE_CACHE"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: rows buckets are the nearest power of two (1: the next one up)
 
 
 def default_cache_path() -> Path:
@@ -116,7 +116,7 @@ def parse_choice(text: str) -> Choice:
 
 
 class TuneCache:
-    """The JSON file of tuned choices: {"version": 1, "entries": {key text: {"choices": {kernel:
+    """The JSON file of tuned choices: {"version": 2, "entries": {key text: {"choices": {kernel:
     "path:BM..-BN..-BK..-w..-s.."}, "ms": {kernel: median ms}, "measured": ISO time}}}. Read once
     per process and file version (mtime); written atomically (temp file + rename)."""
 
@@ -137,6 +137,10 @@ class TuneCache:
             except ValueError as exc:
                 raise ValueError(f"{self.path} is not valid JSON ({exc}): delete it or point {CACHE_ENV} "
                                  f"elsewhere") from None
+            if isinstance(data, dict) and data.get("version") == 1:
+                raise ValueError(f"{self.path} is a version 1 tune cache: its row buckets were the next power of "
+                                 f"two up, now they are the nearest; tune again (python -m ditron_ep tune) into a new "
+                                 f"file, or delete it")
             if not isinstance(data, dict) or data.get("version") != CACHE_VERSION \
                     or not isinstance(data.get("entries"), dict):
                 raise ValueError(f"{self.path} is not a ditron_ep tune cache (version {CACHE_VERSION}): "

@@ -119,11 +119,24 @@ def _broken_ar(name: str):
 
         def copy_task(self, rank, j):
             return 0 if name == "copy" and j == 1 else super().copy_task(rank, j)
+
+        def reduce_waits(self, t):
+            got = super().reduce_waits(t)
+            return got[:-1] if name == "short wait" else got
+
+        def copy_waits(self, t):
+            return [] if name == "copy no wait" else super().copy_waits(t)
+
+        def result_destinations(self, t):
+            got = super().result_destinations(t)
+            return got[:-1] if name == "result lost" else got
     return Broken
 
 
 @pytest.mark.parametrize("name, match", [("twice", "other than once"), ("not owned", "does not own"),
-                                         ("copy", "copies tiles out other than once")])
+                                         ("copy", "copies tiles out other than once"), ("short wait", "reduce waits"),
+                                         ("copy no wait", "not for its owner's stamp"),
+                                         ("result lost", "not for its owner's stamp")])
 def test_gemm_ar_plans_the_verifier_must_reject(name, match):
     good = lower_gemm_ar(3, 40, 40, 40, "float32", "cpu")
     fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}

@@ -13,7 +13,7 @@ from ditron_ep.compiler import tuner
 from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
 from ditron_ep.compiler.lowering import lower
 from ditron_ep.compiler.plan import MoESpec
-from ditron_ep.compiler.tuner import TuneCache, TuneKey, choice_text, parse_choice, rows_bucket
+from ditron_ep.compiler.tuner import CACHE_VERSION, TuneCache, TuneKey, choice_text, parse_choice, rows_bucket
 from ditron_ep.ops.moe_layer import hopper_path
 from ditron_ep.ops.moe_layer.grouped import grouped_mlp, kernel_choices
 from ditron_ep.runtime.errors import DitronConfigError
@@ -61,7 +61,8 @@ def test_cache_round_trip_miss_and_other_keys(tmp_path):
 @pytest.mark.parametrize("content, match", [
     ("{not json", "not valid JSON"),
     (json.dumps({"version": 99, "entries": {}}), "not a ditron_ep tune cache"),
-    (json.dumps({"version": 1, "entries": {"bad key": {}}}), "expected op"),
+    (json.dumps({"version": 1, "entries": {}}), "version 1 tune cache: its row buckets"),
+    (json.dumps({"version": CACHE_VERSION, "entries": {"bad key": {}}}), "expected op"),
 ])
 def test_malformed_cache_files_raise_saying_what_to_do(tmp_path, content, match):
     path = tmp_path / "tuned.json"
@@ -72,7 +73,8 @@ def test_malformed_cache_files_raise_saying_what_to_do(tmp_path, content, match)
 
 def test_malformed_entry_raises(tmp_path):
     path = tmp_path / "tuned.json"
-    path.write_text(json.dumps({"version": 1, "entries": {_key().text(): {"choices": {"up": "hopper:BM3"}}}}))
+    entries = {_key().text(): {"choices": {"up": "hopper:BM3"}}}
+    path.write_text(json.dumps({"version": CACHE_VERSION, "entries": entries}))
     with pytest.raises(ValueError, match="malformed"):
         TuneCache(path).get(_key())
 

@@ -186,7 +186,8 @@ def grouped_mlp(
                              f"{', '.join(stray)} must be leaf tensors (Parameters), not results of other ops; "
                              f"pass the parameters themselves, or leave grad_dtype None")
     if needs_grad:
-        z, h = _GroupedUp.apply(x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch)
+        z, h = _GroupedUp.apply(x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch,
+                                bool(save_preactivation))
         return _GroupedDown.apply(z, h, w2, b2, expert_offsets, run, grad_dtype,
                                   None if save_preactivation else (x, w1, b1, row_index))
     return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
@@ -316,8 +317,8 @@ class _Launches:
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
             HAS_BIAS=gb is not None, **cfg.launch_options())
 
-    def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out, z=None):
-        """y [rows, H] (into `out` when given); z: also write the pre-activation there."""
+    def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out):
+        """y [rows, H] (into `out` when given): the no-gradient path."""
         rows = x.shape[0] if row_index is None else row_index.shape[0]
         hidden, inter = x.shape[1], w2.shape[1]
         if out is None:
@@ -330,7 +331,7 @@ class _Launches:
             return out
         h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         maps = self._maps(expert_offsets, "up", "down")
-        self.launch_up(x, w1, h, expert_offsets, row_index, b1, z, maps["up"])
+        self.launch_up(x, w1, h, expert_offsets, row_index, b1, None, maps["up"])
         self.launch_down(h, w2, out, expert_offsets, maps["down"], b2)
         return out
 
@@ -419,13 +420,17 @@ class _GroupedUp(torch.autograd.Function):
     dx and dW1 are allocated — the step's peak memory (-rows * H elements)."""
 
     @staticmethod
-    def forward(ctx, x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch):
+    def forward(ctx, x, w1, b1, expert_offsets, run, grad_dtype, row_index, inter, x_is_scratch, keep_z):
         rows = x.shape[0] if row_index is None else row_index.shape[0]
-        z = torch.empty((rows, w1.shape[2]), dtype=x.dtype, device=x.device)
+        z = torch.empty((rows, w1.shape[2]), dtype=x.dtype, device=x.device) if keep_z else None
         h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
         if rows:
             run.launch_up(x, w1, h, expert_offsets, row_index, b1, z)
+        if z is None:  # recomputed in the backward: only the autograd link, no memory
+            z = x.new_zeros(()).expand(rows, w1.shape[2])
         ctx.mark_non_differentiable(h)
+        # h's gradient is never computed: no [rows, I] zeros made for it at the backward's peak
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, w1, b1, expert_offsets)
         ctx.run, ctx.grad_dtype, ctx.row_index = run, grad_dtype, row_index
         ctx.dx_into_x = x_is_scratch and row_index is None and x.is_contiguous()
@@ -434,6 +439,8 @@ class _GroupedUp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dz, _dh):
+        if dz is None:
+            return (None,) * 10
         x, w1, b1, expert_offsets = ctx.saved_tensors
         need_x, need_w1, need_b1 = ctx.needs_input_grad[:3]
         n_x, row_index = x.shape[0], ctx.row_index
@@ -443,7 +450,7 @@ class _GroupedUp(torch.autograd.Function):
         if row_index is not None and dx is not None:
             dx = sum_rows_into(dx, row_index, n_x)  # -1: no row
         return (dx, *_weight_grads(ctx.params, (dw1 if need_w1 else None, db1)), None, None, None, None, None,
-                None)
+                None, None)
 
 
 class _GroupedDown(torch.autograd.Function):
@@ -457,17 +464,18 @@ class _GroupedDown(torch.autograd.Function):
         y = torch.empty((h.shape[0], w2.shape[2]), dtype=h.dtype, device=h.device)
         if h.shape[0]:
             run.launch_down(h, w2, y, expert_offsets, run._maps(expert_offsets, "down")["down"], b2)
-        ctx.save_for_backward(None if recompute else z, w2, expert_offsets)
-        ctx.run, ctx.grad_dtype, ctx.recompute, ctx.width = run, grad_dtype, recompute, z.shape[1]
+        # saved (not ctx attributes): freed when this backward has run, and version-checked (x may
+        # have become dx under x_is_scratch: a second backward then raises)
+        ctx.save_for_backward(None if recompute else z, w2, expert_offsets, *(recompute or (None,) * 4))
+        ctx.run, ctx.grad_dtype, ctx.recompute, ctx.width = run, grad_dtype, recompute is not None, z.shape[1]
         ctx.params = (w2, b2) if grad_dtype is not None else None
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        z, w2, expert_offsets = ctx.saved_tensors
+        z, w2, expert_offsets, x, w1, b1, row_index = ctx.saved_tensors
         need_w2, need_b2 = ctx.needs_input_grad[2:4]
-        if ctx.recompute is not None:  # the first GEMM again, on the rows the forward read
-            x, w1, b1, row_index = ctx.recompute
+        if ctx.recompute:  # the first GEMM again, on the rows the forward read
             rows, _ = gathered_rows(x, row_index, expert_offsets)
             z = torch.empty((rows.shape[0], ctx.width), dtype=rows.dtype, device=rows.device)
             if rows.shape[0]:

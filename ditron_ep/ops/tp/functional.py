@@ -193,7 +193,9 @@ def all_gather_matmul(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
     _agree(group, "all_gather_matmul", a, b, problem, ("rows", "K", "dtype", "schedule"),
            schedule=schedule)
-    return _AllGatherMatmul.apply(a, b, group, bool(return_gathered), schedule == "overlap")
+    # an empty a takes the sequential path on every rank (its rows and K agree; N may differ per rank,
+    # and a rank with N = 0 only gathers, in the kernel too)
+    return _AllGatherMatmul.apply(a, b, group, bool(return_gathered), schedule == "overlap" and a.numel() > 0)
 
 
 def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -210,7 +212,8 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.Proce
     if problem is None and schedule not in SCHEDULES:
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
     _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype", "schedule"), schedule=schedule)
-    return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap")
+    # (an empty product takes the sequential path: every rank's shapes agree, so every rank does)
+    return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap" and a.numel() * b.numel() > 0)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -225,4 +228,6 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
     # K: each rank's own shard
     _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype", "schedule"), schedule=schedule)
-    return _MatmulAllReduce.apply(a, b, group, schedule == "overlap")
+    # an empty result takes the sequential path on every rank (M and N agree; K = 0 on a rank is
+    # a zero partial, which the kernel adds like any other)
+    return _MatmulAllReduce.apply(a, b, group, schedule == "overlap" and a.shape[0] * b.shape[1] > 0)

@@ -116,29 +116,8 @@ def overlapped_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: di
     every rank): gemm_rs_kernels.gemm_rs_kernel on a verified GemmRSPlan."""
     from ditron_ep.ops.tp.gemm_rs_kernels import gemm_rs_kernel
 
-    world = dist.get_world_size(group)
-    m, k = a.shape[0] // world, a.shape[1]
-    n = b.shape[1]
-    on_gpu = a.device.type == "cuda"
-    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
-    plan = _rs_plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type)
-    cfg = plan.tile
-    state = per_group(_RS_HEAPS, group, OverlapHeap)
-    state.ensure(world * m, n, torch.float32, plan.num_signals, a.device)
-    h = state.heap
-    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
-    fast(gemm_rs_kernel)[(programs,)](
-        a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
-        m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1),
-        BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
-    h.check_error()
-    return y
-
-
-@functools.lru_cache(maxsize=64)
-def _rs_plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
-    return lower_gemm_rs(world, m, k, n, dtype, device_type)
+    m = a.shape[0] // dist.get_world_size(group)
+    return _reducing_launch(gemm_rs_kernel, lower_gemm_rs, _RS_HEAPS, a, b, group, m, lambda world: world * m)
 
 
 def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -146,18 +125,26 @@ def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.P
     rank): gemm_ar_kernels.gemm_ar_kernel on a verified GemmARPlan."""
     from ditron_ep.ops.tp.gemm_ar_kernels import gemm_ar_kernel
 
+    m = a.shape[0]
+    return _reducing_launch(gemm_ar_kernel, lower_gemm_ar, _AR_HEAPS, a, b, group, m, lambda world: (world + 1) * m)
+
+
+def _reducing_launch(kernel, lower, heaps: dict, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+                     m: int, landing_rows) -> torch.Tensor:
+    """y [m, N] of a reducing overlapped op (GEMM+RS, GEMM+AR): its verified plan, its group's heap
+    (an fp32 landing buffer of landing_rows(W) rows and the plan's signals), one launch."""
     world = dist.get_world_size(group)
-    (m, k), n = a.shape, b.shape[1]
+    k, n = a.shape[1], b.shape[1]
     on_gpu = a.device.type == "cuda"
-    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
-    plan = _ar_plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type)
+    plan = _reducing_plan(lower, world, m, k, n, str(a.dtype).removeprefix("torch."),
+                          "hip" if on_gpu and torch.version.hip else a.device.type)
     cfg = plan.tile
-    state = per_group(_AR_HEAPS, group, OverlapHeap)
-    state.ensure((world + 1) * m, n, torch.float32, plan.num_signals, a.device)
+    state = per_group(heaps, group, OverlapHeap)
+    state.ensure(landing_rows(world), n, torch.float32, plan.num_signals, a.device)
     h = state.heap
     y = torch.empty((m, n), dtype=a.dtype, device=a.device)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
-    fast(gemm_ar_kernel)[(programs,)](
+    fast(kernel)[(programs,)](
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
         m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
@@ -165,9 +152,9 @@ def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.P
     return y
 
 
-@functools.lru_cache(maxsize=64)
-def _ar_plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
-    return lower_gemm_ar(world, m, k, n, dtype, device_type)
+@functools.lru_cache(maxsize=128)
+def _reducing_plan(lower, world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan | GemmARPlan:
+    return lower(world, m, k, n, dtype, device_type)
 
 
 def free_heaps() -> None:

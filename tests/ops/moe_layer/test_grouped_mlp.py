@@ -215,6 +215,14 @@ def test_partial_gradients_and_the_output_gradient_freed_before_the_first_gemm(m
         return up_backward(self, *args, **kwargs)
 
     monkeypatch.setattr(grouped_mod._Launches, "up_backward", checked_up_backward)
+    up = grouped_mod._GroupedUp.backward
+    h_grads = []
+
+    def recording_up(ctx, dz, dh):  # h is not differentiable: no zeros [rows, I] made for its gradient
+        h_grads.append(dh)
+        return up(ctx, dz, dh)
+
+    monkeypatch.setattr(grouped_mod._GroupedUp, "backward", staticmethod(recording_up))
 
     def grads(wanted):
         leaves = {n: t.clone().requires_grad_(n in wanted) for n, t in
@@ -228,6 +236,7 @@ def test_partial_gradients_and_the_output_gradient_freed_before_the_first_gemm(m
     dy_refs: list = []
     full = grads(names)
     assert seen == [True], "the output's gradient was still alive in the first GEMM's backward"
+    assert h_grads == [None], "a gradient of h was materialised"
     for name in names:
         dy_refs = []
         assert torch.equal(grads((name,))[name], full[name]), f"grad {name} alone differs"
@@ -235,21 +244,24 @@ def test_partial_gradients_and_the_output_gradient_freed_before_the_first_gemm(m
 
 def test_x_is_scratch_gives_the_same_gradients_and_guards_a_retained_graph():
     """x_is_scratch=True (rows only this call reads): dx is written over x after dW1 has read it,
-    with every gradient bit as without; a second backward through a retained graph raises
-    (autograd's version check) instead of reading dx as x."""
+    with every gradient bit as without, also with the pre-activation recomputed; a second backward
+    through a retained graph raises (autograd's version check) instead of reading dx as x."""
     inp = make_inputs([7, 0, 12, 3], 40, 24, rows=25, seed=21)
     grad_y = torch.randn(25, 40, generator=torch.Generator().manual_seed(22))
     runs = []
-    for scratch in (False, True):
+    for scratch, save_z in ((False, True), (True, True), (True, False)):  # and with the recomputed z
         leaves = [t.clone().requires_grad_() for t in (inp["x"], inp["w1"], inp["w2"])]
         rows = leaves[0] * 1  # a non-leaf the call owns, like a dispatch's received rows
-        y = grouped_mlp(rows, inp["expert_offsets"], leaves[1], leaves[2], x_is_scratch=scratch)
+        y = grouped_mlp(rows, inp["expert_offsets"], leaves[1], leaves[2], x_is_scratch=scratch,
+                        save_preactivation=save_z)
         y.backward(grad_y, retain_graph=True)
         runs.append([y.detach()] + [t.grad.clone() for t in leaves])
         if scratch:
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 y.backward(grad_y)
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+            if not save_z:  # the recomputation reads x first: nothing computed from dx as x
+                assert torch.equal(leaves[2].grad, runs[-1][3]), "a second backward added a gradient before raising"
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

@@ -222,3 +222,27 @@ def overlap_ar_case(m: int, k: int, n: int, seed: int) -> dict:
         errs.append(_rel(outs["overlap"][0], full))
         ys.append(all(torch.equal(y, outs["overlap"][0]) for y in _gather_list(outs["overlap"][0])))
     return {"same": same, "errs": errs, "same_on_every_rank": ys}
+
+
+def overlap_empty_case() -> dict:
+    """The overlapped schedule with empty operands gives what the sequential one does, on every
+    rank (no rank raising alone): AG+GEMM with N = 0 on rank 1 and with no rows; GEMM+RS with no
+    rows; GEMM+AR with K = 0 on rank 1 and with no rows."""
+    from ditron_ep.ops.tp import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    cases = {
+        "ag N=0 on rank 1": (all_gather_matmul, torch.randn(5, 8, generator=g), torch.randn(8, 0 if rank == 1 else 6)),
+        "ag no rows": (all_gather_matmul, torch.randn(0, 8), torch.randn(8, 6, generator=g)),
+        "rs no rows": (matmul_reduce_scatter, torch.randn(0, 8), torch.randn(8, 6, generator=g)),
+        "ar K=0 on rank 1": (matmul_all_reduce, torch.randn(7, 0 if rank == 1 else 9, generator=g),
+                             torch.randn(0 if rank == 1 else 9, 6, generator=g)),
+        "ar no rows": (matmul_all_reduce, torch.randn(0, 9), torch.randn(9, 6, generator=g)),
+    }
+    out = {}
+    for what, (op, a, b) in cases.items():
+        seq, over = (op(a, b, schedule=s) for s in ("sequential", "overlap"))
+        out[what] = torch.equal(seq, over) and tuple(over.shape) == tuple(seq.shape)
+    assert world >= 2
+    return out

@@ -59,3 +59,8 @@ def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(emulated_cluster
         assert all(all(call) for call in rep["same"]), (rank, rep)
         assert all(rep["same_on_every_rank"]), (rank, rep)
         assert all(e <= TOL for e in rep["errs"]), (rank, rep["errs"])
+
+
+def test_overlapped_ops_with_empty_operands_match_sequential(emulated_cluster):
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.overlap_empty_case)):
+        assert all(rep.values()), (rank, rep)
