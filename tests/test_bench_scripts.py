@@ -44,7 +44,7 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     eager_gpu = eager[:5] + fp8 + eager[5:]
     assert list(cpu) == eager + baselines and list(gpu) == eager_gpu + list(GRAPHS) + baselines + deepep
     assert [gpu[g].against for g in GRAPHS] == [(), ("a2a dispatch",), ("a2a combine",), ("a2a dispatch+combine",),
-                                                (), ()]
+                                                (), (), ("a2a dispatch",), ("a2a combine",)]
     assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch")
     assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine")
     assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines]

@@ -29,7 +29,8 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       replays: the layout; dispatch(sync=False) (layout + data kernel); combine;
                       dispatch+combine; and dispatch / combine with 0 tokens on every rank (the
                       fixed cost of a cross-rank launch under the timing rule: host skew after the
-                      barrier, graph launch, entry barrier, counts exchange).
+                      barrier, graph launch, entry barrier, counts exchange); the token-major
+                      dispatch and the rank-reduced combine (checked bitwise against eager calls).
 "dispatch" times the two dispatch rows against all_to_all_single, "combine" the two combine rows;
 "dispatch_combine" times every row of its modes against the exchange of the same direction
 (a2a dispatch, a2a combine, and both in one call for the round trip).
@@ -86,7 +87,8 @@ TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
 TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
 FP8_DISPATCH, FP8_DEQUANT = "EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
-          "graph: dispatch, 0 tokens", "graph: combine, 0 tokens")
+          "graph: dispatch, 0 tokens", "graph: combine, 0 tokens", "graph: dispatch token_major",
+          "graph: combine expert_rank")
 
 
 # ============================================================================ one T: inputs, baseline, buffer
@@ -360,6 +362,16 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         graphs["graph: dispatch, 0 tokens"] = capture_graph(lambda: buf.dispatch(x0, idx0, w0, sync=False))
         recv_0, h_0 = graphs["graph: dispatch, 0 tokens"][1]
         graphs["graph: combine, 0 tokens"] = capture_graph(lambda: buf.combine(recv_0, h_0, w0))
+        # the new layouts as graphs: token-major rows; the rank-reduced combine of the graph's rows
+        tok, _ = buf.dispatch(x, idx, w, layout="token_major")
+        eager["token_major"] = tok
+        r3, h3 = buf.dispatch(x, idx, w, sync=False)
+        eager["expert_rank"] = buf.combine(r3, h3, topk_sum="expert_rank")
+        buf.dispatch(x, idx, w, sync=False, layout="token_major")   # compiles the graph-mode variant
+        torch.cuda.synchronize(ctx.device)
+        graphs["graph: dispatch token_major"] = capture_graph(
+            lambda: buf.dispatch(x, idx, w, sync=False, layout="token_major"))
+        graphs["graph: combine expert_rank"] = capture_graph(lambda: buf.combine(recv_g, h_g, topk_sum="expert_rank"))
 
     def dispatched(out: Any, want: torch.Tensor) -> bool:
         recv, handle = out
@@ -380,6 +392,9 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
                                       lambda out: int(out[1].expert_offsets[-1]) == 0),
         "graph: combine, 0 tokens": (None, ("ok: 0 tokens out", "FAIL: tokens out"),
                                      lambda out: out.shape == (0, x.shape[1])),
+        "graph: dispatch token_major": ("dispatch", bitwise, lambda out: torch.equal(
+            out[0][:eager["token_major"].shape[0]], eager["token_major"])),
+        "graph: combine expert_rank": ("combine", bitwise, lambda out: torch.equal(out, eager["expert_rank"])),
     }
     try:
         guarded(ctx, "graph capture", build, buf)
@@ -390,7 +405,7 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         for name in GRAPHS:
             kind, texts, passes = checks[name]
             work, details = case.work(ctx, kind) if kind else (None, {})
-            if name == "graph: combine" and not done["graph: dispatch"].ok:
+            if name in ("graph: combine", "graph: combine expert_rank") and not done["graph: dispatch"].ok:
                 # The combine graph reads the dispatch graph's outputs: only valid after a good replay.
                 done[name] = Measurement(name, work=work, ok=False,
                                          error="not run: the dispatch graph it reads from failed")
@@ -472,7 +487,8 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
     if "graph" in options["mode"] and on_gpu:
         ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
-                 Impl("graph: combine, 0 tokens")]
+                 Impl("graph: combine, 0 tokens"), Impl("graph: dispatch token_major", against=d),
+                 Impl("graph: combine expert_rank", against=c)]
     return _plan(*ours, baselines=(*d, *c, *rt, *deepep))
 
 
