@@ -116,6 +116,9 @@ def test_gpu_defaults(name: str) -> None:
     if name == "deepspeed_moe":  # the drop-in issue's DeepSpeed block: H=4096, I=4H, E=16, top-2, T=4096
         assert b.shapes["torch"] == Shape(4096, 16, 2, 16384) and b.tokens["torch"] == (4096,)
         return
+    if name == "tp_mlp":  # the GEMM+collective issue's TP MLP block (a Llama-70B-sized FFN)
+        assert b.shapes["torch"] == Shape(8192, 1, 1, 28672) and b.tokens["torch"] == (1024, 4096)
+        return
     if name == "megatron_dispatch":  # the drop-in issue's Megatron run: top-8 of 64, 4096 tokens a rank
         assert b.shapes["torch"] == Shape(7168, 64, 8) and b.tokens["torch"] == (4096,)
         return
