@@ -23,12 +23,13 @@ def test_exchange_element_exact(emulated_cluster, world, R, C, dtype, programs):
         assert res["calls"] == 2
 
 
-def test_thousand_calls_without_reset(emulated_cluster):
-    # Signals and the call barrier are reused 1000 times with no reset pass in between.
-    results = emulated_cluster(2).run(fns.exchange, 1, 4, torch.float32, 1000, 1, None, 100)
+def test_many_calls_without_reset(emulated_cluster):
+    # Signals and the call barrier are reused 300 times with no reset pass in between (records
+    # alternate by call parity: 300 calls reuse each slot 150 times; 1000 took 48 s of the CPU suite).
+    results = emulated_cluster(2).run(fns.exchange, 1, 4, torch.float32, 300, 1, None, 100)
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}: {res['mismatches'][:5]}"
-        assert res["calls"] == 1000
+        assert res["calls"] == 300
 
 
 def test_call_number_wraps_around(emulated_cluster):
