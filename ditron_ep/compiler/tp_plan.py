@@ -66,6 +66,28 @@ class _Verified:
         return self.verified_digest == self.digest()
 
 
+def _check_basics(plan, positive: tuple[str, ...], nonnegative: tuple[str, ...] = ()) -> None:
+    """PlanError unless the named fields are positive / non-negative ints and the GEMM tile is the
+    sequential schedule's (whose bits every overlapped kernel must equal)."""
+    kind = type(plan).__name__
+    for name in positive:
+        if not is_positive_int(getattr(plan, name)):
+            raise PlanError(f"{kind}.{name} must be a positive int, got {getattr(plan, name)!r}")
+    for name in nonnegative:
+        if not is_nonnegative_int(getattr(plan, name)):
+            raise PlanError(f"{kind}.{name} must be an int >= 0, got {getattr(plan, name)!r}")
+    want = sequential_tile(plan.dtype, plan.device_type)
+    if plan.tile != want:
+        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
+                        f"kernel would not be bitwise equal to it")
+
+
+def _verified(plan, verify):
+    """`plan` checked by `verify` and stamped with its digest."""
+    verify(plan)
+    return dataclasses.replace(plan, verified_digest=plan.digest())
+
+
 def shard_order_tile(i: int, first: int, world: int, m: int, bm: int) -> int:
     """The i-th M-tile of the W*m rows in shard order from shard `first` (a tile belongs to the
     shard of its first row): the kernels' `shard_tile`."""
@@ -153,24 +175,14 @@ def lower_ag_gemm(world_size: int, rows: int, k: int, n: int, dtype: str, device
                   comm_programs: int = 0, chunk_rows: int | None = None) -> AGGemmPlan:
     """The verified AllGather+GEMM plan: chunks of one GEMM row tile, the sequential tile."""
     tile = sequential_tile(dtype, device_type)
-    plan = AGGemmPlan(world_size, rows, k, n, dtype, device_type, chunk_rows or tile.block_m, comm_programs, tile)
-    verify_ag_gemm(plan)
-    return dataclasses.replace(plan, verified_digest=plan.digest())
+    return _verified(AGGemmPlan(world_size, rows, k, n, dtype, device_type, chunk_rows or tile.block_m, comm_programs,
+                                tile), verify_ag_gemm)
 
 
 def verify_ag_gemm(plan: AGGemmPlan) -> None:
     """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
-    for name in ("world_size", "rows", "k", "chunk_rows"):
-        if not is_positive_int(getattr(plan, name)):
-            raise PlanError(f"AGGemmPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
-    if not is_nonnegative_int(plan.n):  # N is each rank's own: a rank with none only gathers
-        raise PlanError(f"AGGemmPlan.n must be an int >= 0, got {plan.n!r}")
-    if not is_nonnegative_int(plan.comm_programs):
-        raise PlanError(f"AGGemmPlan.comm_programs must be an int >= 0, got {plan.comm_programs!r}")
-    want = sequential_tile(plan.dtype, plan.device_type)
-    if plan.tile != want:
-        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
-                        f"kernel would not be bitwise equal to it")
+    # N is each rank's own: a rank with none only gathers
+    _check_basics(plan, ("world_size", "rows", "k", "chunk_rows"), ("n", "comm_programs"))
     w, m, bm = plan.world_size, plan.rows, plan.tile.block_m
     n_n = cdiv(plan.n, plan.tile.block_n)
     for rank in range(w):
@@ -280,20 +292,13 @@ class GemmRSPlan(_Verified):
 
 def lower_gemm_rs(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
     """The verified GEMM+ReduceScatter plan (the sequential schedule's tile)."""
-    plan = GemmRSPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type))
-    verify_gemm_rs(plan)
-    return dataclasses.replace(plan, verified_digest=plan.digest())
+    return _verified(GemmRSPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type)),
+                     verify_gemm_rs)
 
 
 def verify_gemm_rs(plan: GemmRSPlan) -> None:
     """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
-    for name in ("world_size", "rows", "k", "n"):
-        if not is_positive_int(getattr(plan, name)):
-            raise PlanError(f"GemmRSPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
-    want = sequential_tile(plan.dtype, plan.device_type)
-    if plan.tile != want:
-        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
-                        f"kernel would not be bitwise equal to it")
+    _check_basics(plan, ("world_size", "rows", "k", "n"))
     w, m = plan.world_size, plan.rows
     landed: list[dict[tuple[int, int], int]] = [{} for _ in range(w)]  # per destination: (source, row) -> signal
     for src in range(w):
@@ -402,22 +407,13 @@ class GemmARPlan(_Verified):
 
 def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
     """The verified GEMM+AllReduce plan (the sequential schedule's tile)."""
-    plan = GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type))
-    verify_gemm_ar(plan)
-    return dataclasses.replace(plan, verified_digest=plan.digest())
+    return _verified(GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type)),
+                     verify_gemm_ar)
 
 
 def verify_gemm_ar(plan: GemmARPlan) -> None:
     """PlanError naming what is wrong, unless the plan is sound (module docstring)."""
-    for name in ("world_size", "rows", "n"):
-        if not is_positive_int(getattr(plan, name)):
-            raise PlanError(f"GemmARPlan.{name} must be a positive int, got {getattr(plan, name)!r}")
-    if not is_nonnegative_int(plan.k):  # a rank's shard of the reduction may be empty
-        raise PlanError(f"GemmARPlan.k must be an int >= 0, got {plan.k!r}")
-    want = sequential_tile(plan.dtype, plan.device_type)
-    if plan.tile != want:
-        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
-                        f"kernel would not be bitwise equal to it")
+    _check_basics(plan, ("world_size", "rows", "n"), ("k",))  # a rank's shard of the reduction may be empty
     w, n_t = plan.world_size, plan.n_tiles
     stamped: set[int] = set()  # partial signals some GEMM ticket stamps
     for src in range(w):
