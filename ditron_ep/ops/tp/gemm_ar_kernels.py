@@ -26,6 +26,7 @@ import triton.language as tl
 from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
 from ditron_ep.language.registry import register_kernel
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import rows_gemm_acc
+from ditron_ep.ops.tp.gemm_rs_kernels import REDUCING_SIG, sum_partials
 from ditron_ep.runtime.heap import register_stage
 
 STAGE_GEMM_AR_PARTIAL = tl.constexpr(register_stage(5, "matmul_all_reduce: wait for a peer's partial"))
@@ -79,10 +80,8 @@ def gemm_ar_kernel(
                     n_bad += (wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_GEMM_AR_PARTIAL, i_sig, budget)
                               == 0).to(tl.int32)
                 if n_bad == 0:
-                    acc = tl.load(land + at, mask=m, other=0.0)
-                    for s in range(1, world):  # rank order, fp32, one cast: the sequential schedule's bits
-                        acc += tl.load(land + (s * M).to(tl.int64) * N + at, mask=m, other=0.0)
-                    res = acc.to(y_ptr.dtype.element_ty).to(tl.float32)
+                    # rank order, fp32, one cast: the sequential schedule's bits
+                    res = sum_partials(land, at, m, M, N, world).to(y_ptr.dtype.element_ty).to(tl.float32)
                     for d in range(world):
                         dst = heap_ptr(table_ptr, d, land_offset, tl.float32) + (world * M).to(tl.int64) * N
                         tl.store(dst + at, res, mask=m)
@@ -96,9 +95,6 @@ def gemm_ar_kernel(
     call_end(table_ptr, rank, call_no)
 
 
-_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "table_ptr": "*i64", "sig_table_ptr": "*i64",
-        "land_offset": "i64", "sig_first": "i32", "M": "i32", "K": "i32", "N": "i32", "rank": "i32", "world": "i32",
-        "budget": "i32", "s_bk": "i32", "s_bn": "i32"}
-register_kernel(gemm_ar_kernel, _SIG, {"BM": 128, "BN": 128, "BK": 64, "INPUT_PRECISION": "tf32"},
+register_kernel(gemm_ar_kernel, REDUCING_SIG, {"BM": 128, "BN": 128, "BK": 64, "INPUT_PRECISION": "tf32"},
                 label="bf16", options={"num_warps": 8, "num_stages": 2},
                 multiples_of_16=["K", "N", "land_offset", "s_bk"])

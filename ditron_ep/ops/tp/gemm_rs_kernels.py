@@ -23,12 +23,23 @@ import triton
 import triton.language as tl
 
 from ditron_ep.language.primitives import call_begin, call_end, ctrl_ptr, heap_ptr, next_task, notify, wait
-from ditron_ep.language.registry import register_kernel
+from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import rows_gemm_acc
 from ditron_ep.ops.tp.ag_gemm_kernels import shard_tile
 from ditron_ep.runtime.heap import register_stage
 
 STAGE_GEMM_RS_WAIT = tl.constexpr(register_stage(9, "matmul_reduce_scatter: wait for a peer's partial"))
+
+
+@register_device_function
+@triton.jit
+def sum_partials(land, at, m, M, N, world):
+    """fp32 sum of the W partials landed at rows [s*M + row] (`at`: row * N + column offsets),
+    added in rank order 0, 1, ...: the bits of functional.sum_in_rank_order."""
+    acc = tl.load(land + at, mask=m, other=0.0)
+    for s in range(1, world):
+        acc += tl.load(land + (s * M).to(tl.int64) * N + at, mask=m, other=0.0)
+    return acc
 
 
 @triton.jit
@@ -87,17 +98,16 @@ def gemm_rs_kernel(
                     m = m_r[:, None] & (o_n < N)[None, :]
                     land = heap_ptr(table_ptr, rank, land_offset, tl.float32)
                     at = local.to(tl.int64)[:, None] * N + o_n[None, :]
-                    acc = tl.load(land + at, mask=m, other=0.0)
-                    for s in range(1, world):  # rank order, fp32, one cast: sum_in_rank_order's bits
-                        acc += tl.load(land + (s * M).to(tl.int64) * N + at, mask=m, other=0.0)
+                    acc = sum_partials(land, at, m, M, N, world)  # one cast after: the sequential bits
                     tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=m)
         t = next_task(my_ctrl)
     call_end(table_ptr, rank, call_no)
 
 
-_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "table_ptr": "*i64", "sig_table_ptr": "*i64",
+# the reducing kernels' (this one's and gemm_ar_kernel's) signature
+REDUCING_SIG = {"a_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "table_ptr": "*i64", "sig_table_ptr": "*i64",
         "land_offset": "i64", "sig_first": "i32", "M": "i32", "K": "i32", "N": "i32", "rank": "i32", "world": "i32",
         "budget": "i32", "s_bk": "i32", "s_bn": "i32"}
-register_kernel(gemm_rs_kernel, _SIG, {"BM": 128, "BN": 128, "BK": 64, "INPUT_PRECISION": "tf32"},
+register_kernel(gemm_rs_kernel, REDUCING_SIG, {"BM": 128, "BN": 128, "BK": 64, "INPUT_PRECISION": "tf32"},
                 label="bf16", options={"num_warps": 8, "num_stages": 2},
                 multiples_of_16=["K", "N", "land_offset", "s_bk"])
