@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ditron_ep.bench.deepep import deepep_absent
 from ditron_ep.bench.ep_inputs import BYTE_RULE, Inputs, make_inputs, traffic_bytes
 from ditron_ep.bench.moe_layer import on_fresh_caches
-from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
+from ditron_ep.bench.ranks import StageFailed, checked_runs, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Shape
 from ditron_ep.check.tolerances import TOLERANCES
 
@@ -114,12 +114,7 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
             steps[impl] = _step(disp, inp, probs, routing_map, grad_out)
         except StageFailed as exc:
             errors[impl] = str(exc)
-    results: dict[str, tuple] = {}
-    for impl, fn in steps.items():
-        try:
-            results[impl] = guarded(ctx, f"{impl} (check)", fn)
-        except StageFailed as exc:
-            errors[impl] = str(exc)
+    results = checked_runs(ctx, steps, errors)
     checks = _checks(ctx, results, inp, probs, grad_out, rtol)
     del results
     out = []

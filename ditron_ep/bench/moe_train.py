@@ -41,7 +41,7 @@ from ditron_ep.bench.moe_layer import (DEEPEP_LAYER, DENSE, LAYER_DTYPES, LAYER_
                                        deepep_layer_wanted, layer_case, on_fresh_caches, probe_grouped_mm,
                                        training_floor)
 from ditron_ep.bench.moe_layer import TRAINING_FLOOR as FLOOR
-from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
+from ditron_ep.bench.ranks import StageFailed, all_ranks, checked_runs, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
 from ditron_ep.bench.torch_moe import torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
@@ -132,14 +132,7 @@ def _checked_and_timed(ctx: BenchContext, case, steps: dict, errors: dict[str, s
     s, inp, wts = ctx.shape, case.inp, case.wts
     # ---- checks: every gradient against float32 ones; the recompute rows' bits against the default's
     ref = guarded(ctx, "float32 gradients (check)", lambda: _float32_grads(ctx, inp, wts, grad_out))
-    results: dict[str, tuple] = {}
-    for impl, fn in steps.items():
-        if impl in errors:
-            continue
-        try:
-            results[impl] = guarded(ctx, f"{impl} (check)", fn)
-        except StageFailed as exc:
-            errors[impl] = str(exc)
+    results = checked_runs(ctx, steps, errors)
     rel = {impl: {g: relative_errors(ctx, r, {"got": o})["got"] for g, r, o in zip(GRADS, ref, got)}
            for impl, got in results.items()}
     del ref

@@ -83,6 +83,20 @@ def guarded(ctx: RankContext, what: str, body: Callable[[], Any], buf: "EPBuffer
     return out
 
 
+def checked_runs(ctx: RankContext, steps: Mapping[str, Callable[[], Any]], errors: dict[str, str]) -> dict[str, Any]:
+    """impl -> its step's result, each run once on every rank (`guarded`, "<impl> (check)"), skipping
+    the impls already in `errors`; a step that fails on any rank is recorded in `errors` instead."""
+    results: dict[str, Any] = {}
+    for impl, fn in steps.items():
+        if impl in errors:
+            continue
+        try:
+            results[impl] = guarded(ctx, f"{impl} (check)", fn)
+        except StageFailed as exc:
+            errors[impl] = str(exc)
+    return results
+
+
 def reset_heap(buf: "EPBuffer") -> None:
     """After a failed stage: clear signals, error slot and epochs on every rank (collective)."""
     try:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
-from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
+from ditron_ep.bench.ranks import StageFailed, all_ranks, checked_runs, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape, boolean
 from ditron_ep.check.tolerances import TOLERANCES
 
@@ -125,13 +125,8 @@ def run_tp_mlp(ctx: BenchContext, tokens: int) -> list[Measurement]:
             return (y.detach(), *torch.autograd.grad(y, leaves, grad_out))
 
     steps = {OURS: ours("sequential"), OVERLAP: ours("overlap"), THEIRS: theirs}
-    results: dict[str, tuple] = {}
     errors: dict[str, str] = {}
-    for impl, fn in steps.items():
-        try:
-            results[impl] = guarded(ctx, f"{impl} (check)", fn)
-        except StageFailed as exc:
-            errors[impl] = str(exc)
+    results = checked_runs(ctx, steps, errors)
     checks: dict[str, tuple[str, bool]] = {THEIRS: ("reference", True)}
     rtol = TOLERANCES[dt][0]
     if THEIRS in results and OURS in results:
