@@ -104,6 +104,22 @@ def test_tp_mlp_block_matches_the_unsharded_block(dist_env, seq_parallel):
     assert not bad, errs
 
 
+def _overlap_runs_vs_sequential(op, a, b, gout, **kw):
+    """op(..., schedule=S) with the gradients of sum(y * gout), once sequential and twice overlapped
+    (the second reuses the heap): (sequential's (outputs..., da, db), the indices of outputs in
+    which an overlapped run differs from it, and the overlapped runs)."""
+    outs = {}
+    for schedule in ("sequential", "overlap", "overlap"):
+        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        got = op(la, lb, schedule=schedule, **kw)
+        got = got if isinstance(got, tuple) else (got,)
+        (got[0].float() * gout.float()).sum().backward()
+        outs.setdefault(schedule, []).append((*(t.detach() for t in got), la.grad, lb.grad))
+    ref = outs["sequential"][0]
+    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    return ref, differ, outs["overlap"]
+
+
 @pytest.mark.parametrize("m, k, n", [(200, 512, 384), (1000, 1024, 768)])
 def test_overlapped_all_gather_matmul_equals_sequential_bitwise(dist_env, m, k, n):
     rank = dist.get_rank()
@@ -112,14 +128,7 @@ def test_overlapped_all_gather_matmul_equals_sequential_bitwise(dist_env, m, k, 
     a = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
     b = (torch.randn(k, n, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
     gout = torch.randn(dist.get_world_size() * m, n, generator=g, device=dev).to(torch.bfloat16)
-    outs = {}
-    for schedule in ("sequential", "overlap", "overlap"):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y, gathered = all_gather_matmul(la, lb, return_gathered=True, schedule=schedule)
-        (y.float() * gout.float()).sum().backward()
-        outs.setdefault(schedule, []).append((y.detach(), gathered, la.grad, lb.grad))
-    ref = outs["sequential"][0]
-    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    _, differ, _ = _overlap_runs_vs_sequential(all_gather_matmul, a, b, gout, return_gathered=True)
     assert not differ, f"overlap differs from sequential in outputs {differ} (y, gathered, da, db)"
 
 
@@ -133,14 +142,7 @@ def test_overlapped_matmul_reduce_scatter_equals_sequential_bitwise(dist_env, m,
     a = torch.randn(world * m, k, generator=g, device=dev).to(torch.bfloat16)
     b = (torch.randn(k, n, generator=g, device=dev) / k ** 0.5).to(torch.bfloat16)
     gout = torch.randn(m, n, generator=g, device=dev).to(torch.bfloat16)
-    outs = {}
-    for schedule in ("sequential", "overlap", "overlap"):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y = matmul_reduce_scatter(la, lb, schedule=schedule)
-        (y.float() * gout.float()).sum().backward()
-        outs.setdefault(schedule, []).append((y.detach(), la.grad, lb.grad))
-    ref = outs["sequential"][0]
-    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    _, differ, _ = _overlap_runs_vs_sequential(matmul_reduce_scatter, a, b, gout)
     assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
 
 
@@ -154,15 +156,8 @@ def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(dist_env, m, k, 
     a = torch.randn(m, kr, generator=g, device=dev).to(torch.bfloat16)
     b = (torch.randn(kr, n, generator=g, device=dev) / kr ** 0.5).to(torch.bfloat16)
     gout = torch.randn(m, n, generator=torch.Generator(device=dev).manual_seed(11), device=dev).to(torch.bfloat16)
-    outs = {}
-    for schedule in ("sequential", "overlap", "overlap"):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        y = matmul_all_reduce(la, lb, schedule=schedule)
-        (y.float() * gout.float()).sum().backward()
-        outs.setdefault(schedule, []).append((y.detach(), la.grad, lb.grad))
-    ref = outs["sequential"][0]
-    differ = [i for run in outs["overlap"] for i, (x, z) in enumerate(zip(ref, run)) if not torch.equal(x, z)]
+    ref, differ, overlapped = _overlap_runs_vs_sequential(matmul_all_reduce, a, b, gout)
     assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
     ys = [torch.empty_like(ref[0]) for _ in range(dist.get_world_size())]
-    dist.all_gather(ys, outs["overlap"][0][0])
+    dist.all_gather(ys, overlapped[0][0])
     assert all(torch.equal(y, ys[0]) for y in ys), "the overlapped all-reduce differs between ranks"

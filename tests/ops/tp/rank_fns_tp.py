@@ -16,16 +16,26 @@ def _gather_list(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _run(op, a: torch.Tensor, b: torch.Tensor, gout: torch.Tensor) -> tuple:
+    """op(a, b) -> y or (y, ...), with the gradients of sum(y * gout): (outputs..., da, db)."""
+    la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    outs = op(la, lb)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    (outs[0] * gout).sum().backward()
+    return (*(o.detach() for o in outs), la.grad, lb.grad)
+
+
 def _two_runs(op, a: torch.Tensor, b: torch.Tensor, gout: torch.Tensor) -> list[tuple]:
-    """op(a, b) -> outputs (the first is y), twice, each with the gradients of sum(y * gout):
-    [(outputs..., da, db)] per run."""
-    runs = []
-    for _ in range(2):
-        la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-        outs = op(la, lb)
-        (outs[0] * gout).sum().backward()
-        runs.append((*(o.detach() for o in outs), la.grad, lb.grad))
-    return runs
+    """`_run` twice: [(outputs..., da, db)] per run."""
+    return [_run(op, a, b, gout) for _ in range(2)]
+
+
+def _sequential_vs_overlap(op, a: torch.Tensor, b: torch.Tensor, gout: torch.Tensor,
+                           **kw) -> tuple[list[bool], tuple, tuple]:
+    """`_run` of op(..., schedule=S) for both schedules: (per output, whether overlap's bits equal
+    sequential's; sequential's outputs; overlap's)."""
+    seq, over = (_run(lambda x, y, s=s: op(x, y, schedule=s, **kw), a, b, gout) for s in ("sequential", "overlap"))
+    return [torch.equal(x, z) for x, z in zip(seq, over)], seq, over
 
 
 def _float64_leaves(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -157,18 +167,12 @@ def overlap_case(m: int, k: int, n: int, seed: int) -> dict:
         a = torch.randn(rows, k, generator=g)
         b = torch.randn(k, n + rank, generator=g)
         gout = torch.randn(dist.get_world_size() * rows, n + rank, generator=g)
-        outs = {}
-        for schedule in ("sequential", "overlap"):
-            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-            y, gathered = all_gather_matmul(la, lb, return_gathered=True, schedule=schedule)
-            (y * gout).sum().backward()
-            outs[schedule] = (y.detach(), gathered, la.grad, lb.grad)
-        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        bits, seq, _ = _sequential_vs_overlap(all_gather_matmul, a, b, gout, return_gathered=True)
+        same.append(bits)
         # the role split (a copy program, which turns to GEMM tiles once its queue drains)
         from ditron_ep.ops.tp.fused import overlapped_all_gather_matmul
         with torch.no_grad():
-            same[-1].append(torch.equal(overlapped_all_gather_matmul(a, b, None, comm_programs=1),
-                                        outs["sequential"][0]))
+            same[-1].append(torch.equal(overlapped_all_gather_matmul(a, b, None, comm_programs=1), seq[0]))
     return {"same": same}
 
 
@@ -186,15 +190,10 @@ def overlap_rs_case(m: int, k: int, n: int, seed: int) -> dict:
         a = torch.randn(world * rows, k, generator=g)
         b = torch.randn(k, cols, generator=g)
         gout = torch.randn(rows, cols, generator=g)
-        outs = {}
-        for schedule in ("sequential", "overlap"):
-            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-            y = matmul_reduce_scatter(la, lb, schedule=schedule)
-            (y * gout).sum().backward()
-            outs[schedule] = (y.detach(), la.grad, lb.grad)
-        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        bits, _, over = _sequential_vs_overlap(matmul_reduce_scatter, a, b, gout)
+        same.append(bits)
         full = sum(p.double() @ q.double() for p, q in zip(_gather_list(a), _gather_list(b)))
-        errs.append(_rel(outs["overlap"][0], full[rank * rows:(rank + 1) * rows]))
+        errs.append(_rel(over[0], full[rank * rows:(rank + 1) * rows]))
     return {"same": same, "errs": errs}
 
 
@@ -211,16 +210,11 @@ def overlap_ar_case(m: int, k: int, n: int, seed: int) -> dict:
         a = torch.randn(rows, k + 3 * rank, generator=g)
         b = torch.randn(k + 3 * rank, n, generator=g)
         gout = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed + rows))  # the same on every rank
-        outs = {}
-        for schedule in ("sequential", "overlap"):
-            la, lb = a.clone().requires_grad_(), b.clone().requires_grad_()
-            y = matmul_all_reduce(la, lb, schedule=schedule)
-            (y * gout).sum().backward()
-            outs[schedule] = (y.detach(), la.grad, lb.grad)
-        same.append([torch.equal(x, z) for x, z in zip(outs["sequential"], outs["overlap"])])
+        bits, _, over = _sequential_vs_overlap(matmul_all_reduce, a, b, gout)
+        same.append(bits)
         full = sum(p.double() @ q.double() for p, q in zip(_gather_list(a), _gather_list(b)))
-        errs.append(_rel(outs["overlap"][0], full))
-        ys.append(all(torch.equal(y, outs["overlap"][0]) for y in _gather_list(outs["overlap"][0])))
+        errs.append(_rel(over[0], full))
+        ys.append(all(torch.equal(y, over[0]) for y in _gather_list(over[0])))
     return {"same": same, "errs": errs, "same_on_every_rank": ys}
 
 
