@@ -52,7 +52,7 @@ from ditron_ep.bench.deepep import DEEPEP_COMBINE, DEEPEP_DISPATCH, measure_deep
 from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, gather, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
-                                  boolean, failed, non_negative_int, positive_int, some_of,
+                                  boolean, failed, non_negative_int, one_of, positive_int, some_of,
                                   tolerance_check)
 from ditron_ep.bench.timing import capture_graph
 from ditron_ep.check.tolerances import TOLERANCES
@@ -79,6 +79,8 @@ EP_OPTIONS = (
            boolean, True),
     Option("buffer_tokens", "max_tokens_per_rank of the EPBuffer (default: each config's T; one size serves "
            "every T when given)", positive_int),
+    Option("heap", "the EPBuffer's symmetric-heap backend on GPUs: torch (CUDA IPC) or nvshmem (nvshmem4py, "
+           "the nvshmem extra)", one_of("torch", "nvshmem"), "torch"),
 )
 MODES = ("eager", "graph")
 # the rank-reduced combine (topk_sum="expert_rank"), in the token dtype and with fp32 partials
@@ -130,7 +132,7 @@ def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | No
                     num_programs=o.get("num_programs"), block_rows=o.get("block_rows", 16),
                     block_hidden=o.get("block_hidden"), hidden_slices=o.get("hidden_slices"),
                     check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4),
-                    dispatch_dtype=dispatch_dtype)
+                    dispatch_dtype=dispatch_dtype, backend=o.get("heap", "torch") if ctx.on_cuda else "auto")
 
 
 def fp8_applies(hidden: int, dtype: str, on_gpu: bool) -> bool:

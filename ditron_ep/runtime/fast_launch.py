@@ -63,10 +63,15 @@ def _hooked(hook: Any) -> bool:
 class FastLauncher:
     """`fast(kernel)`: see the module docstring."""
 
-    def __init__(self, fn: Any) -> None:
+    def __init__(self, fn: Any, *, prepare: Callable[[Any], None] | None = None,
+                 extern_libs: tuple[tuple[str, str], ...] | None = None) -> None:
+        """prepare: called with each newly compiled kernel before its first launch (NVSHMEM's
+        module initialisation); extern_libs: device libraries linked into every compile."""
         from triton import knobs
         from triton.runtime.jit import JITFunction
         self.fn = fn
+        self.prepare = prepare
+        self.extern_libs = extern_libs
         self._knobs = knobs
         # The interpreter (CPU) and wrappers (autotuners) always take the ordinary path.
         self.enabled = type(fn) is JITFunction
@@ -82,20 +87,31 @@ class FastLauncher:
     def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
+    def _ordinary(self, grid: Any, args: tuple, kwargs: dict) -> Any:
+        """`kernel[grid](*args, **kwargs)`, compiled with `extern_libs` and `prepare`d first."""
+        if not self.enabled or (self.extern_libs is None and self.prepare is None):
+            return self.fn[grid](*args, **kwargs)
+        if self.extern_libs is not None:
+            kwargs = {**kwargs, "extern_libs": self.extern_libs}
+        if self.prepare is not None and not callable(grid):
+            self.prepare(self.fn.run(*args, grid=grid, warmup=True, **kwargs))  # compiles, does not launch
+        return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+
     def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
         if (not self.enabled or callable(grid) or self.fn.pre_run_hooks or len(args) > self._first_constexpr):
-            self.fn[grid](*args, **kwargs)
+            self._ordinary(grid, args, kwargs)
             return
         knobs = self._knobs
         try:
             key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)
+            hash(key)
         except TypeError:  # an argument of a type the key does not cover
-            self.fn[grid](*args, **kwargs)
+            self._ordinary(grid, args, kwargs)
             return
         entry = self._compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
+            kernel = self._ordinary(grid, args, kwargs)
             if entry is None and kernel is not None:
                 self._remember(key, kernel, len(args), kwargs)
             return

@@ -17,12 +17,12 @@ from ditron_ep.runtime.agreement import agree, call_error
 from ditron_ep.runtime.errors import DitronConfigError, DitronTimeoutError
 from ditron_ep.runtime.mode import resolve_backend
 
-DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30}
+DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30, "nvshmem": 1 << 30}
 # Poll budgets of a bounded wait. Emulated: one poll costs ~0.25 ms under the interpreter on an
 # idle core and ~0.5-1 ms when 4 ranks share 2 cores, so 60k polls is 15-60 s, far above any
 # honest CPU-test wait (a peer's interpreted launch takes seconds) yet short of test timeouts.
 # GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s.
-DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25}
+DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25, "nvshmem": 1 << 25}
 WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).
@@ -62,7 +62,9 @@ class SymmetricHeap:
     Args:
         group: process group (default: the default group). Any group works: torchrun + NCCL,
             or `init_process_group("gloo")` for CPU ranks.
-        backend: "auto" (torch on CUDA, emulated on CPU), "emulated" or "torch".
+        backend: "auto" (torch on CUDA, emulated on CPU), "emulated", "torch" (torch symmetric
+            memory) or "nvshmem" (NVSHMEM's symmetric heap through nvshmem4py; CUDA, the extra
+            `ditron_ep[nvshmem]`; NVSHMEM is initialised once per process for one group).
         size_bytes: arena size per rank (same on every rank).
         num_signals: int32 signal words per rank.
         wait_budget: polls a bounded wait may spend before it records a timeout
@@ -93,6 +95,10 @@ class SymmetricHeap:
 
         if self.backend == "torch":
             from ditron_ep.runtime.backends.torch_symm import create_arena
+
+            self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size, self.device)
+        elif self.backend == "nvshmem":
+            from ditron_ep.runtime.backends.nvshmem import create_arena
 
             self._arena = create_arena(self.size_bytes, self.group, self.rank, self.world_size, self.device)
         else:
@@ -308,11 +314,15 @@ class SymmetricHeap:
         if not 0 < self.wait_budget < 2**31:
             raise DitronConfigError(f"wait_budget must be in [1, 2^31), got {self.wait_budget}")
 
-        if self.backend == "torch":
+        if self.backend in ("torch", "nvshmem"):
             self.device = torch.device(device) if device is not None else torch.device(
                 "cuda", torch.cuda.current_device())
             if self.device.type != "cuda":
-                raise DitronConfigError(f"the torch backend lives on a CUDA/ROCm device; got device={device}")
+                raise DitronConfigError(f"the {self.backend} backend lives on a CUDA/ROCm device; got device={device}")
+            if self.backend == "nvshmem":  # importable, supported, and its one instance usable for this group
+                from ditron_ep.runtime.backends.nvshmem import preflight
+
+                preflight(self.group, self.rank, self.world_size)
         else:
             self.device = torch.device("cpu")
             if device is not None and torch.device(device).type != "cpu":

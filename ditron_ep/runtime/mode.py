@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import os
 
-BACKENDS = ("auto", "emulated", "torch")
+BACKENDS = ("auto", "emulated", "torch")  # where kernels run (the CLI's --backend)
+# symmetric-heap providers: the GPU ones are "torch" (CUDA IPC through torch symmetric memory) and
+# "nvshmem" (NVSHMEM's symmetric heap through nvshmem4py, CUDA only)
+HEAP_BACKENDS = BACKENDS + ("nvshmem",)
 
 _decided: bool | None = None
 _source: str = ""
@@ -139,9 +142,9 @@ def gemm_dtype_problem(dtype) -> str | None:
 
 
 def resolve_backend(backend: str) -> str:
-    """Map `backend` ('auto' | 'emulated' | 'torch') to a concrete backend valid in this process."""
-    if backend not in BACKENDS:
-        raise _config_error(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    """Map `backend` ('auto' | 'emulated' | 'torch' | 'nvshmem') to a concrete backend valid in this process."""
+    if backend not in HEAP_BACKENDS:
+        raise _config_error(f"unknown backend {backend!r}; choose one of {', '.join(HEAP_BACKENDS)}")
     interpreted = kernels_interpreted()
     if backend == "auto":
         return "emulated" if interpreted else "torch"
@@ -150,13 +153,18 @@ def resolve_backend(backend: str) -> str:
             "backend 'emulated' needs kernels under the Triton interpreter, but ditron_ep was "
             "imported in compiled (GPU) mode. Set TRITON_INTERPRET=1 (or DITRON_BACKEND=emulated) "
             "in the environment (or call ditron_ep.runtime.use_interpreter()) before importing ditron_ep.ops.")
-    if backend == "torch":
+    if backend in ("torch", "nvshmem"):
         if interpreted:
             raise _config_error(
-                "backend 'torch' runs compiled kernels on CUDA/ROCm, but ditron_ep was imported "
+                f"backend {backend!r} runs compiled kernels on a GPU, but ditron_ep was imported "
                 f"with the Triton interpreter on ({_source}). Unset that and import ditron_ep.ops on a machine with a GPU.")
         if not _gpu_visible():
-            raise _config_error("backend 'torch' needs a CUDA or ROCm device; none is visible")
+            raise _config_error(f"backend {backend!r} needs a {'CUDA or ROCm' if backend == 'torch' else 'CUDA'} "
+                                "device; none is visible")
+        import torch
+
+        if backend == "nvshmem" and torch.version.hip:
+            raise _config_error("backend 'nvshmem' is NVIDIA-only (NVSHMEM); on ROCm use backend='torch'")
     return backend
 
 

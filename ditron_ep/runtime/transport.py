@@ -1,0 +1,40 @@
+"""How a kernel's data reaches each peer: the Device-level transport choice.
+
+`pointer`: the sender stores into the peer's arena through the peer pointer table and stamps the
+peer's signal with a release atomic (every backend; intranode). `put`: NVSHMEM put-with-signal from
+the sender's memory into the peer's symmetric arena, the signal delivered after the data (the
+nvshmem backend only; what reaches a peer without a load/store mapping, e.g. on another node).
+The choice is per peer, as a bit mask (bit p set: put to rank p), so one launch can mix both.
+Either way the receiver waits on its own signal word with the same bounded wait, and the bytes
+that land are the same, so results are bitwise equal between transports.
+"""
+from __future__ import annotations
+
+from ditron_ep.runtime.errors import DitronConfigError
+
+TRANSPORTS = ("auto", "pointer", "put")
+
+
+def put_peer_mask(heap, transport: str) -> int:
+    """Bit mask of the peers this rank reaches by put (0: pointers everywhere).
+
+    "auto": pointers to every peer the heap maps (the nvshmem arena maps every peer, or its
+    creation raised), so puts only where forced; "put": every peer, itself included (checks the
+    put path on one node); "pointer": none.
+    """
+    if transport not in TRANSPORTS:
+        raise DitronConfigError(f"unknown transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if transport != "put":
+        return 0
+    if heap.backend != "nvshmem":
+        raise DitronConfigError(
+            f"transport='put' needs NVSHMEM's put-with-signal: build the heap (or buffer) with backend='nvshmem' "
+            f"(this one is {heap.backend!r}), or use transport='pointer'")
+    return (1 << heap.world_size) - 1
+
+
+def put_signal_words(heap, name: str, count: int) -> int:
+    """First of `count` uint64 put signals under `name` (two int32 words each, 8-byte aligned):
+    NVSHMEM signals are 64-bit; the bounded wait reads the low word."""
+    first = heap.alloc_signals(name, 2 * count + 1)
+    return first + (first & 1)
