@@ -81,6 +81,8 @@ EP_OPTIONS = (
            "every T when given)", positive_int),
     Option("heap", "the EPBuffer's symmetric-heap backend on GPUs: torch (CUDA IPC) or nvshmem (nvshmem4py, "
            "the nvshmem extra)", one_of("torch", "nvshmem"), "torch"),
+    Option("transport", "EPBuffer transport: pointer (stores through peer pointers) or put (NVSHMEM put-with-signal; "
+           "heap=nvshmem)", one_of("pointer", "put"), "pointer"),
 )
 MODES = ("eager", "graph")
 # the rank-reduced combine (topk_sum="expert_rank"), in the token dtype and with fp32 partials
@@ -132,7 +134,8 @@ def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | No
                     num_programs=o.get("num_programs"), block_rows=o.get("block_rows", 16),
                     block_hidden=o.get("block_hidden"), hidden_slices=o.get("hidden_slices"),
                     check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4),
-                    dispatch_dtype=dispatch_dtype, backend=o.get("heap", "torch") if ctx.on_cuda else "auto")
+                    dispatch_dtype=dispatch_dtype, backend=o.get("heap", "torch") if ctx.on_cuda else "auto",
+                    transport=o.get("transport", "pointer"))
 
 
 def fp8_applies(hidden: int, dtype: str, on_gpu: bool) -> bool:

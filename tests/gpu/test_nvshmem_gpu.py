@@ -129,29 +129,43 @@ def test_put_signal_delivers_and_a_lost_signal_times_out(dist_env):
     assert not problems, problems
 
 
+def _ep_run(buf: EPBuffer, x, idx, w, layout: str):
+    """dispatch -> y = 2 * rows -> combine, then the backward of sum(out * g): (rows, out, dx, dw)."""
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    recv, handle = buf.dispatch(xg, idx, wg, layout=layout)
+    y = recv * 2 if layout == "expert_major" else recv[handle.row_index.long()] * 2
+    out = buf.combine(y, handle, wg)
+    g = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype)
+    (out.float() * g.float()).sum().backward()
+    return recv.detach().clone(), out.detach(), xg.grad, wg.grad
+
+
 def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
-    """EPBuffer dispatch + combine and FusedMoE on the nvshmem backend give the torch backend's
-    bits (ragged counts, an empty rank, skewed routing)."""
+    """EPBuffer dispatch + combine (both layouts, with their backward) on the nvshmem backend, with
+    pointer stores and with the put transport forced for every peer, and FusedMoE on the nvshmem
+    backend, give the torch backend's bits (ragged counts, an empty rank, skewed routing)."""
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E, H, K, I = 8 * world, 1000, 8, 512
-    bufs = {b: EPBuffer(None, E, H, 320, K, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
+    bufs = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch"),
+            "nvshmem": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem"),
+            "nvshmem put": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put")}
     layers = {b: FusedMoE(None, 4 * world, 1024, I, 256, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
     g = torch.Generator().manual_seed(5 + rank)
     w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
     w2 = (torch.randn(4, I, 1024, generator=g) / 23).to(torch.bfloat16).to(dev)
     problems = []
-    for seed, kind, tokens in ((1, "uniform", (311, 0)), (2, "zipf", (250, 123))):
+    for seed, kind, tokens in ((1, "uniform", (311, 0)), (2, "zipf", (250, 123)), (3, "uniform", (59, 191))):
         T = tokens[rank % 2]
         g = torch.Generator().manual_seed(1000 * seed + rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
         idx, w = make_routing(T, E, K, kind, generator=g, drop_prob=0.05, num_ranks=world)
         idx, w = idx.to(dev), w.to(dev)
-        res = {}
-        for b, buf in bufs.items():
-            recv, handle = buf.dispatch(x, idx, w)
-            res[b] = (recv.clone(), buf.combine(recv * 2, handle, w))
-        if not torch.equal(res["torch"][0], res["nvshmem"][0]) or not torch.equal(res["torch"][1], res["nvshmem"][1]):
-            problems.append(f"{kind} {tokens}: dispatch/combine differ between the torch and nvshmem backends")
+        for layout in ("expert_major", "token_major"):
+            res = {b: _ep_run(buf, x, idx, w, layout) for b, buf in bufs.items()}
+            for b in ("nvshmem", "nvshmem put"):
+                for what, a, ref in zip(("rows", "out", "dx", "dw"), res[b], res["torch"]):
+                    if not torch.equal(a, ref):
+                        problems.append(f"{kind} {tokens} {layout}: {what} on {b} differs from the torch backend")
         x_l = torch.randn(T, 1024, generator=g).to(torch.bfloat16).to(dev)
         idx_l, w_l = make_routing(T, 4 * world, 4, kind, generator=g, drop_prob=0.05, num_ranks=world)
         outs = {b: layer(x_l, idx_l.to(dev), w_l.to(dev), w1, w2) for b, layer in layers.items()}

@@ -80,3 +80,20 @@ def test_put_signals_are_aligned_uint64_words(next_free):
     first = put_signal_words(heap, "x/put", 3)
     assert first % 2 == 0 and first >= next_free
     assert first + 2 * 3 <= next_free + heap.asked[0][1]  # the 3 words fit in what was reserved
+
+
+def test_epbuffer_transport_arguments():
+    import torch
+
+    from ditron_ep.ops.ep.buffer import _argument_problem
+
+    base = dict(world=2, num_experts=8, hidden=128, max_tokens=16, topk=2, dtype=torch.bfloat16, block_rows=16,
+                block_hidden=None, num_warps=None, hidden_slices=None, num_programs=None, graph_cache=0)
+    assert _argument_problem(**base, transport="auto") is None
+    assert _argument_problem(**base, transport="put", backend="nvshmem") is None
+    assert "transport must be one of auto, pointer, put, got 'rdma'" in _argument_problem(**base, transport="rdma")
+    for backend in ("auto", "torch", "emulated"):
+        assert "transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem'" in _argument_problem(
+            **base, transport="put", backend=backend)
+    assert "FP8 dispatch has no put transport yet" in _argument_problem(
+        **base, dispatch_dtype=torch.float8_e4m3fn, transport="put", backend="nvshmem")

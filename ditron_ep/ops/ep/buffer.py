@@ -17,6 +17,7 @@ from ditron_ep.compiler.plan import is_nonnegative_int, is_positive_int
 from ditron_ep.language import task_queue
 from ditron_ep.ops.ep.combine_kernels import ep_combine_kernel, topk_dots_kernel
 from ditron_ep.ops.ep.dispatch_kernels import ep_dispatch_kernel
+from ditron_ep.language.nvshmem import nvshmem_launcher
 from ditron_ep.language.primitives import flagged_call_kernel
 from ditron_ep.ops.ep.layout_kernels import (
     RECORD_FIELDS,
@@ -33,6 +34,7 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
+from ditron_ep.runtime.transport import TRANSPORTS, put_peer_mask, put_signal_words
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -110,8 +112,17 @@ class DispatchHandle:
 
 
 def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block_rows, block_hidden,
-                      num_warps, hidden_slices, num_programs, graph_cache, dispatch_dtype=None) -> str | None:
+                      num_warps, hidden_slices, num_programs, graph_cache, dispatch_dtype=None,
+                      transport="auto", backend="auto") -> str | None:
     """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
+    if transport not in TRANSPORTS:
+        return f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
+    if transport == "put":
+        if backend != "nvshmem":
+            return (f"transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem', got backend={backend!r}; "
+                    f"or use transport='pointer'")
+        if dispatch_dtype == FP8:
+            return "FP8 dispatch has no put transport yet; use transport='pointer' (or 'auto') with FP8 dispatch"
     for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
                     ("topk", topk)):
         if not is_positive_int(v):
@@ -169,6 +180,11 @@ class EPBuffer:
             the same kernels and arguments, so the same bits, for a replay, a copy and a clone
             instead of four launches and a dozen allocations (~190 µs of host time on a lent H200
             host). 0 launches every call directly.
+        transport (runtime/transport.py): how the dispatch's tokens reach each peer. "auto"
+            (default) and "pointer": stores through the peer pointer table; "put" (backend
+            "nvshmem"): NVSHMEM put-with-signal to every peer (the transport for peers without a
+            load/store mapping; forced here on one node it checks that path). Same bits either
+            way. The layout exchange, call barriers and combine use peer pointers on every transport.
 
     Every call reuses the buffer's heap and signals, so calls run in the order of the CUDA stream
     they are issued on: issue them on one stream (or order the streams yourself).
@@ -179,7 +195,8 @@ class EPBuffer:
                  backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
                  block_hidden: int | None = None, num_warps: int | None = None,
                  hidden_slices: int | None = None, wait_budget: int | None = None,
-                 check_errors: bool = True, graph_cache: int = 4, dispatch_dtype: torch.dtype | None = None) -> None:
+                 check_errors: bool = True, graph_cache: int = 4, dispatch_dtype: torch.dtype | None = None,
+                 transport: str = "auto") -> None:
         if not dist.is_initialized():
             raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
@@ -187,9 +204,10 @@ class EPBuffer:
         # alone would leave the others waiting in the heap's set-up.
         agree(group, "EPBuffer", _argument_problem(
             world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
-            hidden_slices, num_programs, graph_cache, dispatch_dtype), same={
+            hidden_slices, num_programs, graph_cache, dispatch_dtype, transport, backend), same={
                 "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
-                "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype})
+                "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype,
+                "transport": transport})
         self._layouts: CallGraphCache[CapturedLayout] = CallGraphCache(graph_cache)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
@@ -210,14 +228,19 @@ class EPBuffer:
             ("ep/wstage", (W, T, K), torch.float32),
             # combine's landing buffer: (T, K, H) rows, or the rank-reduced combine's (W, T, H) partials
             ("ep/land", (T, max(K, W), H), dtype),
-        ] + ([("ep/sstage", (W, T, H // SCALE_COLS), torch.float32)] if self.fp8 else [])
+        ] + ([("ep/sstage", (W, T, H // SCALE_COLS), torch.float32)] if self.fp8 else []) + (
+            # the put transport assembles each destination's metadata here before putting it
+            [("ep/send_meta", (W, T, 1 + 2 * K), torch.int32), ("ep/send_w", (W, T, K), torch.float32)]
+            if transport == "put" else [])
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
         self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
         self.n_slices, self.slice_cols = task_queue.hidden_slices(
             max_tokens_per_rank, W, block_rows, H, self.block_hidden, hidden_slices)
         sig_per_kernel = W * self.n_chunks * self.n_slices  # (rank, chunk, column slice)
-        num_signals = W + 2 * sig_per_kernel
+        # with puts, the dispatch's signals are uint64 words (put_signal_words)
+        dispatch_words = 2 * sig_per_kernel + 1 if transport == "put" else sig_per_kernel
+        num_signals = W + dispatch_words + sig_per_kernel
         data = sum(C.align_up(_numel(s) * torch.empty((), dtype=d).element_size()) for _, s, d in self._specs)
         size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
         self.heap = SymmetricHeap(group, backend=backend, size_bytes=size, num_signals=num_signals,
@@ -234,7 +257,11 @@ class EPBuffer:
             self.heap.free()
             raise
         self._sig_layout = self.heap.alloc_signals("ep/layout", W)
-        self._sig_dispatch = self.heap.alloc_signals("ep/dispatch", sig_per_kernel)
+        # Device-level transport (runtime/transport.py): the peers the dispatch reaches by put
+        self._put_peers = put_peer_mask(self.heap, transport)
+        self.transport = transport
+        self._sig_dispatch = (put_signal_words(self.heap, "ep/dispatch", sig_per_kernel) if self._put_peers
+                              else self.heap.alloc_signals("ep/dispatch", sig_per_kernel))
         self._sig_combine = self.heap.alloc_signals("ep/combine", sig_per_kernel)
         self.device = self.heap.device
         if num_programs is None:
@@ -555,7 +582,8 @@ class EPBuffer:
         False for a replay along an old handle (combine's backward)."""
         h = self.heap
         dummy_f = self._dummy_f32
-        fast(ep_dispatch_kernel)[(self.num_programs,)](
+        puts = self._put_peers != 0
+        (nvshmem_launcher if puts else fast)(ep_dispatch_kernel)[(self.num_programs,)](
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
@@ -565,9 +593,10 @@ class EPBuffer:
             h.offset_of("ep/wstage"), h.offset_of("ep/sstage") if self.fp8 else 0, self._sig_dispatch,
             self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap,
             h.wait_budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
+            self._put_peers, h.offset_of("ep/send_meta") if puts else 0, h.offset_of("ep/send_w") if puts else 0,
             K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
             BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout,
-            TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize,
+            TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize, PUTS=puts,
             num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ditron_ep.language.nvshmem import SIGNAL_SET, fence, putmem_nbi_block, quiet, signal_op
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -52,16 +53,9 @@ def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, 
         b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
         tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
     if write_meta:
-        p_meta = heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * (1 + 2 * K)
-        tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
-        for k in tl.static_range(K):
-            e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
-            mine = (e >= 0) & (e // E_local == i_d)
-            tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
-            tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
-            if HAS_WEIGHTS:
-                p_wst = heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K
-                tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+        write_token_meta(heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * (1 + 2 * K),
+                         heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K,
+                         i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_local, K, HAS_WEIGHTS)
         if HAS_SCALES:
             p_sst = heap_ptr(table_ptr, i_d, sstage_offset, tl.float32)
             for c0 in range(0, n_scales, BLOCK_SC):
@@ -69,6 +63,63 @@ def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, 
                 m_c = m_j[:, None] & (o_c < n_scales)[None, :]
                 b_sc = tl.load(s_ptr + i_t[:, None] * n_scales + o_c[None, :], mask=m_c)
                 tl.store(p_sst + (r_dst * n_scales)[:, None] + o_c[None, :], b_sc, mask=m_c)
+
+
+@register_device_function
+@triton.jit
+def write_token_meta(p_meta, p_wst, i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_local, K: tl.constexpr,
+                     HAS_WEIGHTS: tl.constexpr):
+    """The metadata rows of tokens i_t (mask m_j) going to rank i_d: at p_meta (one pointer per row)
+    [token, local expert of every k (-1: not on i_d), position of every k]; with HAS_WEIGHTS the
+    routing weights at p_wst (one pointer per row)."""
+    tl.store(p_meta, i_t.to(tl.int32), mask=m_j)
+    for k in tl.static_range(K):
+        e = tl.load(topk_ptr + i_t * K + k, mask=m_j, other=-1)
+        mine = (e >= 0) & (e // E_local == i_d)
+        tl.store(p_meta + 1 + k, tl.where(mine, e - i_d * E_local, -1), mask=m_j)
+        tl.store(p_meta + 1 + K + k, tl.load(pos_ptr + i_t * K + k, mask=m_j, other=0), mask=m_j)
+        if HAS_WEIGHTS:
+            tl.store(p_wst + k, tl.load(w_ptr + i_t * K + k, mask=m_j, other=0.0), mask=m_j)
+
+
+@register_device_function
+@triton.jit
+def put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, sig_table_ptr, i_d, rank, i_c, n,
+                    stage_offset, meta_offset, wstage_offset, send_meta_offset, send_w_offset, h_lo, h_hi,
+                    write_meta, H, E_local, MAXT, sig_word, call_no,
+                    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The put transport's `stage_token_chunk` + notify: each token's columns [h_lo, h_hi) go
+    straight from x to rank i_d's staging row (rank, slot), one block-scoped NVSHMEM put per
+    token; slice 0's metadata (and weights) is assembled in this rank's send area at rows
+    (i_d, slot) and put as one block; a fence, then the slice's signal on i_d, so it lands after
+    every byte. The same bytes land as with pointer stores."""
+    META: tl.constexpr = 1 + 2 * K
+    ELT: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
+    own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
+    first = i_c * BLOCK_S
+    n_rows = tl.minimum(BLOCK_S, n - first)
+    row0 = tl.cast(rank, tl.int64) * MAXT + first   # the chunk's first staging row on i_d
+    for j in range(0, n_rows):
+        i_t = tl.load(send_idx_ptr + i_d * MAXT + first + j).to(tl.int64)
+        putmem_nbi_block(own + stage_offset + ((row0 + j) * H + h_lo) * ELT,
+                         tl.cast(x_ptr + i_t * H + h_lo, tl.int64), tl.cast(h_hi - h_lo, tl.int64) * ELT, i_d)
+    if write_meta:
+        o_j = first + tl.arange(0, BLOCK_S)
+        m_j = o_j < n
+        i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)
+        r_loc = tl.cast(i_d, tl.int64) * MAXT + o_j  # this rank's send area, rows (destination, slot)
+        l_meta = own + send_meta_offset + (tl.cast(i_d, tl.int64) * MAXT + first) * META * 4
+        l_w = own + send_w_offset + (tl.cast(i_d, tl.int64) * MAXT + first) * K * 4
+        write_token_meta(heap_ptr(table_ptr, rank, send_meta_offset, tl.int32) + r_loc * META,
+                         heap_ptr(table_ptr, rank, send_w_offset, tl.float32) + r_loc * K,
+                         i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_local, K, HAS_WEIGHTS)
+        tl.debug_barrier()  # the block-scoped puts below read what every thread just stored
+        putmem_nbi_block(own + meta_offset + row0 * META * 4, l_meta, tl.cast(n_rows, tl.int64) * META * 4, i_d)
+        if HAS_WEIGHTS:
+            putmem_nbi_block(own + wstage_offset + row0 * K * 4, l_w, tl.cast(n_rows, tl.int64) * K * 4, i_d)
+    fence()
+    signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
+              tl.cast(tl.cast(call_no, tl.uint32, bitcast=True), tl.uint64), SIGNAL_SET, i_d)
 
 
 @register_device_function
@@ -124,6 +175,9 @@ def ep_dispatch_kernel(
     slice_cols,       # may use more, task_queue.call_slices) and columns per slice, a multiple of BLOCK_H
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
     n_scales,         # scales per token (H / 128) when HAS_SCALES
+    put_peers,        # bit d set: reach rank d by NVSHMEM put-with-signal (runtime/transport.py; PUTS only)
+    send_meta_offset,  # bytes: symmetric int32 (W, MAXT, 1 + 2K) this rank's send area of metadata (PUTS)
+    send_w_offset,    # bytes: symmetric fp32 (W, MAXT, K) ... of weights (PUTS)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     ENTRY_BARRIER: tl.constexpr = True,  # False only right after this call's layout exchange (call_begin)
@@ -131,7 +185,9 @@ def ep_dispatch_kernel(
     HAS_SCALES: tl.constexpr = False,    # FP8 tokens with scales: the scales travel with the metadata
     DEQUANT: tl.constexpr = False,       # ... and the receiver writes x * scale (fp32, cast once) to recv_x
     BLOCK_SC: tl.constexpr = 64,
+    PUTS: tl.constexpr = False,          # the put transport is compiled in (every signal then a uint64)
 ):
+    SIG_STRIDE: tl.constexpr = 2 if PUTS else 1
     skip = 0
     if ENTRY_BARRIER:  # a replay along a graph-mode handle of a dispatch that did not go is no call
         skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)
@@ -159,23 +215,33 @@ def ep_dispatch_kernel(
                 i_d = (rank - i_pos + world) % world
                 n = tl.load(tokens_to_ptr + i_d)
                 if i_c * BLOCK_S < n:
-                    stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
-                                      o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
-                                      H, E_local, MAXT, s_ptr, sstage_offset, n_scales, K, HAS_WEIGHTS, BLOCK_H,
-                                      HAS_SCALES, BLOCK_SC)
-                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) +
-                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
+                    sig_word = sig_first + chunk_signal(0, rank, n_chunks, n_slices, i_c, n_sl, i_j) * SIG_STRIDE
+                    by_put = False
+                    if PUTS:
+                        by_put = ((put_peers >> i_d) & 1) != 0
+                    if by_put:
+                        put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, sig_table_ptr, i_d,
+                                        rank, i_c, n, stage_offset, meta_offset, wstage_offset, send_meta_offset,
+                                        send_w_offset, h_lo, h_hi, i_j == 0, H, E_local, MAXT, sig_word, call_no,
+                                        K, HAS_WEIGHTS, BLOCK_S)
+                    else:
+                        stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
+                                          o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
+                                          H, E_local, MAXT, s_ptr, sstage_offset, n_scales, K, HAS_WEIGHTS, BLOCK_H,
+                                          HAS_SCALES, BLOCK_SC)
+                        notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_word, call_no)
             else:
                 # ---- receive: the slice's columns of chunk c from source s, expanded into
                 # expert-major rows; sources rank, rank+1, ...
                 i_s = (rank + i_pos) % world
                 n = tl.load(tokens_from_ptr + i_s)
                 if i_c * BLOCK_S < n:
-                    i_sig = chunk_signal(sig_first, i_s, n_chunks, n_slices, i_c, n_sl, 0)
+                    i_sig = sig_first + chunk_signal(0, i_s, n_chunks, n_slices, i_c, n_sl, 0) * SIG_STRIDE
                     arrived = wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_DISPATCH_RECV, i_sig, budget)
                     if i_j > 0:  # the metadata travels with slice 0
-                        arrived = arrived & wait(p_sig + i_sig + i_j, call_no, my_ctrl, rank, STAGE_DISPATCH_RECV,
-                                                 i_sig + i_j, budget)
+                        i_sig_j = i_sig + i_j * SIG_STRIDE
+                        arrived = arrived & wait(p_sig + i_sig_j, call_no, my_ctrl, rank, STAGE_DISPATCH_RECV,
+                                                 i_sig_j, budget)
                     if arrived:
                         m_j = o_j < n
                         r_src = (i_s * MAXT + o_j).to(tl.int64)
@@ -234,6 +300,8 @@ def ep_dispatch_kernel(
                                     else:
                                         tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
         t = next_task(my_ctrl)
+    if PUTS:
+        quiet()  # this program's puts delivered (and their sources free) before the call ends
     call_end(table_ptr, rank, call_no, OPENS=ENTRY_BARRIER, skip=skip)
 
 
@@ -243,7 +311,8 @@ _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32
         "row_index_ptr": "*i32", "s_ptr": "*fp32", "recv_s_ptr": "*fp32", "table_ptr": "*i64", "sig_table_ptr": "*i64", "stage_offset": "i64", "meta_offset": "i64",
         "wstage_offset": "i64", "sstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
-        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "n_scales": "i32"}
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "n_scales": "i32", "put_peers": "i32",
+        "send_meta_offset": "i64", "send_w_offset": "i64"}
 _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "sstage_offset", "slice_cols")  # real sizes; heap offsets
 # the forward dispatch (right after its layout: no entry barrier) ...
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,
