@@ -134,6 +134,11 @@ def init_module(kernel: Any) -> None:
     handle = int(kernel.module)
     if handle in _modules:
         return
+    if "nvshmem" not in kernel.asm.get("ptx", "nvshmem"):
+        # a specialisation without NVSHMEM calls (its put branch compiled away): its module has no
+        # NVSHMEM state to initialise, and nvshmemx_cumodule_init fails on it ('named symbol not found')
+        _modules.add(handle)
+        return
     from nvshmem import bindings
 
     status = bindings.cumodule_init(handle)
