@@ -150,7 +150,7 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
     bufs = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch"),
             "nvshmem": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem"),
             "nvshmem put": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put")}
-    layers = {b: FusedMoE(None, 4 * world, 1024, I, 256, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
+    layers = {b: FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
     g = torch.Generator().manual_seed(5 + rank)
     w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
     w2 = (torch.randn(4, I, 1024, generator=g) / 23).to(torch.bfloat16).to(dev)
