@@ -17,7 +17,8 @@ difference is the dispatchers'), then the gradients of x and probs (the router's
 Megatron's own dispatchers need CUDA (emulated CPU ranks time ours alone). Checks, once per T:
 every dispatcher's output and gradients against float64 (with the stand-in experts, out[t] =
 x[t] * the sum of its routed probabilities), max |diff| / max |ref| over every rank: output
-within the dtype's rtol, gradients within twice it.
+within the dtype's rtol (Megatron's dispatchers, which weigh and add rows in the token dtype,
+within twice it), gradients within twice it. The flex dispatcher needs DeepEP built with NVSHMEM.
 Needs megatron-core (`pip install 'ditron_ep[megatron]'`; 0.16.1 / 0.19.2).
 """
 from __future__ import annotations
@@ -61,6 +62,23 @@ def _dispatcher(ctx: BenchContext, impl: str):
     el = s.experts // W
     cls = {OURS: DitronTokenDispatcher, ALLTOALL: MoEAlltoAllTokenDispatcher, FLEX: MoEFlexTokenDispatcher}[impl]
     return cls(el, list(range(r * el, (r + 1) * el)), cfg, pg_collection=pg)
+
+
+def _flex_problem() -> str | None:
+    """Why Megatron's flex dispatcher cannot run on this DeepEP (None: it may): it sizes DeepEP's
+    RDMA buffer even on one node, which a DeepEP built without NVSHMEM refuses."""
+    why = deepep_absent()
+    if why is not None:
+        return why
+    import deep_ep
+
+    try:
+        deep_ep.Buffer.get_dispatch_config(2).get_rdma_buffer_size_hint(7168 * 2, 2)
+    except Exception as exc:  # noqa: BLE001 - only DeepEP's NVSHMEM assertion is a verdict
+        if "NVSHMEM" in str(exc):
+            return ("Megatron's flex dispatcher sizes DeepEP's RDMA buffer (Config.get_rdma_buffer_size_hint), which "
+                    "needs DeepEP built with NVSHMEM; this DeepEP has none (an intranode build)")
+    return None
 
 
 def _router_outputs(inp: Inputs, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +126,7 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     errors: dict[str, str] = {}
     for impl in impls:
         try:
-            if impl == FLEX and (why := deepep_absent()) is not None:
+            if impl == FLEX and (why := _flex_problem()) is not None:
                 raise StageFailed(why)
             disp = guarded(ctx, f"{impl} (build)", lambda impl=impl: _dispatcher(ctx, impl))
             steps[impl] = _step(disp, inp, probs, routing_map, grad_out)
@@ -140,7 +158,10 @@ def _checks(ctx: BenchContext, results: dict[str, tuple], inp: Inputs, probs: to
     checks = {}
     for impl, got in results.items():
         rel = [relative_errors(ctx, w, {"g": o})["g"] for w, o in zip(want, got)]
-        ok = rel[0] <= rtol and max(rel[1:]) <= 2 * rtol
+        # Megatron's own dispatchers weigh and add a token's rows in the token dtype (bf16 on GPUs:
+        # 1.1e-2 at T=4096 on 2xH200): their output gets twice the rtol ours is held to
+        out_tol = rtol if impl == OURS else 2 * rtol
+        ok = rel[0] <= out_tol and max(rel[1:]) <= 2 * rtol
         checks[impl] = (f"{'ok' if ok else 'FAIL'}: vs float64: out {rel[0]:.1e}, grad x {rel[1]:.1e}, "
                         f"grad probs {rel[2]:.1e}", ok)
     return checks
@@ -167,7 +188,8 @@ MEGATRON_DISPATCH = Benchmark(
                 "ditron_ep's DitronTokenDispatcher vs the all-to-all and the flex (DeepEP) dispatchers",
     metric="GB/s", work_rule=WORK_RULE,
     check_rule="output and gradients of x and probs vs float64 (out[t] = x[t] * the sum of its routed probabilities): "
-               "max |diff| / max |ref| over every rank, output within the dtype's rtol, gradients within twice it",
+               "max |diff| / max |ref| over every rank, output within the dtype's rtol (Megatron's dispatchers, which add "
+               "in the token dtype: twice it), gradients within twice it",
     shapes={"emulated": Shape(hidden=32, experts=8, topk=2), "torch": Shape(hidden=7168, experts=64, topk=8)},
     tokens={"emulated": (8, 24), "torch": (4096,)}, plan=plan_megatron_dispatch, run=run_megatron_dispatch,
     default=False, dtypes={"emulated": ("fp32",), "torch": ("bf16",)}, routings=("uniform", "zipf"),
