@@ -99,7 +99,8 @@ def test_options_parse_with_defaults() -> None:
     dc = BENCHMARKS["dispatch_combine"]
     assert dc.parse_options(()) == {"mode": ("eager", "graph"), "num_programs": None, "block_rows": 16,
                                     "block_hidden": None, "hidden_slices": None, "graph_cache": 4,
-                                    "check_errors": True, "buffer_tokens": None}
+                                    "check_errors": True, "buffer_tokens": None, "heap": "torch",
+                                    "transport": "pointer"}
     got = dc.parse_options((("mode", "graph,eager"), ("check_errors", "off"), ("graph_cache", "0")))
     assert (got["mode"], got["check_errors"], got["graph_cache"]) == (("eager", "graph"), False, 0)
     assert BENCHMARKS["moe_timeline"].parse_options(())["variant"] == ()
@@ -119,7 +120,7 @@ def test_gpu_defaults(name: str) -> None:
     if name == "tp_mlp":  # the GEMM+collective issue's TP MLP block (a Llama-70B-sized FFN)
         assert b.shapes["torch"] == Shape(8192, 1, 1, 28672) and b.tokens["torch"] == (1024, 4096)
         return
-    if name == "megatron_dispatch":  # the drop-in issue's Megatron run: top-8 of 64, 4096 tokens a rank
+    if name in ("megatron_dispatch", "torchtitan_dispatch"):  # the drop-in issue's dispatcher runs: top-8 of 64, T=4096
         assert b.shapes["torch"] == Shape(7168, 64, 8) and b.tokens["torch"] == (4096,)
         return
     if name == "gemm_collectives":  # the GEMM+collective issue's M per rank (its (op, K, N) table)
@@ -135,6 +136,14 @@ def test_gpu_defaults(name: str) -> None:
     assert b.shapes["torch"] == (Shape(7168, 256, 8) if ep else Shape(7168, 64, 8, 2048))
     # training is timed at the training issue's token counts
     assert b.tokens["torch"] == ((1024, 4096) if name == "moe_train" else (128, 4096)) and b.dtypes["torch"][0] == "bf16"
+
+
+def test_torchtitan_dispatch_times_torchtitans_alltoall_everywhere():
+    """torchtitan's all-to-all dispatcher (written from its source) runs on CPU ranks too."""
+    for on_gpu in (False, True):
+        rows = plan("torchtitan_dispatch", on_gpu=on_gpu)
+        assert list(rows) == ["ditron dispatcher (torchtitan), fwd+bwd", "torchtitan all-to-all dispatcher, fwd+bwd"]
+        assert rows["ditron dispatcher (torchtitan), fwd+bwd"].against == ("torchtitan all-to-all dispatcher, fwd+bwd",)
 
 
 def test_megatron_dispatch_plans_megatrons_dispatchers_on_gpus():

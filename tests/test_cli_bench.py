@@ -94,7 +94,7 @@ def test_json_schema(run: dict) -> None:
     for name, b in doc["benchmarks"].items():
         assert set(b) == BENCH_KEYS
         assert b["tokens"] == list(TOKENS) and b["dtype"] == "fp32" and (b["iters"], b["warmup"]) == (1, 0)
-        gbs = ("dispatch", "combine", "dispatch_combine", "megatron_dispatch")
+        gbs = ("dispatch", "combine", "dispatch_combine", "megatron_dispatch", "torchtitan_dispatch")
         assert b["metric"] == ("GB/s" if name in gbs else "TFLOP/s")
         options = {"moe_timeline": [["variant", VARIANT]], "grouped_gemm": [["sweep", "1"]],
                    "moe": [["layer_tokens", str(CAPACITY)]]}

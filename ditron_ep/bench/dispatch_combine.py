@@ -498,6 +498,8 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
 
 
 def validate_ep(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> str | None:
+    if options.get("transport") == "put" and options.get("heap") != "nvshmem":
+        return "--opt transport=put (NVSHMEM put-with-signal) needs --opt heap=nvshmem"
     cap = options.get("buffer_tokens")
     if cap is not None and cap < max(req.tokens):
         return f"--opt buffer_tokens={cap} is below the largest --tokens {max(req.tokens)}"

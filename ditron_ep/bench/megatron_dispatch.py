@@ -107,12 +107,28 @@ def _step(disp, inp: Inputs, probs: torch.Tensor, routing_map: torch.Tensor,
 
 
 def run_megatron_dispatch(ctx: BenchContext, tokens: int) -> list[Measurement]:
-    return on_fresh_caches(lambda: _run(ctx, tokens))
-
-
-def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
-    s = ctx.shape
     impls = [i.name for i in plan_megatron_dispatch(ctx.request, tokens, {}, ctx.on_cuda)]
+    return on_fresh_caches(lambda: run_dispatchers(ctx, tokens, impls, _megatron_step))
+
+
+def _megatron_step(ctx: BenchContext, impl: str, inp: Inputs, probs: torch.Tensor, routing_map: torch.Tensor,
+                   grad_out: torch.Tensor) -> Callable[[], tuple]:
+    if impl == FLEX and (why := _flex_problem()) is not None:
+        raise StageFailed(why)
+    disp = guarded(ctx, f"{impl} (build)", lambda: _dispatcher(ctx, impl))
+    return _step(disp, inp, probs, routing_map, grad_out)
+
+
+BuildStep = Callable[[BenchContext, str, Inputs, torch.Tensor, torch.Tensor, torch.Tensor], Callable[[], tuple]]
+
+
+def run_dispatchers(ctx: BenchContext, tokens: int, impls: list[str], build: BuildStep) -> list[Measurement]:
+    """The token-dispatcher benchmarks' run (Megatron's, torchtitan's): this rank's inputs, the
+    router's (probs [T, E], routing_map [T, E]) and an output gradient; each impl's step from
+    `build(ctx, impl, inputs, probs, routing_map, grad_out)` (a StageFailed: that impl's error row),
+    returning (out, dx, dprobs [T, E]); every step run once on every rank and checked against
+    float64 (`_checks`: ours to the dtype's rtol, the frameworks' to twice it), then timed."""
+    s = ctx.shape
     try:
         inp = guarded(ctx, "inputs", lambda: make_inputs(ctx, tokens, s.experts, s.topk, s.hidden, ctx.request.routing))
         probs, routing_map = _router_outputs(inp, s.experts)
@@ -126,14 +142,11 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     errors: dict[str, str] = {}
     for impl in impls:
         try:
-            if impl == FLEX and (why := _flex_problem()) is not None:
-                raise StageFailed(why)
-            disp = guarded(ctx, f"{impl} (build)", lambda impl=impl: _dispatcher(ctx, impl))
-            steps[impl] = _step(disp, inp, probs, routing_map, grad_out)
+            steps[impl] = build(ctx, impl, inp, probs, routing_map, grad_out)
         except StageFailed as exc:
             errors[impl] = str(exc)
     results = checked_runs(ctx, steps, errors)
-    checks = _checks(ctx, results, inp, probs, grad_out, rtol)
+    checks = _checks(ctx, results, inp, probs, grad_out, rtol, ours=impls[0])
     del results
     out = []
     for impl in impls:
@@ -146,7 +159,7 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
 
 
 def _checks(ctx: BenchContext, results: dict[str, tuple], inp: Inputs, probs: torch.Tensor,
-            grad_out: torch.Tensor, rtol: float) -> dict[str, tuple[str, bool]]:
+            grad_out: torch.Tensor, rtol: float, ours: str) -> dict[str, tuple[str, bool]]:
     """Every dispatcher's output and gradients against float64: with experts that scale a row by
     its probability, out[t] = x[t] * sum_e probs[t, e] over the routed e, so dx[t] = g[t] * that
     sum and dprobs[t, e] = <g[t], x[t]> where routed (0 elsewhere)."""
@@ -158,9 +171,9 @@ def _checks(ctx: BenchContext, results: dict[str, tuple], inp: Inputs, probs: to
     checks = {}
     for impl, got in results.items():
         rel = [relative_errors(ctx, w, {"g": o})["g"] for w, o in zip(want, got)]
-        # Megatron's own dispatchers weigh and add a token's rows in the token dtype (bf16 on GPUs:
-        # 1.1e-2 at T=4096 on 2xH200): their output gets twice the rtol ours is held to
-        out_tol = rtol if impl == OURS else 2 * rtol
+        # the frameworks' own dispatchers weigh and add a token's rows in the token dtype (Megatron's
+        # alltoall: 1.1e-2 at T=4096 in bf16 on 2xH200): their output gets twice the rtol ours is held to
+        out_tol = rtol if impl == ours else 2 * rtol
         ok = rel[0] <= out_tol and max(rel[1:]) <= 2 * rtol
         checks[impl] = (f"{'ok' if ok else 'FAIL'}: vs float64: out {rel[0]:.1e}, grad x {rel[1]:.1e}, "
                         f"grad probs {rel[2]:.1e}", ok)

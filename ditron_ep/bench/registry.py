@@ -12,8 +12,10 @@ from ditron_ep.bench.moe_layer import MOE
 from ditron_ep.bench.moe_timeline import MOE_TIMELINE
 from ditron_ep.bench.moe_train import MOE_TRAIN
 from ditron_ep.bench.spec import Benchmark
+from ditron_ep.bench.torchtitan_dispatch import TORCHTITAN_DISPATCH
 from ditron_ep.bench.tp_mlp import TP_MLP
 
 BENCHMARKS: dict[str, Benchmark] = {
     b.name: b for b in (DISPATCH, COMBINE, MOE, MOE_TRAIN, DISPATCH_COMBINE, MOE_TIMELINE, GROUPED_GEMM,
-                       EXPERT_GEMMS, DENSE_GEMM, GEMM_COLLECTIVES, DEEPSPEED_MOE, MEGATRON_DISPATCH, TP_MLP)}
+                       EXPERT_GEMMS, DENSE_GEMM, GEMM_COLLECTIVES, DEEPSPEED_MOE, MEGATRON_DISPATCH, TORCHTITAN_DISPATCH,
+                       TP_MLP)}
