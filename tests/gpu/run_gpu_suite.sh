@@ -16,7 +16,11 @@
 #                                      `pip download --no-deps --only-binary=:all: --python-version 3.12
 #                                      --platform manylinux2014_x86_64 -d .whl hjson pydantic pydantic_core
 #                                      annotated-types typing-inspection`; there `pip install --no-index
-#                                      --no-deps --target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site)
+#                                      --no-deps --target /tmp/site .whl/*.whl` and PYTHONPATH=/tmp/site;
+#                                      nvshmem4py-cu13 0.4.x, the nvshmem extra, for test_nvshmem_gpu.py:
+#                                      `pip download --no-deps --only-binary=:all: --python-version 3.12
+#                                      --platform manylinux_2_34_x86_64 nvshmem4py-cu13==0.4.1`, installed
+#                                      the same way; nvidia-nvshmem-cu13 and cuda-core are on the GPU images)
 #                                      (default: python, else python3, on PATH)
 #     DITRON_GPU_SUITE_TIMEOUT_S       limit for the whole torchrun job (default 540: the summary still
 #                                      prints inside a 10-minute call)
