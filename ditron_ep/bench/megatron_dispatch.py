@@ -195,15 +195,18 @@ def validate(req: BenchRequest, options: Any, world_size: int) -> str | None:
     return None
 
 
+# The drop-in issue's dispatcher runs (Megatron's and torchtitan's): top-8 of 64 at 4096 tokens a rank
+DISPATCHER_CONFIGS = dict(
+    metric="GB/s", work_rule=WORK_RULE,
+    shapes={"emulated": Shape(hidden=32, experts=8, topk=2), "torch": Shape(hidden=7168, experts=64, topk=8)},
+    tokens={"emulated": (8, 24), "torch": (4096,)}, default=False,
+    dtypes={"emulated": ("fp32",), "torch": ("bf16",)}, routings=("uniform", "zipf"))
+
 MEGATRON_DISPATCH = Benchmark(
     name="megatron_dispatch",
     description="Megatron-core's MoE token dispatchers inside MoELayer's call sequence, forward + backward: "
                 "ditron_ep's DitronTokenDispatcher vs the all-to-all and the flex (DeepEP) dispatchers",
-    metric="GB/s", work_rule=WORK_RULE,
     check_rule="output and gradients of x and probs vs float64 (out[t] = x[t] * the sum of its routed probabilities): "
                "max |diff| / max |ref| over every rank, output within the dtype's rtol (Megatron's dispatchers, which add "
                "in the token dtype: twice it), gradients within twice it",
-    shapes={"emulated": Shape(hidden=32, experts=8, topk=2), "torch": Shape(hidden=7168, experts=64, topk=8)},
-    tokens={"emulated": (8, 24), "torch": (4096,)}, plan=plan_megatron_dispatch, run=run_megatron_dispatch,
-    default=False, dtypes={"emulated": ("fp32",), "torch": ("bf16",)}, routings=("uniform", "zipf"),
-    validate=validate)
+    plan=plan_megatron_dispatch, run=run_megatron_dispatch, validate=validate, **DISPATCHER_CONFIGS)

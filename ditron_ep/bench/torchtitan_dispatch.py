@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.bench.ep_inputs import Inputs
-from ditron_ep.bench.megatron_dispatch import WORK_RULE, run_dispatchers
+from ditron_ep.bench.megatron_dispatch import DISPATCHER_CONFIGS, run_dispatchers
 from ditron_ep.bench.moe_layer import on_fresh_caches
 from ditron_ep.bench.ranks import StageFailed, guarded
-from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Shape
+from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
 
 OURS, ALLTOALL = "ditron dispatcher (torchtitan), fwd+bwd", "torchtitan all-to-all dispatcher, fwd+bwd"
 
@@ -126,10 +126,7 @@ TORCHTITAN_DISPATCH = Benchmark(
     name="torchtitan_dispatch",
     description="torchtitan's MoE token dispatcher interface, forward + backward: ditron_ep's DitronTokenDispatcher "
                 "vs torchtitan 0.3.0's all-to-all dispatcher (written from its source)",
-    metric="GB/s", work_rule=WORK_RULE,
     check_rule="output and gradients of x and the scores vs float64 (out[t] = x[t] * the sum of its scores): "
                "max |diff| / max |ref| over every rank, output within the dtype's rtol (torchtitan's, which adds "
                "scored terms in the token dtype: twice it), gradients within twice it",
-    shapes={"emulated": Shape(hidden=32, experts=8, topk=2), "torch": Shape(hidden=7168, experts=64, topk=8)},
-    tokens={"emulated": (8, 24), "torch": (4096,)}, plan=plan_torchtitan_dispatch, run=run_torchtitan_dispatch,
-    default=False, dtypes={"emulated": ("fp32",), "torch": ("bf16",)}, routings=("uniform", "zipf"))
+    plan=plan_torchtitan_dispatch, run=run_torchtitan_dispatch, **DISPATCHER_CONFIGS)
