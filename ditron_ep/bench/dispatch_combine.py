@@ -138,9 +138,10 @@ def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | No
                     transport=o.get("transport", "pointer"))
 
 
-def fp8_applies(hidden: int, dtype: str, on_gpu: bool) -> bool:
-    """Whether the FP8 dispatch rows run: GPUs, bf16 tokens, hidden a multiple of 128."""
-    return on_gpu and dtype == "bf16" and hidden % 128 == 0
+def fp8_applies(hidden: int, dtype: str, on_gpu: bool, options: Mapping[str, Any]) -> bool:
+    """Whether the FP8 dispatch rows run: GPUs, bf16 tokens, hidden a multiple of 128, and the
+    pointer transport (FP8 dispatch has no put path)."""
+    return on_gpu and dtype == "bf16" and hidden % 128 == 0 and options.get("transport") != "put"
 
 
 def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measurement]:
@@ -447,7 +448,7 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
         out = []
         if "eager" in modes:
             out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
-            if fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda):
+            if fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options):
                 out += measure_fp8(ctx, case, tokens)
             out += measure_combine(ctx, case)[0]
             if ctx.on_cuda:
@@ -486,7 +487,7 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
                  Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR_KERNEL, against=d),
                  Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
                  *((Impl(FP8_DISPATCH, against=d), Impl(FP8_DEQUANT, against=d))
-                   if fp8_applies(req.shape.hidden, req.dtype, on_gpu) else ()),
+                   if fp8_applies(req.shape.hidden, req.dtype, on_gpu, options) else ()),
                  Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
                  Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ditron_ep.bench.ep_inputs import Inputs
 from ditron_ep.bench.megatron_dispatch import DISPATCHER_CONFIGS, run_dispatchers
 from ditron_ep.bench.moe_layer import on_fresh_caches
-from ditron_ep.bench.ranks import StageFailed, guarded
+from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement
 
 OURS, ALLTOALL = "ditron dispatcher (torchtitan), fwd+bwd", "torchtitan all-to-all dispatcher, fwd+bwd"
@@ -86,7 +86,7 @@ def _titan_step(ctx: BenchContext, impl: str, inp: Inputs, probs: torch.Tensor, 
                 grad_out: torch.Tensor) -> Callable[[], tuple]:
     """(out, dx, dprobs [T, E]) of dispatch -> identity experts -> combine -> backward."""
     del routing_map
-    if bool((inp.idx < 0).any()):
+    if not all_ranks(ctx, not bool((inp.idx < 0).any())):  # every rank raises alike
         raise StageFailed("torchtitan's dispatchers take no dropped slots; use a routing without drops")
     E, ids = ctx.shape.experts, inp.idx.to(torch.int64)
     mesh = guarded(ctx, f"{impl} (mesh)", lambda: _ep_mesh(ctx))

@@ -101,7 +101,7 @@ def put_signal(table_ptr, sig_table_ptr, rank, peer, dst_offset, src_ptr, n_elem
 
 
 # ---------------------------------------------------------------------------------------- host side
-_modules: set[int] = set()
+_modules: dict[int, Any] = {}  # module handle -> the compiled kernel initialised for NVSHMEM
 _launchers: dict[int, Any] = {}
 
 
@@ -131,18 +131,28 @@ def device_library() -> str:
 
 def init_module(kernel: Any) -> None:
     """Initialise a compiled kernel's CUDA module for NVSHMEM once (before its first launch)."""
+    import torch
+
+    from ditron_ep.runtime.errors import DitronConfigError
+
     kernel._init_handles()
     handle = int(kernel.module)
-    if handle in _modules:
+    if _modules.get(handle) is kernel:
         return
+    if torch.cuda.is_current_stream_capturing():
+        raise DitronConfigError(
+            f"kernel {kernel.name} meets NVSHMEM for the first time inside a CUDA graph capture, and initialising "
+            f"its module for NVSHMEM copies from the host, which a capture forbids: make one call of this "
+            f"shape outside the capture first")
     from nvshmem import bindings
 
     status = bindings.cumodule_init(handle)
     # A specialisation whose put branch compiled away has no NVSHMEM device state for the call to
     # fill in, and the call fails on it ('named symbol not found'): nothing to initialise then.
-    if status not in (None, 0) and re.search(r"nvshmemi?_device\w*state", kernel.asm.get("ptx", "state")):
+    ptx = kernel.asm.get("ptx")
+    if status not in (None, 0) and (ptx is None or re.search(r"nvshmemi?_device\w*state", ptx)):
         raise RuntimeError(f"nvshmemx_cumodule_init failed with status {status} for kernel {kernel.name}")
-    _modules.add(handle)
+    _modules[handle] = kernel  # held: a module stays loaded (its handle unique) while its kernel lives
 
 
 def nvshmem_launcher(fn: Any):

@@ -93,7 +93,9 @@ class FastLauncher:
             return self.fn[grid](*args, **kwargs)
         if self.extern_libs is not None:
             kwargs = {**kwargs, "extern_libs": self.extern_libs}
-        if self.prepare is not None and not callable(grid):
+        if self.prepare is not None:
+            if callable(grid):
+                raise TypeError("a launcher with `prepare` takes a tuple grid (the kernel is prepared before it runs)")
             self.prepare(self.fn.run(*args, grid=grid, warmup=True, **kwargs))  # compiles, does not launch
         return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
 

@@ -6,13 +6,17 @@ the sender's memory into the peer's symmetric arena, the signal delivered after 
 nvshmem backend only; what reaches a peer without a load/store mapping, e.g. on another node).
 The choice is per peer, as a bit mask (bit p set: put to rank p), so one launch can mix both.
 Either way the receiver waits on its own signal word with the same bounded wait, and the bytes
-that land are the same, so results are bitwise equal between transports.
+that land are the same, so results are bitwise equal between transports. The puts read the
+sender's tensors where they are: fine over NVLink (NVSHMEM's P2P transport), but NVSHMEM's
+remote (IB) transports need sources on the symmetric heap or registered — one of the steps
+inter-node EP still needs (docs/design.md).
 """
 from __future__ import annotations
 
 from ditron_ep.runtime.errors import DitronConfigError
 
 TRANSPORTS = ("auto", "pointer", "put")
+MAX_PUT_WORLD = 31  # the per-peer mask travels as an int32 kernel argument
 
 
 def put_peer_mask(heap, transport: str) -> int:
@@ -30,6 +34,9 @@ def put_peer_mask(heap, transport: str) -> int:
         raise DitronConfigError(
             f"transport='put' needs NVSHMEM's put-with-signal: build the heap (or buffer) with backend='nvshmem' "
             f"(this one is {heap.backend!r}), or use transport='pointer'")
+    if heap.world_size > MAX_PUT_WORLD:
+        raise DitronConfigError(f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks (a per-peer bit mask "
+                                f"in one int32); this heap has {heap.world_size}. Use transport='pointer'")
     return (1 << heap.world_size) - 1
 
 

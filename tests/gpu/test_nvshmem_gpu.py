@@ -31,12 +31,14 @@ STAGE_TEST_PUT = tl.constexpr(register_stage(90, "test: put-with-signal receive"
 
 
 def test_heap_alloc_peer_visibility_and_rebuild(dist_env):
-    """Three heaps built and freed in turn on the one NVSHMEM instance: each rank's bytes are what
-    every peer reads through the pointer table, and a freed heap's successor starts zeroed."""
+    """Heaps built and freed in turn on the one NVSHMEM instance: each rank's bytes are what every
+    peer reads through the pointer table, and a freed heap's successor starts zeroed. Five of 300
+    MiB: more than the symmetric heap NVSHMEM reserved for the first (that + 512 MiB), so a free
+    that did not give the memory back fails the later ones."""
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     problems = []
-    for round_ in range(3):
-        heap = SymmetricHeap(backend="nvshmem", size_bytes=(8 + round_) << 20)
+    for round_, size in enumerate((8 << 20, 9 << 20, *(300 << 20,) * 5)):
+        heap = SymmetricHeap(backend="nvshmem", size_bytes=size)
         buf = heap.alloc("pattern", (4096,), torch.int32)
         if torch.count_nonzero(buf).item():
             problems.append(f"round {round_}: a fresh arena is not zeroed")

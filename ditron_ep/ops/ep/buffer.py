@@ -183,8 +183,9 @@ class EPBuffer:
         transport (runtime/transport.py): how the dispatch's tokens reach each peer. "auto"
             (default) and "pointer": stores through the peer pointer table; "put" (backend
             "nvshmem"): NVSHMEM put-with-signal to every peer (the transport for peers without a
-            load/store mapping; forced here on one node it checks that path). Same bits either
-            way. The layout exchange, call barriers and combine use peer pointers on every transport.
+            load/store mapping; forced here on one node it checks that path), for the dispatch's
+            tokens and the combine's rows (backward replays included). Same bits either way. The
+            layout exchange and the call barriers use peer pointers on every transport.
 
     Every call reuses the buffer's heap and signals, so calls run in the order of the CUDA stream
     they are issued on: issue them on one stream (or order the streams yourself).
@@ -229,8 +230,10 @@ class EPBuffer:
             # combine's landing buffer: (T, K, H) rows, or the rank-reduced combine's (W, T, H) partials
             ("ep/land", (T, max(K, W), H), dtype),
         ] + ([("ep/sstage", (W, T, H // SCALE_COLS), torch.float32)] if self.fp8 else []) + (
-            # the put transport assembles each destination's metadata here before putting it
-            [("ep/send_meta", (W, T, 1 + 2 * K), torch.int32), ("ep/send_w", (W, T, K), torch.float32)]
+            # the put transport assembles each destination's metadata (dispatch) and rank-reduced
+            # partials (combine, fp32 or the dtype) here before putting them
+            [("ep/send_meta", (W, T, 1 + 2 * K), torch.int32), ("ep/send_w", (W, T, K), torch.float32),
+             ("ep/send_land", (W, T, H), torch.float32)]
             if transport == "put" else [])
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
@@ -238,9 +241,9 @@ class EPBuffer:
         self.n_slices, self.slice_cols = task_queue.hidden_slices(
             max_tokens_per_rank, W, block_rows, H, self.block_hidden, hidden_slices)
         sig_per_kernel = W * self.n_chunks * self.n_slices  # (rank, chunk, column slice)
-        # with puts, the dispatch's signals are uint64 words (put_signal_words)
-        dispatch_words = 2 * sig_per_kernel + 1 if transport == "put" else sig_per_kernel
-        num_signals = W + dispatch_words + sig_per_kernel
+        # with puts, the dispatch's and the combine's signals are uint64 words (put_signal_words)
+        kernel_words = 2 * sig_per_kernel + 1 if transport == "put" else sig_per_kernel
+        num_signals = W + 2 * kernel_words
         data = sum(C.align_up(_numel(s) * torch.empty((), dtype=d).element_size()) for _, s, d in self._specs)
         size = C.align_up(C.CTRL_BYTES + 4 * num_signals) + data
         self.heap = SymmetricHeap(group, backend=backend, size_bytes=size, num_signals=num_signals,
@@ -257,12 +260,12 @@ class EPBuffer:
             self.heap.free()
             raise
         self._sig_layout = self.heap.alloc_signals("ep/layout", W)
-        # Device-level transport (runtime/transport.py): the peers the dispatch reaches by put
+        # Device-level transport (runtime/transport.py): the peers dispatch and combine reach by put
         self._put_peers = put_peer_mask(self.heap, transport)
         self.transport = transport
-        self._sig_dispatch = (put_signal_words(self.heap, "ep/dispatch", sig_per_kernel) if self._put_peers
-                              else self.heap.alloc_signals("ep/dispatch", sig_per_kernel))
-        self._sig_combine = self.heap.alloc_signals("ep/combine", sig_per_kernel)
+        self._sig_dispatch, self._sig_combine = (
+            (put_signal_words(self.heap, name, sig_per_kernel) if self._put_peers
+             else self.heap.alloc_signals(name, sig_per_kernel)) for name in ("ep/dispatch", "ep/combine"))
         self.device = self.heap.device
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -609,17 +612,18 @@ class EPBuffer:
         token_rows = bool(mode & C.FLAG_MODE_TOKEN_ROWS)
         row_w = handle.recv_weights if reduced and not token_rows else None
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
-        fast(ep_combine_kernel)[(self.num_programs,)](
+        puts = self._put_peers != 0
+        (nvshmem_launcher if puts else fast)(ep_combine_kernel)[(self.num_programs,)](
             y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
             handle.send.topk_idx, w if w is not None else self._dummy_f32,
             row_w if row_w is not None else self._dummy_f32, out,
             h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
             h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
-            self.slice_cols, self._combine_lag, mode,
+            self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0,
             K=self.topk, HAS_WEIGHTS=(row_w if reduced else w) is not None, BLOCK_S=self.block_rows,
             BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
             RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
-            num_warps=self.num_warps)
+            PUTS=puts, num_warps=self.num_warps)
         return out
 
     def _finish(self, sync: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ditron_ep.language.nvshmem import SIGNAL_SET, fence, putmem_nbi_block, quiet, signal_op
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -104,6 +105,31 @@ def send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok
         tl.store(p_part + (rank * MAXT + i_tok)[:, None] * H + o_h[None, :], acc.to(p_part.dtype.element_ty), mask=m)
 
 
+@register_device_function
+@triton.jit
+def put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, rank, r0, n_rows, land_offset,
+                  h_lo, h_hi, H, MAXT, K: tl.constexpr, RANK_REDUCED: tl.constexpr, PART_ELT: tl.constexpr):
+    """The put transport's send-back of a chunk slice to rank i_s, one block-scoped NVSHMEM put per
+    landing row (columns [h_lo, h_hi)): exact mode, each routed (token, k) row of y to land[token,
+    k]; RANK_REDUCED, each token's partial from this rank's send area (rows (i_s, token), written
+    by send_rank_partial) to part[rank, token]. The same bytes land as with pointer stores."""
+    Y_ELT: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth // 8
+    own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
+    for j in range(0, n_rows):
+        i_tok = tl.load(recv_tok_ptr + r0 + j).to(tl.int64)
+        if RANK_REDUCED:
+            putmem_nbi_block(own + land_offset + ((rank * MAXT + i_tok) * H + h_lo) * PART_ELT,
+                             tl.cast(p_send + (i_s * MAXT + i_tok) * H + h_lo, tl.int64),
+                             tl.cast(h_hi - h_lo, tl.int64) * PART_ELT, i_s)
+        else:
+            for k in tl.static_range(K):
+                row = tl.load(recv_rows_ptr + (r0 + j) * K + k).to(tl.int64)
+                if row >= 0:
+                    putmem_nbi_block(own + land_offset + ((i_tok * K + k) * H + h_lo) * Y_ELT,
+                                     tl.cast(y_ptr + row * H + h_lo, tl.int64),
+                                     tl.cast(h_hi - h_lo, tl.int64) * Y_ELT, i_s)
+
+
 @triton.jit
 def ep_combine_kernel(
     y_ptr,            # (rows_cap, H) expert outputs in dispatch's row order
@@ -125,12 +151,17 @@ def ep_combine_kernel(
     slice_cols,       # a smaller call may use more, task_queue.call_slices), columns per slice
     lag,              # chunks a reduce trails the send-backs by in the queue
     mode_flags,       # the call record's mode bits (MODE_FLAGS): every rank must pass the same
+    put_peers,        # bit s set: send back to rank s by NVSHMEM puts (runtime/transport.py; PUTS only)
+    send_land_offset,  # bytes: this rank's send area for RANK_REDUCED partials put to peers, (W, MAXT, H) (PUTS)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
     RANK_REDUCED: tl.constexpr = False, PARTIAL_FP32: tl.constexpr = False,
     TOKEN_ROWS: tl.constexpr = False,  # with RANK_REDUCED: y is token-major (one row per (source, token))
+    PUTS: tl.constexpr = False,        # the put transport is compiled in (every signal then a uint64)
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
+    SIG_STRIDE: tl.constexpr = 2 if PUTS else 1
+    PART_ELT: tl.constexpr = 4 if PARTIAL_FP32 else y_ptr.dtype.element_ty.primitive_bitwidth // 8
     skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)  # a graph-mode handle of a dispatch that did not go
     call_no, ok = call_begin(table_ptr, rank, world, budget, flags=mode_flags, skip=skip)
     my_ctrl = ctrl_ptr(table_ptr, rank)
@@ -157,7 +188,30 @@ def ep_combine_kernel(
                     m_j = o_j < n
                     r_src = (i_s * MAXT + o_j).to(tl.int64)
                     i_tok = tl.load(recv_tok_ptr + r_src, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
-                    if RANK_REDUCED:
+                    sig_word = sig_first + chunk_signal(0, rank, n_chunks, n_slices, i_c, n_sl, i_j) * SIG_STRIDE
+                    by_put = False
+                    if PUTS:
+                        by_put = ((put_peers >> i_s) & 1) != 0
+                    if by_put:
+                        if RANK_REDUCED:  # the partials into this rank's send area at rows (i_s, token) first
+                            if PARTIAL_FP32:
+                                p_send = heap_ptr(table_ptr, rank, send_land_offset, tl.float32)
+                            else:
+                                p_send = heap_ptr(table_ptr, rank, send_land_offset, y_ptr.dtype.element_ty)
+                            send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_send, r_src, i_tok,
+                                              token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W), m_j, i_s,
+                                              h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
+                            tl.debug_barrier()  # the block-scoped puts read what every thread stored
+                        else:
+                            p_send = y_ptr
+                        put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, rank,
+                                      i_s.to(tl.int64) * MAXT + i_c * BLOCK_S, tl.minimum(BLOCK_S, n - i_c * BLOCK_S),
+                                      land_offset, h_lo, h_hi, H, MAXT, K, RANK_REDUCED, PART_ELT)
+                        tl.debug_barrier()  # every thread's puts issued before the fence and signal
+                        fence()
+                        signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
+                                  tl.cast(tl.cast(call_no, tl.uint32, bitcast=True), tl.uint64), SIGNAL_SET, i_s)
+                    elif RANK_REDUCED:
                         if PARTIAL_FP32:
                             p_part = heap_ptr(table_ptr, i_s, land_offset, tl.float32)
                         else:
@@ -175,8 +229,8 @@ def ep_combine_kernel(
                                 m = m_r[:, None] & (o_h < h_hi)[None, :]
                                 b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
                                 tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
-                    notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) +
-                           chunk_signal(sig_first, rank, n_chunks, n_slices, i_c, n_sl, i_j), call_no)
+                    if not by_put:
+                        notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_word, call_no)
             else:
                 # ---- reduce the slice's columns of a block of this rank's tokens
                 o_t = (idx // n_sl) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -189,7 +243,7 @@ def ep_combine_kernel(
                     # No token of the block goes to d: an empty range (no signed division of -1).
                     hi = tl.where(top >= 0, top // BLOCK_S, lo - 1)
                     for c in range(lo, hi + 1):
-                        i_sig = chunk_signal(sig_first, d, n_chunks, n_slices, c, n_sl, i_j)
+                        i_sig = sig_first + chunk_signal(0, d, n_chunks, n_slices, c, n_sl, i_j) * SIG_STRIDE
                         ok_c = wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_COMBINE_REDUCE, i_sig, budget)
                         n_bad += (ok_c == 0).to(tl.int32)
                 if n_bad == 0:
@@ -204,6 +258,8 @@ def ep_combine_kernel(
                         reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr,
                                       w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
         t = next_task(my_ctrl)
+    if PUTS:
+        quiet()  # this program's puts delivered (and their sources free) before the call ends
     call_end(table_ptr, rank, call_no, OPENS=True, skip=skip)
 
 
@@ -211,7 +267,8 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
         "src_info_ptr": "*i32", "slot_ptr": "*i32", "topk_ptr": "*i32", "w_ptr": "*fp32", "row_w_ptr": "*fp32", "out_ptr": "*bf16", "table_ptr": "*i64",
         "sig_table_ptr": "*i64", "land_offset": "i64", "sig_first": "i32", "T": "i32", "H": "i32",
         "rank": "i32", "world": "i32", "MAXT": "i32", "n_chunks": "i32", "budget": "i32",
-        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32"}
+        "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32", "put_peers": "i32",
+        "send_land_offset": "i64"}
 _MULT16 = ("H", "land_offset", "slice_cols")
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
                                           "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)

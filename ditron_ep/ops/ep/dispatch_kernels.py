@@ -117,6 +117,7 @@ def put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, si
         putmem_nbi_block(own + meta_offset + row0 * META * 4, l_meta, tl.cast(n_rows, tl.int64) * META * 4, i_d)
         if HAS_WEIGHTS:
             putmem_nbi_block(own + wstage_offset + row0 * K * 4, l_w, tl.cast(n_rows, tl.int64) * K * 4, i_d)
+    tl.debug_barrier()  # every thread's puts issued before any thread fences and signals
     fence()
     signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
               tl.cast(tl.cast(call_no, tl.uint32, bitcast=True), tl.uint64), SIGNAL_SET, i_d)

@@ -73,18 +73,24 @@ def check_group(ranks: tuple[int, ...]) -> None:
 
 def preflight(group: dist.ProcessGroup, rank: int, world_size: int) -> None:
     """This rank's checks before any collective (the heap agrees on every rank's verdict first):
-    nvshmem4py importable and supported, and an instance, if there is one, usable for `group`."""
+    nvshmem4py importable and supported, NVSHMEM's host library loadable, and an instance, if there
+    is one, usable for `group`. Any failure is a DitronConfigError (the heap's agreement carries
+    only those to the peers: another exception would leave them waiting)."""
     check_group(group_ranks(group))
     core = import_nvshmem()
-    if _instance is None and _initialised(core):
-        pe, n = core.my_pe(), core.n_pes()
-        if (pe, n) != (rank, world_size) or not _initialised_by_nvshmem4py():
-            how = "through nvshmem4py" if _initialised_by_nvshmem4py() else \
-                "not through nvshmem4py (torch symmetric memory's NVSHMEM backend?)"
-            raise DitronConfigError(
-                f"NVSHMEM was initialised in this process before ditron_ep asked for it, {how}, as PE {pe} of "
-                f"{n}; the heap's group has this process as rank {rank} of {world_size}. Use backend='torch', or "
-                f"initialise NVSHMEM through nvshmem4py with PEs equal to the group's ranks")
+    try:
+        initialised = _instance is None and _initialised(core)
+        if initialised:
+            pe, n, ours = core.my_pe(), core.n_pes(), _initialised_by_nvshmem4py()
+    except Exception as err:  # e.g. libnvshmem_host not loadable: nvshmem4py dlopens it on first use
+        raise DitronConfigError(f"NVSHMEM's host library does not load here ({type(err).__name__}: {err}); "
+                                f"install nvidia-nvshmem-cu13 (the nvshmem extra) or use backend='torch'") from err
+    if initialised and ((pe, n) != (rank, world_size) or not ours):
+        how = "through nvshmem4py" if ours else "not through nvshmem4py (torch symmetric memory's NVSHMEM backend?)"
+        raise DitronConfigError(
+            f"NVSHMEM was initialised in this process before ditron_ep asked for it, {how}, as PE {pe} of "
+            f"{n}; the heap's group has this process as rank {rank} of {world_size}. Use backend='torch', or "
+            f"initialise NVSHMEM through nvshmem4py with PEs equal to the group's ranks")
 
 
 def ensure_initialised(group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device,
@@ -96,7 +102,12 @@ def ensure_initialised(group: dist.ProcessGroup, rank: int, world_size: int, dev
         return
     core = import_nvshmem()
     ranks = group_ranks(group)
-    if _initialised(core):
+    states: list[object] = [None] * world_size
+    dist.all_gather_object(states, _initialised(core), group=group)
+    if len(set(states)) > 1:
+        raise DitronConfigError(f"NVSHMEM is initialised on some ranks of the heap's group and not on others "
+                                f"({states}); initialise it on all of them or on none")
+    if states[0]:  # the application's own nvshmem4py instance, over these ranks (preflight checked)
         _instance = _Instance(ranks, owned=False)
         return
     import numpy as np
@@ -105,23 +116,45 @@ def ensure_initialised(group: dist.ProcessGroup, rank: int, world_size: int, dev
     os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(first_arena_bytes + HEAP_HEADROOM_BYTES))
     # the library never uses NVLink multicast, and on shared hosts multicast objects are unwelcome
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    uid = core.get_unique_id(empty=rank != 0)
-    uid_bytes = uid._data.view(np.int8)  # the id's raw bytes (nvshmem4py's own MPI bootstrap sends these)
-    payload = [uid_bytes.tobytes() if rank == 0 else None]
+    # rank 0 sends the unique id's raw bytes (what nvshmem4py's own MPI bootstrap sends), or why it has none
+    problem = None
+    try:
+        uid = core.get_unique_id(empty=rank != 0)
+        uid_bytes = uid._data.view(np.int8)
+    except Exception as err:  # noqa: BLE001 - reported on every rank below
+        problem = f"{type(err).__name__}: {err}"
+    payload: list[object] = [(problem or uid_bytes.tobytes()) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=ranks[0], group=group)
-    if rank != 0:
+    if not isinstance(payload[0], bytes):
+        problem = f"no unique id from rank 0 ({payload[0]})"
+    elif problem is None:
         uid_bytes[:] = np.frombuffer(payload[0], dtype=np.int8)
-    cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
-    cuda_device.set_current()
-    core.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+    _agree_or_raise(group, world_size, problem, "NVSHMEM's bootstrap over the heap's group failed")
+    try:  # every rank gets here, so none waits alone in NVSHMEM's bootstrap
+        cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
+        cuda_device.set_current()
+        core.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
+    except Exception as err:  # noqa: BLE001 - every rank learns every verdict (a lone raise strands the peers)
+        problem = f"{type(err).__name__}: {err}"
+    _agree_or_raise(group, world_size, problem, "NVSHMEM did not initialise over the heap's group")
     _instance = _Instance(ranks, owned=True)
     atexit.register(_finalize_at_exit)
 
 
+def _agree_or_raise(group: dist.ProcessGroup, world_size: int, problem: str | None, what: str) -> None:
+    """Collective: raise DitronConfigError on every rank if any rank has a problem."""
+    verdicts: list[object] = [None] * world_size
+    dist.all_gather_object(verdicts, problem, group=group)
+    if any(verdicts):
+        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v)
+        raise DitronConfigError(f"{what} ({detail})")
+
+
 def _initialised(core) -> bool:
     """Whether NVSHMEM (the library, whoever called its init) is initialised in this process."""
-    return getattr(core.init_status(), "name", "") in ("STATUS_IS_INITIALIZED", "STATUS_LIMITED_MPG",
-                                                        "STATUS_FULL_MPG")
+    from nvshmem.bindings import Init_status as S
+
+    return core.init_status() in (S.STATUS_IS_INITIALIZED, S.STATUS_LIMITED_MPG, S.STATUS_FULL_MPG)
 
 
 def _initialised_by_nvshmem4py() -> bool:
@@ -132,9 +165,12 @@ def _initialised_by_nvshmem4py() -> bool:
 
 
 def _finalize_at_exit() -> None:
+    """Finalise the instance this module made, on a clean exit only: `finalize` frees leftover
+    buffers collectively and ends in a barrier, so a rank leaving with heaps still live (an error
+    on its way out, a peer gone) would wait there forever. Then the driver reclaims the memory."""
     global _instance
     inst, _instance = _instance, None
-    if inst is None or not inst.owned:
+    if inst is None or not inst.owned or inst.live_arenas:
         return
     try:
         import nvshmem.core as core
@@ -149,40 +185,31 @@ def create_arena(size_bytes: int, group: dist.ProcessGroup, rank: int, world_siz
     """Collective: one arena of `size_bytes` on NVSHMEM's symmetric heap, peers by `nvshmem_ptr`."""
     ensure_initialised(group, rank, world_size, device, size_bytes)
     core = import_nvshmem()
+    from nvshmem import bindings
+
     local = core.bytetensor((size_bytes,))
-    peers, unreachable = [], []
-    for pe in range(world_size):
-        try:
-            view = core.get_peer_tensor(local, pe)
-        except Exception:  # nvshmem4py raises when nvshmem_ptr has no mapping for the peer
-            view = None
-        if view is None or view.data_ptr() == 0:
-            unreachable.append(pe)
-        peers.append(view)
-    # every rank must learn every verdict before the collective free below
-    verdicts: list[object] = [None] * world_size
-    dist.all_gather_object(verdicts, unreachable, group=group)
-    if any(verdicts):
-        peers.clear()
+    # nvshmem_ptr itself, not nvshmem4py's peer tensors: those are tracked, and a tracked view of
+    # this rank's own buffer (nvshmem_ptr of the own PE is the buffer) holds it past free_tensor
+    bases = [int(bindings.ptr(local.data_ptr(), pe)) for pe in range(world_size)]
+    unreachable = [pe for pe, b in enumerate(bases) if b == 0]
+    try:  # every rank learns every verdict, then all free together
+        _agree_or_raise(group, world_size, f"cannot reach ranks {unreachable}" if unreachable else None,
+                        "NVSHMEM gives no load/store mapping between some ranks (another node, or no P2P); the "
+                        "heap's pointer table needs every peer in the same NVLink/PCIe domain")
+    except DitronConfigError:
         core.free_tensor(local)
-        detail = "; ".join(f"rank {r} cannot reach ranks {v}" for r, v in enumerate(verdicts) if v)
-        raise DitronConfigError(
-            f"NVSHMEM gives no load/store mapping between some ranks ({detail}: another node, or no P2P); "
-            f"the heap's pointer table needs every peer in the same NVLink/PCIe domain")
-    bases = [int(v.data_ptr()) for v in peers]
+        raise
     local.zero_()
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
     assert _instance is not None
     _instance.live_arenas += 1
-    held = [local, peers]
+    held = [local]
 
     def release() -> None:  # collective (nvshmem_free synchronises the PEs): SymmetricHeap.free calls it on all
         if not held:
             return
-        tensor, views = held
-        held.clear()
-        views.clear()
+        tensor = held.pop()
         core.free_tensor(tensor)
         if _instance is not None:
             _instance.live_arenas -= 1
