@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from triton.language import core
 
+from ditron_ep.language.registry import register_device_function
+
 # nvshmemi_amo_t / nvshmemi_cmp_type (nvshmem_types.h)
 SIGNAL_SET = tl.constexpr(9)
 SIGNAL_ADD = tl.constexpr(10)
@@ -86,6 +88,7 @@ def my_pe(_semantic=None):
     return core.extern_elementwise("", "", [], {(): ("nvshmem_my_pe", _I32)}, is_pure=True, _semantic=_semantic)
 
 
+@register_device_function
 @triton.jit
 def put_signal(table_ptr, sig_table_ptr, rank, peer, dst_offset, src_ptr, n_elems, sig_word, value):
     """Put `n_elems` contiguous elements from local `src_ptr` to byte `dst_offset` of rank `peer`'s
