@@ -1,0 +1,68 @@
+"""The put transport's kernels compile for sm_90 with NVSHMEM's device library linked (CPU, no GPU).
+
+The put path only runs on GPUs (tests/gpu/test_nvshmem_gpu.py); this compiles the dispatch's and
+both combine modes' PUTS specialisations against `libnvshmem_device.bc` (the nvidia-nvshmem-cu13
+wheel, a test dependency) in a TRITON_INTERPRET=0 subprocess, as the portability check does, and
+checks each module carries the NVSHMEM device state `nvshmemx_cumodule_init` fills in. They are not
+in the portability registry: that compiles for AMD too, and NVSHMEM is NVIDIA-only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+_SCRIPT = textwrap.dedent('''
+    import inspect, json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import ditron_ep  # noqa: F401
+    from ditron_ep.ops.ep import combine_kernels as cb, dispatch_kernels as dk
+
+    def source(fn, sig, cx):
+        signature, cx = {}, dict(cx)
+        for name, p in inspect.signature(fn.fn).parameters.items():
+            if name in cx:
+                signature[name] = "constexpr"
+            elif name in sig:
+                signature[name] = sig[name]
+            else:
+                cx[name], signature[name] = p.default, "constexpr"
+        return ASTSource(fn=fn, signature=signature, constexprs=cx)
+
+    common = {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8, "PUTS": True}
+    cases = {
+        "dispatch": (dk.ep_dispatch_kernel, dk._SIG, {**common, "SCALE_ROWS": False, "ENTRY_BARRIER": False}),
+        "combine": (cb.ep_combine_kernel, cb._SIG, {**common, "BLOCK_T": 16}),
+        "combine rank-reduced": (cb.ep_combine_kernel, cb._SIG, {**common, "BLOCK_T": 16, "RANK_REDUCED": True}),
+    }
+    out = {}
+    for name, (fn, sig, cx) in cases.items():
+        try:
+            k = triton.compile(source(fn, sig, cx), target=GPUTarget("cuda", 90, 32),
+                               options={"extern_libs": (("libnvshmem_device", sys.argv[1]),), "num_warps": 8})
+            out[name] = "nvshmemi_device_state" in k.asm["ptx"]
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {str(exc)[-2000:]}"
+    print(json.dumps(out))
+''')
+
+
+def _device_library() -> str:
+    import nvidia.nvshmem as wheel  # nvidia-nvshmem-cu13, the test extra's
+
+    return os.path.join(list(wheel.__path__)[0], "lib", "libnvshmem_device.bc")
+
+
+def test_put_transport_kernels_compile_for_sm90_with_nvshmem():
+    lib = _device_library()
+    assert os.path.exists(lib), f"nvidia-nvshmem-cu13 ships no {lib}"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    env.pop("DITRON_BACKEND", None)
+    run = subprocess.run([sys.executable, "-c", _SCRIPT, lib], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert results == {"dispatch": True, "combine": True, "combine rank-reduced": True}, results
