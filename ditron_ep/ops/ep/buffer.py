@@ -230,10 +230,10 @@ class EPBuffer:
             # combine's landing buffer: (T, K, H) rows, or the rank-reduced combine's (W, T, H) partials
             ("ep/land", (T, max(K, W), H), dtype),
         ] + ([("ep/sstage", (W, T, H // SCALE_COLS), torch.float32)] if self.fp8 else []) + (
-            # the put transport assembles each destination's metadata (dispatch) and rank-reduced
-            # partials (combine, fp32 or the dtype) here before putting them
-            [("ep/send_meta", (W, T, 1 + 2 * K), torch.int32), ("ep/send_w", (W, T, K), torch.float32),
-             ("ep/send_land", (W, T, H), torch.float32)]
+            # the put transport stages each destination's tokens and metadata (dispatch) and
+            # rank-reduced partials (combine, fp32 or the dtype) here, symmetric, before putting them
+            [("ep/send_x", (W, T, H), dtype), ("ep/send_meta", (W, T, 1 + 2 * K), torch.int32),
+             ("ep/send_w", (W, T, K), torch.float32), ("ep/send_land", (W, T, H), torch.float32)]
             if transport == "put" else [])
         # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
@@ -596,7 +596,7 @@ class EPBuffer:
             h.offset_of("ep/wstage"), h.offset_of("ep/sstage") if self.fp8 else 0, self._sig_dispatch,
             self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap,
             h.wait_budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
-            self._put_peers, h.offset_of("ep/send_meta") if puts else 0, h.offset_of("ep/send_w") if puts else 0,
+            self._put_peers, *(h.offset_of(f"ep/send_{a}") if puts else 0 for a in ("x", "meta", "w")),
             K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
             BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout,
             TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize, PUTS=puts,

@@ -35,29 +35,31 @@ STAGE_DISPATCH_RECV = tl.constexpr(register_stage(3, "ep dispatch: receive chunk
 
 @register_device_function
 @triton.jit
-def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, dst, row_block, o_j, m_j,
                       stage_offset, meta_offset, wstage_offset, h_lo, h_hi, write_meta, H, E_local, MAXT,
                       s_ptr, sstage_offset, n_scales,
                       K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
                       HAS_SCALES: tl.constexpr = False, BLOCK_SC: tl.constexpr = 64):
     """Copy columns [h_lo, h_hi) of staging slots o_j (mask m_j) of the tokens going to rank i_d
-    into i_d's staging area at row (rank, slot); with write_meta also the per-token metadata
-    [token, local expert of every k (-1: not on i_d), position of every k] and, with HAS_WEIGHTS,
-    the routing weights, with HAS_SCALES the token's n_scales fp32 scales (FP8 dispatch)."""
+    into rank dst's arena at rows (row_block, slot) of the staging area; with write_meta also the
+    per-token metadata [token, local expert of every k (-1: not on i_d), position of every k] and,
+    with HAS_WEIGHTS, the routing weights, with HAS_SCALES the token's n_scales fp32 scales (FP8
+    dispatch). Pointer transport: dst = i_d, row_block = this rank; put transport: dst = this
+    rank, row_block = i_d (its send areas, put from there)."""
     i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
-    r_dst = (rank * MAXT + o_j).to(tl.int64)
-    p_stage = heap_ptr(table_ptr, i_d, stage_offset, x_ptr.dtype.element_ty)
+    r_dst = (row_block * MAXT + o_j).to(tl.int64)
+    p_stage = heap_ptr(table_ptr, dst, stage_offset, x_ptr.dtype.element_ty)
     for h0 in range(h_lo, h_hi, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
         m = m_j[:, None] & (o_h < h_hi)[None, :]
         b_x = tl.load(x_ptr + i_t[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
         tl.store(p_stage + r_dst[:, None] * H + o_h[None, :], b_x, mask=m)
     if write_meta:
-        write_token_meta(heap_ptr(table_ptr, i_d, meta_offset, tl.int32) + r_dst * (1 + 2 * K),
-                         heap_ptr(table_ptr, i_d, wstage_offset, tl.float32) + r_dst * K,
+        write_token_meta(heap_ptr(table_ptr, dst, meta_offset, tl.int32) + r_dst * (1 + 2 * K),
+                         heap_ptr(table_ptr, dst, wstage_offset, tl.float32) + r_dst * K,
                          i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_local, K, HAS_WEIGHTS)
         if HAS_SCALES:
-            p_sst = heap_ptr(table_ptr, i_d, sstage_offset, tl.float32)
+            p_sst = heap_ptr(table_ptr, dst, sstage_offset, tl.float32)
             for c0 in range(0, n_scales, BLOCK_SC):
                 o_c = c0 + tl.arange(0, BLOCK_SC)
                 m_c = m_j[:, None] & (o_c < n_scales)[None, :]
@@ -85,38 +87,41 @@ def write_token_meta(p_meta, p_wst, i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_l
 @register_device_function
 @triton.jit
 def put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, sig_table_ptr, i_d, rank, i_c, n,
-                    stage_offset, meta_offset, wstage_offset, send_meta_offset, send_w_offset, h_lo, h_hi,
-                    write_meta, H, E_local, MAXT, sig_word, call_no,
-                    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The put transport's `stage_token_chunk` + notify: each token's columns [h_lo, h_hi) go
-    straight from x to rank i_d's staging row (rank, slot), one block-scoped NVSHMEM put per
-    token; slice 0's metadata (and weights) is assembled in this rank's send area at rows
-    (i_d, slot) and put as one block; a fence, then the slice's signal on i_d, so it lands after
-    every byte. The same bytes land as with pointer stores."""
+                    stage_offset, meta_offset, wstage_offset, send_x_offset, send_meta_offset, send_w_offset,
+                    h_lo, h_hi, write_meta, H, E_local, MAXT, sig_word, call_no,
+                    K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The put transport's `stage_token_chunk` + notify: the chunk's columns [h_lo, h_hi) (and slice
+    0's metadata and weights) staged with the pointer path's tile copies into this rank's send
+    areas at rows (i_d, slot) — symmetric memory, what NVSHMEM's remote transports need as a put's
+    source — then put to i_d's staging rows (rank, slot): the chunk as one block when the slice is
+    whole rows, else one put per row; a fence, then the slice's signal, so it lands after every
+    byte. The same bytes land as with pointer stores."""
     META: tl.constexpr = 1 + 2 * K
     ELT: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth // 8
-    own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
     first = i_c * BLOCK_S
-    n_rows = tl.minimum(BLOCK_S, n - first)
+    o_j = first + tl.arange(0, BLOCK_S)
+    stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, i_d, o_j, o_j < n,
+                      send_x_offset, send_meta_offset, send_w_offset, h_lo, h_hi, write_meta, H, E_local, MAXT,
+                      x_ptr, 0, 0, K, HAS_WEIGHTS, BLOCK_H)
+    tl.debug_barrier()  # the block-scoped puts below read what every thread just stored
+    own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
+    n_rows = tl.cast(tl.minimum(BLOCK_S, n - first), tl.int64)
     row0 = tl.cast(rank, tl.int64) * MAXT + first   # the chunk's first staging row on i_d
-    for j in range(0, n_rows):
-        i_t = tl.load(send_idx_ptr + i_d * MAXT + first + j).to(tl.int64)
-        putmem_nbi_block(own + stage_offset + ((row0 + j) * H + h_lo) * ELT,
-                         tl.cast(x_ptr + i_t * H + h_lo, tl.int64), tl.cast(h_hi - h_lo, tl.int64) * ELT, i_d)
+    loc0 = tl.cast(i_d, tl.int64) * MAXT + first    # ... and in this rank's send areas
+    if (h_lo == 0) & (h_hi == H):  # whole rows: the chunk is contiguous on both sides
+        putmem_nbi_block(own + stage_offset + row0 * H * ELT, own + send_x_offset + loc0 * H * ELT,
+                         n_rows * H * ELT, i_d)
+    else:
+        for j in range(0, n_rows):
+            putmem_nbi_block(own + stage_offset + ((row0 + j) * H + h_lo) * ELT,
+                             own + send_x_offset + ((loc0 + j) * H + h_lo) * ELT, tl.cast(h_hi - h_lo, tl.int64) * ELT,
+                             i_d)
     if write_meta:
-        o_j = first + tl.arange(0, BLOCK_S)
-        m_j = o_j < n
-        i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)
-        r_loc = tl.cast(i_d, tl.int64) * MAXT + o_j  # this rank's send area, rows (destination, slot)
-        l_meta = own + send_meta_offset + (tl.cast(i_d, tl.int64) * MAXT + first) * META * 4
-        l_w = own + send_w_offset + (tl.cast(i_d, tl.int64) * MAXT + first) * K * 4
-        write_token_meta(heap_ptr(table_ptr, rank, send_meta_offset, tl.int32) + r_loc * META,
-                         heap_ptr(table_ptr, rank, send_w_offset, tl.float32) + r_loc * K,
-                         i_t, m_j, i_d, topk_ptr, pos_ptr, w_ptr, E_local, K, HAS_WEIGHTS)
-        tl.debug_barrier()  # the block-scoped puts below read what every thread just stored
-        putmem_nbi_block(own + meta_offset + row0 * META * 4, l_meta, tl.cast(n_rows, tl.int64) * META * 4, i_d)
+        putmem_nbi_block(own + meta_offset + row0 * META * 4, own + send_meta_offset + loc0 * META * 4,
+                         n_rows * META * 4, i_d)
         if HAS_WEIGHTS:
-            putmem_nbi_block(own + wstage_offset + row0 * K * 4, l_w, tl.cast(n_rows, tl.int64) * K * 4, i_d)
+            putmem_nbi_block(own + wstage_offset + row0 * K * 4, own + send_w_offset + loc0 * K * 4,
+                             n_rows * K * 4, i_d)
     tl.debug_barrier()  # every thread's puts issued before any thread fences and signals
     fence()
     signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
@@ -177,7 +182,8 @@ def ep_dispatch_kernel(
     lag,              # chunks a receive trails its send by in the queue (task_queue.default_lag)
     n_scales,         # scales per token (H / 128) when HAS_SCALES
     put_peers,        # bit d set: reach rank d by NVSHMEM put-with-signal (runtime/transport.py; PUTS only)
-    send_meta_offset,  # bytes: symmetric int32 (W, MAXT, 1 + 2K) this rank's send area of metadata (PUTS)
+    send_x_offset,    # bytes: symmetric (W, MAXT, H) this rank's send area of tokens, x dtype (PUTS)
+    send_meta_offset,  # bytes: symmetric int32 (W, MAXT, 1 + 2K) ... of metadata (PUTS)
     send_w_offset,    # bytes: symmetric fp32 (W, MAXT, K) ... of weights (PUTS)
     K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -222,11 +228,11 @@ def ep_dispatch_kernel(
                         by_put = ((put_peers >> i_d) & 1) != 0
                     if by_put:
                         put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, sig_table_ptr, i_d,
-                                        rank, i_c, n, stage_offset, meta_offset, wstage_offset, send_meta_offset,
-                                        send_w_offset, h_lo, h_hi, i_j == 0, H, E_local, MAXT, sig_word, call_no,
-                                        K, HAS_WEIGHTS, BLOCK_S)
+                                        rank, i_c, n, stage_offset, meta_offset, wstage_offset, send_x_offset,
+                                        send_meta_offset, send_w_offset, h_lo, h_hi, i_j == 0, H, E_local, MAXT,
+                                        sig_word, call_no, K, HAS_WEIGHTS, BLOCK_S, BLOCK_H)
                     else:
-                        stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j,
+                        stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, i_d, rank, o_j,
                                           o_j < n, stage_offset, meta_offset, wstage_offset, h_lo, h_hi, i_j == 0,
                                           H, E_local, MAXT, s_ptr, sstage_offset, n_scales, K, HAS_WEIGHTS, BLOCK_H,
                                           HAS_SCALES, BLOCK_SC)
@@ -313,7 +319,7 @@ _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32
         "wstage_offset": "i64", "sstage_offset": "i64", "sig_first": "i32", "H": "i32", "rank": "i32", "world": "i32",
         "E_local": "i32", "MAXT": "i32", "n_chunks": "i32", "rows_cap": "i32", "budget": "i32",
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "n_scales": "i32", "put_peers": "i32",
-        "send_meta_offset": "i64", "send_w_offset": "i64"}
+        "send_x_offset": "i64", "send_meta_offset": "i64", "send_w_offset": "i64"}
 _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "sstage_offset", "slice_cols")  # real sizes; heap offsets
 # the forward dispatch (right after its layout: no entry barrier) ...
 register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False,

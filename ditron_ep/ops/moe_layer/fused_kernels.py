@@ -276,7 +276,7 @@ def moe_fused_kernel(
                 n = tl.load(tokens_to_ptr + i_d)
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
-                stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, rank, o_j, m_j,
+                stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, i_d, rank, o_j, m_j,
                                   xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, w_ptr, 0, 0, K, False, BLOCK_H)
                 # every ticketed chunk (below the call's n_call) is stamped, empty ones too: the
                 # receiver waits exactly once for each
