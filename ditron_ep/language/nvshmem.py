@@ -123,11 +123,16 @@ def device_library() -> str:
         try:
             import nvidia.nvshmem as wheel
 
-            path = os.path.join(list(wheel.__path__)[0], "lib", "libnvshmem_device.bc")
+            import torch
+
+            major, minor = torch.cuda.get_device_capability()
+            lib = os.path.join(list(wheel.__path__)[0], "lib")
+            # per architecture from NVSHMEM 3.5 on, one file before
+            for name in (f"libnvshmem_device_sm_{major}{minor}.bc", "libnvshmem_device.bc"):
+                if os.path.exists(os.path.join(lib, name)):
+                    return os.path.join(lib, name)
         except ImportError:
-            path = ""
-        if os.path.exists(path):
-            return path
+            pass
         raise DitronConfigError(f"NVSHMEM's device library (libnvshmem_device.bc) was not found ({err}); "
                                 f"install nvidia-nvshmem-cu13 (a dependency of the nvshmem extra)") from err
 
