@@ -58,14 +58,18 @@ def test_moe_plans_layers_references_and_floor() -> None:
     assert "FusedMoE sized for T=4096" in small and "FusedMoE sized for T=4096" not in big
     assert {"moe overlap, CUDA graph", "FusedMoE, graph cache off"} <= set(big)
     # DeepEP + grouped_mm: GPUs, bf16 (a row saying why where deep_ep does not import)
-    assert [n for n, i in big.items() if i.kind == "baseline"] == ["torch-native", "DeepEP + grouped_mm",
-                                                                   "grouped GEMM alone"]
-    assert big["moe overlap"].against == ("torch-native", "grouped GEMM alone", "DeepEP + grouped_mm")
+    assert [n for n, i in big.items() if i.kind == "baseline"] == [
+        "torch-native", "DeepEP + grouped_mm", "DeepEP + grouped_mm, glue-free sum", "grouped GEMM alone"]
+    assert big["moe overlap"].against == ("torch-native", "grouped GEMM alone", "DeepEP + grouped_mm",
+                                          "DeepEP + grouped_mm, glue-free sum")
+    # its parts timed alone (the experts: grouped GEMM alone), the sum derived from them
+    assert {"DeepEP layout+dispatch (layer)", "DeepEP combine (layer)"} <= {
+        n for n, i in big.items() if i.kind == "reference"} and not big["DeepEP + grouped_mm, glue-free sum"].timed
     assert "DeepEP + grouped_mm" not in plan("moe", at=4096)
     train = plan("moe_train", on_gpu=True)
     assert train["moe overlap, fwd+bwd"].against == ("torch-native, fwd+bwd", "DeepEP + grouped_mm, fwd+bwd")
     assert "DeepEP + grouped_mm, fwd+bwd" not in plan("moe_train")
-    refs = [n for n, i in big.items() if i.kind == "reference"]
+    refs = [n for n, i in big.items() if i.kind == "reference" and "DeepEP" not in n]
     assert len(refs) == 8 and refs[-1].startswith("floor") and not big[refs[-1]].timed
     assert not [i for i in plan("moe", ("refs", "0")).values() if i.kind == "reference"]
     assert "FusedMoE sized for T=8192" in plan("moe", ("layer_tokens", "8192"), at=4096)

@@ -178,6 +178,21 @@ class DeepEPMoE:
         tok = torch.index_add(y.new_zeros(recv_x.shape), 0, rows_of, y).to(recv_x.dtype)  # per received token
         return _DeepEPCombine.apply(tok, self, state)
 
+    def stage_calls(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> tuple[Callable[[], object],
+                                                                                      Callable[[], object]]:
+        """The layer's communication alone, to be timed beside it (collective: runs one dispatch):
+        (layout + dispatch of x with its weights, combine of the received rows along that
+        dispatch's handle) — with the experts alone, the layer's glue-free sum."""
+        idx, w32 = idx.to(torch.int64), w.to(torch.float32)
+
+        def dispatch() -> tuple:
+            per_rank, _, per_expert, in_rank, _ = self.buf.get_dispatch_layout(idx, self.experts)
+            return self.buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w32,
+                                     config=self.configs[0])
+        recv_x, _, _, _, handle, _ = dispatch()
+        return dispatch, lambda: self.buf.combine(recv_x, handle, config=self.configs[1])[0]
+
     def close(self) -> None:
         _destroy(self.ctx, self.buf)
 

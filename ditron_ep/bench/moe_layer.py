@@ -71,6 +71,10 @@ COPY = "memory copy"
 FLOOR = "floor: max(compute, memory)"
 GEMMS = ("gate-up", "down")
 DEEPEP_LAYER = "DeepEP + grouped_mm"
+# the DeepEP layer's parts timed alone; their sum with GEMM_ALONE is the glue-free bound any
+# permutation glue around DeepEP and torch._grouped_mm stays above
+DEEPEP_STAGES = ("DeepEP layout+dispatch (layer)", "DeepEP combine (layer)")
+DEEPEP_SUM = "DeepEP + grouped_mm, glue-free sum"
 AGAINST = (TORCH_NATIVE, GEMM_ALONE)
 
 
@@ -363,7 +367,8 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
     out.append(ctx.measure(TORCH_NATIVE, lambda: torch_native_moe(inp.x, inp.idx, inp.w, w1, w2, grouped, ctx.group),
                            flops, note, True, details={"grouped_mm": grouped, "weight_layout": layout}))
     if deepep_layer_wanted(ctx):
-        out.append(measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped))
+        out += measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped,
+                                    next(m for m in out if m.impl == GEMM_ALONE))
     return out
 
 
@@ -373,10 +378,13 @@ def deepep_layer_wanted(ctx: BenchContext) -> bool:
 
 
 def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float, ref: torch.Tensor | None,
-                         rtol: float, grouped: bool) -> Measurement:
-    """The "DeepEP + grouped_mm" row: its output against torch-native's, then timed."""
+                         rtol: float, grouped: bool, alone: Measurement) -> list[Measurement]:
+    """The "DeepEP + grouped_mm" row (its output against torch-native's, then timed), its layout +
+    dispatch and its combine timed alone, and the glue-free sum of those two and the experts
+    alone (`alone`: GEMM_ALONE, the same grouped GEMMs on the same rows) with the pipeline's glue."""
+    names = (DEEPEP_LAYER, *DEEPEP_STAGES, DEEPEP_SUM)
     if not grouped:
-        return Measurement(DEEPEP_LAYER, work=flops, ok=False, error="torch._grouped_mm does not run here")
+        return failed(names, "torch._grouped_mm does not run here", flops)
     layer = None
     try:
         layer = DeepEPMoE(ctx, ctx.shape.experts, ctx.shape.hidden)
@@ -384,13 +392,35 @@ def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: fl
         got = guarded(ctx, f"{DEEPEP_LAYER} (check)", call)
         rel = relative_errors(ctx, ref, {DEEPEP_LAYER: got})[DEEPEP_LAYER] if ref is not None else float("inf")
         del got
-        return ctx.measure(DEEPEP_LAYER, call, flops, *tolerance_check(rel, rtol),
-                           details={"num_sms": max(SM_BUDGETS)})
+        rows = [ctx.measure(DEEPEP_LAYER, call, flops, *tolerance_check(rel, rtol),
+                            details={"num_sms": max(SM_BUDGETS)})]
+        stages = guarded(ctx, "DeepEP stages (layer)", lambda: layer.stage_calls(inp.x, inp.idx, inp.w))
+        rows += [ctx.measure(name, fn, None, "reference", True, details={"num_sms": max(SM_BUDGETS)})
+                 for name, fn in zip(DEEPEP_STAGES, stages)]
     except StageFailed as exc:
-        return Measurement(DEEPEP_LAYER, work=flops, ok=False, error=str(exc))
+        return failed(names, str(exc), flops)
     finally:
         if layer is not None:
             layer.close()
+    return [*rows, glue_free_sum(rows[0], rows[1], alone, rows[2], flops)]
+
+
+def glue_free_sum(layer: Measurement, dispatch: Measurement, experts: Measurement, combine: Measurement,
+                  flops: float) -> Measurement:
+    """DEEPEP_SUM: the medians of DeepEP's layout + dispatch, the experts and DeepEP's combine, each
+    timed alone, added; its check names the parts and the pipeline's glue (the layer's median
+    minus the sum)."""
+    parts = [_median(m) for m in (dispatch, experts, combine)]
+    if None in parts:
+        return Measurement(DEEPEP_SUM, work=flops, ok=False, error="not derived: a part was not timed")
+    total, e2e = sum(parts), _median(layer)
+    glue = f"; the pipeline's glue {e2e - total:,.0f} µs" if e2e is not None else ""
+    return Measurement(DEEPEP_SUM, work=flops, value_us=total, ok=True, details={"parts_us": parts},
+                       check=f"dispatch {parts[0]:,.0f} + experts {parts[1]:,.0f} + combine {parts[2]:,.0f} µs{glue}")
+
+
+def _median(m: Measurement) -> float | None:
+    return sorted(m.times_us)[len(m.times_us) // 2] if m.times_us and m.error is None else None
 
 
 def measure_graph(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float,
@@ -421,8 +451,9 @@ def plan_moe(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu:
         ours.append(sized(layer_tokens(req, options)))
     refs = [Impl(n, "reference") for g in GEMMS for n in ref_names(g)] + [
         Impl(COPY, "reference"), Impl(FLOOR, "reference", timed=False)] if options.get("refs", True) else []
-    deepep = (Impl(DEEPEP_LAYER, "baseline"),) if on_gpu and req.dtype == "bf16" else ()
-    against = AGAINST + ((DEEPEP_LAYER,) if deepep else ())
+    deepep = (Impl(DEEPEP_LAYER, "baseline"), *(Impl(n, "reference") for n in DEEPEP_STAGES),
+              Impl(DEEPEP_SUM, "baseline", timed=False)) if on_gpu and req.dtype == "bf16" else ()
+    against = AGAINST + ((DEEPEP_LAYER, DEEPEP_SUM) if deepep else ())
     return (*(Impl(n, against=against) for n in ours), Impl(TORCH_NATIVE, "baseline"), *deepep,
             Impl(GEMM_ALONE, "baseline"),
             *refs)

@@ -105,8 +105,26 @@ def test_deepep_layer_matches_float64_forward_and_gradients(monkeypatch, tmp_pat
         for name, a, b in zip(("x", "topk_weights", "w1", "w2"), got, want):
             assert torch.allclose(a.double(), b, atol=1e-5), f"grad {name}: {float((a.double() - b).abs().max())}"
         assert got[1][3, 1] == 0 and got[1][5, 1] == 0, "a dropped slot's weight got a gradient"
+        # the layer's communication alone (the glue-free sum's parts): at one rank both keep the rows
+        dispatch, combine = layer.stage_calls(x, idx, w)
+        assert torch.equal(dispatch()[0], x) and torch.equal(combine(), x)
         layer.close()
         assert layer.buf.destroyed
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def test_glue_free_sum_adds_the_parts_and_names_the_glue():
+    from ditron_ep.bench.moe_layer import DEEPEP_SUM, glue_free_sum
+    from ditron_ep.bench.spec import Measurement
+
+    def timed(impl, us):
+        return Measurement(impl, times_us=[us * 1.1, us, us * 0.9])
+
+    row = glue_free_sum(timed("layer", 900.0), timed("d", 200.0), timed("e", 500.0), timed("c", 100.0), 1e9)
+    assert (row.impl, row.value_us, row.ok) == (DEEPEP_SUM, 800.0, True)
+    assert row.check == "dispatch 200 + experts 500 + combine 100 µs; the pipeline's glue 100 µs"
+    missing = glue_free_sum(timed("layer", 900.0), Measurement("d", error="failed"), timed("e", 500.0),
+                            timed("c", 100.0), 1e9)
+    assert not missing.ok and missing.value_us is None and "not derived" in missing.error
