@@ -6,10 +6,12 @@ the sender's memory into the peer's symmetric arena, the signal delivered after 
 nvshmem backend only; what reaches a peer without a load/store mapping, e.g. on another node).
 The choice is per peer, as a bit mask (bit p set: put to rank p), so one launch can mix both.
 Either way the receiver waits on its own signal word with the same bounded wait, and the bytes
-that land are the same, so results are bitwise equal between transports. The puts read the
-sender's tensors where they are: fine over NVLink (NVSHMEM's P2P transport), but NVSHMEM's
-remote (IB) transports need sources on the symmetric heap or registered — one of the steps
-inter-node EP still needs (docs/design.md).
+that land are the same, so results are bitwise equal between transports. The dispatch puts from
+a symmetric send area; the combine's exact mode puts each (token, k) row straight from the
+caller's `y` (its rank-reduced mode from a send area): fine over NVLink (NVSHMEM's P2P transport),
+but NVSHMEM's remote (IB) transports need sources on the symmetric heap or registered — one of the
+steps inter-node EP still needs (docs/design.md), with one signal per task (every thread signals
+today: idempotent over NVLink, W remote atomics per task over IB).
 """
 from __future__ import annotations
 

@@ -132,26 +132,36 @@ def test_put_signal_delivers_and_a_lost_signal_times_out(dist_env):
     assert not problems, problems
 
 
-def _ep_run(buf: EPBuffer, x, idx, w, layout: str):
+def _ep_run(buf: EPBuffer, x, idx, w, layout: str, **combine_kwargs):
     """dispatch -> y = 2 * rows -> combine, then the backward of sum(out * g): (rows, out, dx, dw)."""
     xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     recv, handle = buf.dispatch(xg, idx, wg, layout=layout)
     y = recv * 2 if layout == "expert_major" else recv[handle.row_index.long()] * 2
-    out = buf.combine(y, handle, wg)
+    out = buf.combine(y, handle, wg, **combine_kwargs)
     g = torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out).to(out.dtype)
     (out.float() * g.float()).sum().backward()
     return recv.detach().clone(), out.detach(), xg.grad, wg.grad
 
 
+# combine modes: exact, rank-reduced in the token dtype and with fp32 partials
+_COMBINES = {"exact": {}, "rank-reduced": {"topk_sum": "expert_rank"},
+             "rank-reduced fp32": {"topk_sum": "expert_rank", "partial_dtype": torch.float32}}
+
+
 def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
-    """EPBuffer dispatch + combine (both layouts, with their backward) on the nvshmem backend, with
-    pointer stores and with the put transport forced for every peer, and FusedMoE on the nvshmem
-    backend, give the torch backend's bits (ragged counts, an empty rank, skewed routing)."""
+    """EPBuffer dispatch + combine (both layouts, the three combine modes, with their backward) on
+    the nvshmem backend, with pointer stores and with the put transport forced for every peer (whole
+    rows, and column slices: per-row puts), and FusedMoE on the nvshmem backend, give the torch
+    backend's bits (ragged counts, an empty rank, skewed routing)."""
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E, H, K, I = 8 * world, 1000, 8, 512
     bufs = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch"),
             "nvshmem": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem"),
-            "nvshmem put": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put")}
+            "nvshmem put": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put"),
+            "nvshmem put, 4 slices": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put",
+                                              hidden_slices=4, block_hidden=256)}
+    sliced = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch", hidden_slices=4,
+                                block_hidden=256), "nvshmem put, 4 slices": bufs["nvshmem put, 4 slices"]}
     layers = {b: FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
     g = torch.Generator().manual_seed(5 + rank)
     w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
@@ -164,17 +174,22 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
         idx, w = make_routing(T, E, K, kind, generator=g, drop_prob=0.05, num_ranks=world)
         idx, w = idx.to(dev), w.to(dev)
         for layout in ("expert_major", "token_major"):
-            res = {b: _ep_run(buf, x, idx, w, layout) for b, buf in bufs.items()}
-            for b in ("nvshmem", "nvshmem put"):
-                for what, a, ref in zip(("rows", "out", "dx", "dw"), res[b], res["torch"]):
-                    if not torch.equal(a, ref):
-                        problems.append(f"{kind} {tokens} {layout}: {what} on {b} differs from the torch backend")
+            # (a token-major dispatch's backward is itself a rank-reduced combine)
+            for mode, kw in (_COMBINES.items() if layout == "expert_major" else [("exact", {})]):
+                # the sliced put buffer against a torch buffer of the same tiling (slices change no bit either)
+                for group in ({b: bufs[b] for b in ("torch", "nvshmem", "nvshmem put")}, sliced):
+                    res = {b: _ep_run(buf, x, idx, w, layout, **kw) for b, buf in group.items()}
+                    for b in group:
+                        for what, a, ref in zip(("rows", "out", "dx", "dw"), res[b], res["torch"]):
+                            if b != "torch" and not torch.equal(a, ref):
+                                problems.append(f"{kind} {tokens} {layout} {mode}: {what} on {b} differs from the "
+                                                f"torch backend")
         x_l = torch.randn(T, 1024, generator=g).to(torch.bfloat16).to(dev)
         idx_l, w_l = make_routing(T, 4 * world, 4, kind, generator=g, drop_prob=0.05, num_ranks=world)
         outs = {b: layer(x_l, idx_l.to(dev), w_l.to(dev), w1, w2) for b, layer in layers.items()}
         if not torch.equal(outs["torch"], outs["nvshmem"]):
             problems.append(f"{kind} {tokens}: the fused layer differs between the torch and nvshmem backends")
     dist.barrier()
-    for obj in (*bufs.values(), *layers.values()):
+    for obj in (*bufs.values(), sliced["torch"], *layers.values()):
         obj.free()
     assert not problems, problems

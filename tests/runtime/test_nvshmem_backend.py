@@ -97,3 +97,6 @@ def test_epbuffer_transport_arguments():
             **base, transport="put", backend=backend)
     assert "FP8 dispatch has no put transport yet" in _argument_problem(
         **base, dispatch_dtype=torch.float8_e4m3fn, transport="put", backend="nvshmem")
+    wide = {**base, "world": 32, "num_experts": 64}
+    assert _argument_problem(**wide, transport="pointer", backend="nvshmem") is None
+    assert "supports groups of up to 31 ranks" in _argument_problem(**wide, transport="put", backend="nvshmem")

@@ -34,7 +34,7 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.transport import TRANSPORTS, put_peer_mask, put_signal_words
+from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, put_peer_mask, put_signal_words
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -123,6 +123,9 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
                     f"or use transport='pointer'")
         if dispatch_dtype == FP8:
             return "FP8 dispatch has no put transport yet; use transport='pointer' (or 'auto') with FP8 dispatch"
+        if world > MAX_PUT_WORLD:
+            return (f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks (a per-peer bit mask in one "
+                    f"int32); this group has {world}. Use transport='pointer'")
     for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
                     ("topk", topk)):
         if not is_positive_int(v):

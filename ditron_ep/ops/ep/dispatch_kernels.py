@@ -195,6 +195,7 @@ def ep_dispatch_kernel(
     PUTS: tl.constexpr = False,          # the put transport is compiled in (every signal then a uint64)
 ):
     SIG_STRIDE: tl.constexpr = 2 if PUTS else 1
+    tl.static_assert(not (PUTS and HAS_SCALES), "FP8 dispatch (HAS_SCALES) has no put path")
     skip = 0
     if ENTRY_BARRIER:  # a replay along a graph-mode handle of a dispatch that did not go is no call
         skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)
