@@ -420,7 +420,8 @@ def glue_free_sum(layer: Measurement, dispatch: Measurement, experts: Measuremen
 
 
 def _median(m: Measurement) -> float | None:
-    return sorted(m.times_us)[len(m.times_us) // 2] if m.times_us and m.error is None else None
+    """The median the table reports for a timed row (None: not timed)."""
+    return summarize(m.times_us)["median"] if m.times_us and m.error is None else None
 
 
 def measure_graph(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float,

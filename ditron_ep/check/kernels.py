@@ -18,7 +18,7 @@ from ditron_ep.language.primitives import call_begin, call_end, copy_rows, ctrl_
 from ditron_ep.language.registry import register_kernel
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.heap import SymmetricHeap, register_stage
-from ditron_ep.runtime.transport import put_peer_mask, put_signal_words
+from ditron_ep.runtime.transport import kernel_signals, put_peer_mask
 
 STAGE_EXCHANGE_RECV = tl.constexpr(register_stage(1, "tile exchange: receive"))
 
@@ -120,10 +120,7 @@ def exchange_tiles(heap: SymmetricHeap, x: torch.Tensor, *, num_programs: int | 
         heap.alloc(name, (W, R, C), x.dtype)
     n_blocks = triton.cdiv(R, block_r) if R else 0
     put_peers = put_peer_mask(heap, transport)
-    if put_peers:
-        sig_first = put_signal_words(heap, name + "/put", max(1, W * n_blocks))
-    else:
-        sig_first = heap.alloc_signals(name, max(1, W * n_blocks))
+    sig_first = kernel_signals(heap, name + ("/put" if put_peers else ""), max(1, W * n_blocks), put_peers)
     out = torch.empty((W, R, C), dtype=x.dtype, device=x.device)
     programs = num_programs or max(1, min(2 * W * max(n_blocks, 1), 132))
     launch = nvshmem_launcher(exchange_tiles_kernel) if put_peers else exchange_tiles_kernel

@@ -90,6 +90,15 @@ def my_pe(_semantic=None):
 
 @register_device_function
 @triton.jit
+def put_signal_word(sig_table_ptr, rank, sig_word, value):
+    """(symmetric address of the uint64 signal at int32 index `sig_word` (even) of the signal area,
+    the int32 `value` zero-extended): what a put's SIGNAL_SET names."""
+    return (tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
+            tl.cast(tl.cast(value, tl.uint32, bitcast=True), tl.uint64))
+
+
+@register_device_function
+@triton.jit
 def put_signal(table_ptr, sig_table_ptr, rank, peer, dst_offset, src_ptr, n_elems, sig_word, value):
     """Put `n_elems` contiguous elements from local `src_ptr` to byte `dst_offset` of rank `peer`'s
     arena, then SET the uint64 signal at int32 index `sig_word` (even) of `peer`'s signal area to
@@ -97,10 +106,20 @@ def put_signal(table_ptr, sig_table_ptr, rank, peer, dst_offset, src_ptr, n_elem
     the program calls it (a block-scoped put: the threads copy together)."""
     ELT: tl.constexpr = src_ptr.dtype.element_ty.primitive_bitwidth // 8
     dest = tl.load(table_ptr + rank) + dst_offset         # symmetric address: own base + offset
-    sig = tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4
-    signal = tl.cast(tl.cast(value, tl.uint32, bitcast=True), tl.uint64)
+    sig, signal = put_signal_word(sig_table_ptr, rank, sig_word, value)
     putmem_signal_nbi_block(dest, tl.cast(src_ptr, tl.int64), tl.cast(n_elems, tl.int64) * ELT, sig, signal,
                             SIGNAL_SET, peer)
+
+
+@register_device_function
+@triton.jit
+def signal_after_puts(sig_table_ptr, rank, peer, sig_word, value):
+    """After this program's puts to `peer`: a CTA barrier (every thread's puts issued), a fence,
+    then SET the signal at `sig_word` of `peer` to `value` (as `put_signal`), delivered after them."""
+    tl.debug_barrier()
+    fence()
+    sig, signal = put_signal_word(sig_table_ptr, rank, sig_word, value)
+    signal_op(sig, signal, SIGNAL_SET, peer)
 
 
 # ---------------------------------------------------------------------------------------- host side

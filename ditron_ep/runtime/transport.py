@@ -47,3 +47,9 @@ def put_signal_words(heap, name: str, count: int) -> int:
     NVSHMEM signals are 64-bit; the bounded wait reads the low word."""
     first = heap.alloc_signals(name, 2 * count + 1)
     return first + (first & 1)
+
+
+def kernel_signals(heap, name: str, count: int, put_peers: int) -> int:
+    """First of a kernel family's `count` signals under `name`: uint64 put signals when any peer is
+    reached by put (`put_signal_words`), else int32 words."""
+    return put_signal_words(heap, name, count) if put_peers else heap.alloc_signals(name, count)

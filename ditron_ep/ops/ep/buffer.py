@@ -34,7 +34,7 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, put_peer_mask, put_signal_words
+from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, kernel_signals, put_peer_mask
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -266,9 +266,8 @@ class EPBuffer:
         # Device-level transport (runtime/transport.py): the peers dispatch and combine reach by put
         self._put_peers = put_peer_mask(self.heap, transport)
         self.transport = transport
-        self._sig_dispatch, self._sig_combine = (
-            (put_signal_words(self.heap, name, sig_per_kernel) if self._put_peers
-             else self.heap.alloc_signals(name, sig_per_kernel)) for name in ("ep/dispatch", "ep/combine"))
+        self._sig_dispatch = kernel_signals(self.heap, "ep/dispatch", sig_per_kernel, self._put_peers)
+        self._sig_combine = kernel_signals(self.heap, "ep/combine", sig_per_kernel, self._put_peers)
         self.device = self.heap.device
         if num_programs is None:
             num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count

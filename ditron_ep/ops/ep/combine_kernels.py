@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.nvshmem import SIGNAL_SET, fence, putmem_nbi_block, quiet, signal_op
+from ditron_ep.language.nvshmem import putmem_nbi_block, quiet, signal_after_puts
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -207,10 +207,7 @@ def ep_combine_kernel(
                         put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, rank,
                                       i_s.to(tl.int64) * MAXT + i_c * BLOCK_S, tl.minimum(BLOCK_S, n - i_c * BLOCK_S),
                                       land_offset, h_lo, h_hi, H, MAXT, K, RANK_REDUCED, PART_ELT)
-                        tl.debug_barrier()  # every thread's puts issued before the fence and signal
-                        fence()
-                        signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
-                                  tl.cast(tl.cast(call_no, tl.uint32, bitcast=True), tl.uint64), SIGNAL_SET, i_s)
+                        signal_after_puts(sig_table_ptr, rank, i_s, sig_word, call_no)
                     elif RANK_REDUCED:
                         if PARTIAL_FP32:
                             p_part = heap_ptr(table_ptr, i_s, land_offset, tl.float32)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.nvshmem import SIGNAL_SET, fence, putmem_nbi_block, quiet, signal_op
+from ditron_ep.language.nvshmem import putmem_nbi_block, quiet, signal_after_puts
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -122,10 +122,7 @@ def put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, si
         if HAS_WEIGHTS:
             putmem_nbi_block(own + wstage_offset + row0 * K * 4, own + send_w_offset + loc0 * K * 4,
                              n_rows * K * 4, i_d)
-    tl.debug_barrier()  # every thread's puts issued before any thread fences and signals
-    fence()
-    signal_op(tl.load(sig_table_ptr + rank) + tl.cast(sig_word, tl.int64) * 4,
-              tl.cast(tl.cast(call_no, tl.uint32, bitcast=True), tl.uint64), SIGNAL_SET, i_d)
+    signal_after_puts(sig_table_ptr, rank, i_d, sig_word, call_no)
 
 
 @register_device_function

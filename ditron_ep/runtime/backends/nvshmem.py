@@ -3,9 +3,10 @@
 NVSHMEM is one instance per process: it is initialised the first time a heap asks for it, from
 the heap's torch.distributed group (rank 0 of the group makes the unique id, every rank gets it by
 a broadcast), and finalised at exit. It does not re-initialise cleanly after `finalize`, so heaps
-are freed and rebuilt on the same instance; a heap over a different group raises. If something
-else in the process (torch's NVSHMEM symmetric-memory backend) initialised NVSHMEM already, an
-instance whose PEs are the group's ranks is adopted and left for its owner to finalise.
+are freed and rebuilt on the same instance; a heap over a different group raises. If the
+application initialised NVSHMEM through nvshmem4py already, with PEs equal to the group's ranks,
+that instance is adopted and left for its owner to finalise; one initialised otherwise (torch's
+NVSHMEM symmetric-memory backend) is refused.
 
 The peer pointer table comes from NVSHMEM's peer mapping (`nvshmem_ptr`), so every kernel written
 for peer pointers runs unchanged. The symmetric address of the arena (what an NVSHMEM put names
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ditron_ep.runtime.agreement import agree
 from ditron_ep.runtime.backends import Arena
 from ditron_ep.runtime.errors import DitronConfigError
 
@@ -102,12 +104,9 @@ def ensure_initialised(group: dist.ProcessGroup, rank: int, world_size: int, dev
         return
     core = import_nvshmem()
     ranks = group_ranks(group)
-    states: list[object] = [None] * world_size
-    dist.all_gather_object(states, _initialised(core), group=group)
-    if len(set(states)) > 1:
-        raise DitronConfigError(f"NVSHMEM is initialised on some ranks of the heap's group and not on others "
-                                f"({states}); initialise it on all of them or on none")
-    if states[0]:  # the application's own nvshmem4py instance, over these ranks (preflight checked)
+    initialised = _initialised(core)  # on all ranks or on none
+    agree(group, "NVSHMEM instance", None, same={"NVSHMEM initialised before": initialised})
+    if initialised:  # the application's own nvshmem4py instance, over these ranks (preflight checked)
         _instance = _Instance(ranks, owned=False)
         return
     import numpy as np
@@ -129,25 +128,16 @@ def ensure_initialised(group: dist.ProcessGroup, rank: int, world_size: int, dev
         problem = f"no unique id from rank 0 ({payload[0]})"
     elif problem is None:
         uid_bytes[:] = np.frombuffer(payload[0], dtype=np.int8)
-    _agree_or_raise(group, world_size, problem, "NVSHMEM's bootstrap over the heap's group failed")
+    agree(group, "NVSHMEM's bootstrap over the heap's group failed", problem)
     try:  # every rank gets here, so none waits alone in NVSHMEM's bootstrap
         cuda_device = Device(device.index if device.index is not None else torch.cuda.current_device())
         cuda_device.set_current()
         core.init(device=cuda_device, uid=uid, rank=rank, nranks=world_size, initializer_method="uid")
     except Exception as err:  # noqa: BLE001 - every rank learns every verdict (a lone raise strands the peers)
         problem = f"{type(err).__name__}: {err}"
-    _agree_or_raise(group, world_size, problem, "NVSHMEM did not initialise over the heap's group")
+    agree(group, "NVSHMEM did not initialise over the heap's group", problem)
     _instance = _Instance(ranks, owned=True)
     atexit.register(_finalize_at_exit)
-
-
-def _agree_or_raise(group: dist.ProcessGroup, world_size: int, problem: str | None, what: str) -> None:
-    """Collective: raise DitronConfigError on every rank if any rank has a problem."""
-    verdicts: list[object] = [None] * world_size
-    dist.all_gather_object(verdicts, problem, group=group)
-    if any(verdicts):
-        detail = "; ".join(f"rank {r}: {v}" for r, v in enumerate(verdicts) if v)
-        raise DitronConfigError(f"{what} ({detail})")
 
 
 def _initialised(core) -> bool:
@@ -193,9 +183,9 @@ def create_arena(size_bytes: int, group: dist.ProcessGroup, rank: int, world_siz
     bases = [int(bindings.ptr(local.data_ptr(), pe)) for pe in range(world_size)]
     unreachable = [pe for pe, b in enumerate(bases) if b == 0]
     try:  # every rank learns every verdict, then all free together
-        _agree_or_raise(group, world_size, f"cannot reach ranks {unreachable}" if unreachable else None,
-                        "NVSHMEM gives no load/store mapping between some ranks (another node, or no P2P); the "
-                        "heap's pointer table needs every peer in the same NVLink/PCIe domain")
+        agree(group, "NVSHMEM gives no load/store mapping between some ranks (another node, or no P2P); the "
+                     "heap's pointer table needs every peer in the same NVLink/PCIe domain",
+              f"cannot reach ranks {unreachable}" if unreachable else None)
     except DitronConfigError:
         core.free_tensor(local)
         raise
