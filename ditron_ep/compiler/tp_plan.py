@@ -76,7 +76,7 @@ def _check_basics(plan, positive: tuple[str, ...], nonnegative: tuple[str, ...] 
     for name in nonnegative:
         if not is_nonnegative_int(getattr(plan, name)):
             raise PlanError(f"{kind}.{name} must be an int >= 0, got {getattr(plan, name)!r}")
-    want = sequential_tile(plan.dtype, plan.device_type)
+    want = sequential_tile(plan.dtype, plan.device_type, plan.gemm_rows, plan.n)
     if plan.tile != want:
         raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
                         f"kernel would not be bitwise equal to it")
@@ -116,6 +116,10 @@ class AGGemmPlan(_Verified):
     verified_digest: str = ""
 
     # ---- derived counts (the kernel computes the same)
+    @property
+    def gemm_rows(self) -> int:
+        return self.world_size * self.rows
+
     @property
     def n_chunks(self) -> int:
         return cdiv(self.rows, self.chunk_rows)
@@ -164,17 +168,35 @@ class AGGemmPlan(_Verified):
         ])
 
 
-def sequential_tile(dtype: str, device_type: str) -> GemmTileConfig:
-    """The tile `gemm.matmul` uses (the sequential schedule's GEMM)."""
+# A GEMM with fewer output tiles than this leaves SMs idle (132 on H100/H200): smaller tiles first.
+MIN_GEMM_TILES = 128
+
+
+def sequential_tile(dtype: str, device_type: str, rows: int, n: int) -> GemmTileConfig:
+    """The tile `gemm.matmul` uses for a [rows, K] @ [K, n] product (the sequential schedule's
+    GEMM, so the overlapped kernels' too). On a GPU the default down tile (128 x 256) shrinks for
+    small products so that there are at least MIN_GEMM_TILES tiles: BM from the rows alone (the
+    all-gather's chunk is one M-tile and must be the same on every rank, whose N may differ),
+    then BN. BK and the stages stay: each output element is still one fp32 sum over K in BK steps.
+    Under the interpreter the default tile (small, ragged in every dimension) is kept."""
     import torch
 
-    return default_gemm_configs(getattr(torch, dtype), device_type)[1]
+    tile = default_gemm_configs(getattr(torch, dtype), device_type)[1]
+    if device_type == "cpu":
+        return tile
+    bm = tile.block_m if rows >= 8 * tile.block_m else min(tile.block_m, 64)
+    bn = tile.block_n
+    while bn > 64 and cdiv(rows, bm) * cdiv(n, bn) < MIN_GEMM_TILES:
+        bn //= 2
+    if (bm, bn) == (tile.block_m, tile.block_n):
+        return tile
+    return GemmTileConfig(bm, bn, tile.block_k, 8 if bm * bn >= 128 * 128 else 4, tile.num_stages)
 
 
 def lower_ag_gemm(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str, *,
                   comm_programs: int = 0, chunk_rows: int | None = None) -> AGGemmPlan:
     """The verified AllGather+GEMM plan: chunks of one GEMM row tile, the sequential tile."""
-    tile = sequential_tile(dtype, device_type)
+    tile = sequential_tile(dtype, device_type, world_size * rows, n)
     return _verified(AGGemmPlan(world_size, rows, k, n, dtype, device_type, chunk_rows or tile.block_m, comm_programs,
                                 tile), verify_ag_gemm)
 
@@ -236,6 +258,10 @@ class GemmRSPlan(_Verified):
         return cdiv(self.world_size * self.rows, self.tile.block_m)
 
     @property
+    def gemm_rows(self) -> int:
+        return self.world_size * self.rows
+
+    @property
     def n_n(self) -> int:
         return cdiv(self.n, self.tile.block_n)
 
@@ -292,7 +318,8 @@ class GemmRSPlan(_Verified):
 
 def lower_gemm_rs(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
     """The verified GEMM+ReduceScatter plan (the sequential schedule's tile)."""
-    return _verified(GemmRSPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type)),
+    tile = sequential_tile(dtype, device_type, world_size * rows, n)
+    return _verified(GemmRSPlan(world_size, rows, k, n, dtype, device_type, tile),
                      verify_gemm_rs)
 
 
@@ -348,6 +375,10 @@ class GemmARPlan(_Verified):
     device_type: str
     tile: GemmTileConfig
     verified_digest: str = ""
+
+    @property
+    def gemm_rows(self) -> int:
+        return self.rows
 
     @property
     def n_tiles(self) -> int:
@@ -407,7 +438,7 @@ class GemmARPlan(_Verified):
 
 def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
     """The verified GEMM+AllReduce plan (the sequential schedule's tile)."""
-    return _verified(GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type)),
+    return _verified(GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type, rows, n)),
                      verify_gemm_ar)
 
 

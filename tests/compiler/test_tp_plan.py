@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
 from ditron_ep.compiler.plan import PlanError
 from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs,
-                                       verify_ag_gemm, verify_gemm_ar, verify_gemm_rs)
+                                       sequential_tile, verify_ag_gemm, verify_gemm_ar, verify_gemm_rs)
 
 
 @pytest.mark.parametrize("world, rows, n, chunk", [(2, 21, 24, None), (3, 5, 13, None), (4, 37, 50, 8), (2, 1, 1, None),
@@ -142,3 +143,28 @@ def test_gemm_ar_plans_the_verifier_must_reject(name, match):
     fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}
     with pytest.raises(PlanError, match=match):
         verify_gemm_ar(_broken_ar(name)(**fields))
+
+
+# ---- the sequential schedule's tile (gemm.matmul's, every overlapped plan's)
+@pytest.mark.parametrize("rows, n, want", [
+    (2048, 8192, (128, 256, 8)),   # 512 default tiles: kept
+    (16384, 3584, (128, 256, 8)),
+    (128, 8192, (64, 128, 4)),     # a decode-sized GEMM+AR: 32 default tiles -> 128
+    (100, 1024, (64, 64, 4)),      # BN stops at 64
+    (256, 64, (64, 64, 4)),
+])
+def test_the_gpu_tile_shrinks_until_the_product_fills_the_sms(rows, n, want):
+    tile = sequential_tile("bfloat16", "cuda", rows, n)
+    assert (tile.block_m, tile.block_n, tile.num_warps) == want
+    default = default_gemm_configs(torch.bfloat16, "cuda")[1]
+    assert (tile.block_k, tile.num_stages) == (default.block_k, default.num_stages)  # the same K steps
+
+
+def test_the_tile_rows_do_not_depend_on_n_and_the_interpreter_keeps_its_tile():
+    # an all-gather's chunk is one M-tile: ranks whose N differ must still chunk alike
+    assert len({sequential_tile("bfloat16", "cuda", 512, n).block_m for n in (1, 64, 8192, 65536)}) == 1
+    assert sequential_tile("float32", "cpu", 4, 4) == default_gemm_configs(torch.float32, "cpu")[1]
+    plan = lower_gemm_ar(2, 128, 8192, 8192, "bfloat16", "cuda")
+    assert plan.verified and plan.tile == sequential_tile("bfloat16", "cuda", 128, 8192)
+    with pytest.raises(PlanError, match="not the sequential schedule's"):
+        verify_gemm_ar(dataclasses.replace(plan, tile=default_gemm_configs(torch.bfloat16, "cuda")[1]))

@@ -63,27 +63,28 @@ def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: 
 @triton.jit
 def reduce_rank_partials(p_part, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
                          BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over ranks d = 0..W-1 that hold token t of part[d, t], fp32, in rank order, one
-    cast, for columns [h_lo, h_hi). part is (W, MAXT, H); o_t / m_t are the block's tokens and mask."""
+    """out[t] = sum over ranks d = 0..W-1 that hold token t of part[d, slot of t on d], fp32, in rank
+    order, one cast, for columns [h_lo, h_hi). part is (W, MAXT, H), indexed by the staging slot (a
+    chunk's partials are contiguous rows: one put per chunk); o_t / m_t are the block's tokens and mask."""
     o_t64 = o_t.to(tl.int64)
     for h0 in range(h_lo, h_hi, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
         m = m_t[:, None] & (o_h < h_hi)[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for d in range(world):
-            sent = tl.load(slot_ptr + o_t64 * world + d, mask=m_t, other=-1) >= 0
-            acc += tl.load(p_part + (d * MAXT + o_t64)[:, None] * H + o_h[None, :], mask=m & sent[:, None],
+            slot = tl.load(slot_ptr + o_t64 * world + d, mask=m_t, other=-1).to(tl.int64)
+            acc += tl.load(p_part + (d * MAXT + slot)[:, None] * H + o_h[None, :], mask=m & (slot >= 0)[:, None],
                            other=0.0).to(tl.float32)
         tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @register_device_function
 @triton.jit
-def send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok_row, m_j, rank, h_lo, h_hi, H,
+def send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, o_j, tok_row, m_j, rank, h_lo, h_hi, H,
                       MAXT, K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, TOKEN_ROWS: tl.constexpr,
                       BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr):
-    """part[rank, t] = sum over k = 0..K-1 of row_w[row] * y[row] over the rows of the staged tokens
-    r_src (source tokens i_tok, mask m_j) on this rank, fp32, k in order, cast once to part's dtype,
+    """part[rank, slot] = sum over k = 0..K-1 of row_w[row] * y[row] over the rows of the staged
+    tokens r_src (their staging slots o_j, mask m_j) on this rank, fp32, k in order, cast once to part's dtype,
     for columns [h_lo, h_hi). TOKEN_ROWS: y holds one row per (source, token), tok_row: the row
     itself is the partial (a token-major dispatch's backward)."""
     for h0 in range(h_lo, h_hi, BLOCK_H):
@@ -102,26 +103,34 @@ def send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok
                     acc += tl.load(row_w_ptr + row, mask=m_r, other=0.0)[:, None] * b_y
                 else:
                     acc += b_y
-        tl.store(p_part + (rank * MAXT + i_tok)[:, None] * H + o_h[None, :], acc.to(p_part.dtype.element_ty), mask=m)
+        tl.store(p_part + (rank * MAXT + o_j.to(tl.int64))[:, None] * H + o_h[None, :], acc.to(p_part.dtype.element_ty),
+                 mask=m)
 
 
 @register_device_function
 @triton.jit
 def put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, rank, r0, n_rows, land_offset,
                   h_lo, h_hi, H, MAXT, K: tl.constexpr, RANK_REDUCED: tl.constexpr, PART_ELT: tl.constexpr):
-    """The put transport's send-back of a chunk slice to rank i_s, one block-scoped NVSHMEM put per
-    landing row (columns [h_lo, h_hi)): exact mode, each routed (token, k) row of y to land[token,
-    k]; RANK_REDUCED, each token's partial from this rank's send area (rows (i_s, token), written
-    by send_rank_partial) to part[rank, token]. The same bytes land as with pointer stores."""
+    """The put transport's send-back of a chunk slice to rank i_s (r0: the chunk's first row (i_s,
+    slot)): exact mode, one block-scoped NVSHMEM put per routed (token, k) row of y to land[token,
+    k]; RANK_REDUCED, the chunk's partials from this rank's send area (rows (i_s, slot), written by
+    send_rank_partial) to part[rank, slot] — contiguous rows: one put for the chunk when the slice
+    is whole rows, else one per row. The same bytes land as with pointer stores."""
     Y_ELT: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth // 8
     own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
-    for j in range(0, n_rows):
-        i_tok = tl.load(recv_tok_ptr + r0 + j).to(tl.int64)
-        if RANK_REDUCED:
-            putmem_nbi_block(own + land_offset + ((rank * MAXT + i_tok) * H + h_lo) * PART_ELT,
-                             tl.cast(p_send + (i_s * MAXT + i_tok) * H + h_lo, tl.int64),
-                             tl.cast(h_hi - h_lo, tl.int64) * PART_ELT, i_s)
+    slot0 = r0 - i_s * MAXT
+    if RANK_REDUCED:
+        if h_lo == 0 and h_hi == H:
+            putmem_nbi_block(own + land_offset + (rank * MAXT + slot0) * H * PART_ELT,
+                             tl.cast(p_send + r0 * H, tl.int64), tl.cast(n_rows * H, tl.int64) * PART_ELT, i_s)
         else:
+            for j in range(0, n_rows):
+                putmem_nbi_block(own + land_offset + ((rank * MAXT + slot0 + j) * H + h_lo) * PART_ELT,
+                                 tl.cast(p_send + (r0 + j) * H + h_lo, tl.int64),
+                                 tl.cast(h_hi - h_lo, tl.int64) * PART_ELT, i_s)
+    else:
+        for j in range(0, n_rows):
+            i_tok = tl.load(recv_tok_ptr + r0 + j).to(tl.int64)
             for k in tl.static_range(K):
                 row = tl.load(recv_rows_ptr + (r0 + j) * K + k).to(tl.int64)
                 if row >= 0:
@@ -144,7 +153,7 @@ def ep_combine_kernel(
     out_ptr,          # out (T, H)
     table_ptr,        # int64 (W,)
     sig_table_ptr,    # int64 (W,)
-    land_offset,      # bytes: symmetric landing buffer: (MAXT, K, H) y dtype; RANK_REDUCED: (W, MAXT, H) partials
+    land_offset,      # bytes: symmetric landing buffer: (MAXT, K, H) y dtype; RANK_REDUCED: (W, MAXT, H) partials at (source, slot)
     sig_first,        # W * n_chunks * n_slices signals: (expert rank, chunk, column slice)
     T, H, rank, world, MAXT, n_chunks, budget,
     n_slices,         # the buffer's column slices per chunk and per token block (task_queue.hidden_slices;
@@ -198,7 +207,7 @@ def ep_combine_kernel(
                                 p_send = heap_ptr(table_ptr, rank, send_land_offset, tl.float32)
                             else:
                                 p_send = heap_ptr(table_ptr, rank, send_land_offset, y_ptr.dtype.element_ty)
-                            send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_send, r_src, i_tok,
+                            send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_send, r_src, o_j,
                                               token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W), m_j, i_s,
                                               h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
                             tl.debug_barrier()  # the block-scoped puts read what every thread stored
@@ -214,7 +223,7 @@ def ep_combine_kernel(
                         else:
                             p_part = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
                         tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)
-                        send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, i_tok, tok_row, m_j, rank,
+                        send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, o_j, tok_row, m_j, rank,
                                           h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
                     else:
                         p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)

@@ -9,29 +9,35 @@ from __future__ import annotations
 
 import torch
 
-from ditron_ep.compiler.core_config import default_gemm_configs
+from ditron_ep.compiler.tp_plan import sequential_tile
 
 __all__ = ["matmul"]
 
-_OFFSETS: dict[tuple[int, torch.device], torch.Tensor] = {}
+# (rows, device, block_m) -> (expert offsets [0, rows], its tile map): a dense GEMM is one expert
+# holding every row, so both are constants of the shape; building them per call cost ~100 µs of
+# host time (five small launches, a cub scan among them) on H200.
+_ONE_EXPERT: dict[tuple[int, torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _one_expert(rows: int, device: torch.device) -> torch.Tensor:
-    """int32 [0, rows] on `device` (cached: no host-to-device copy per call)."""
-    key = (rows, device)
-    off = _OFFSETS.get(key)
-    if off is None:
-        if len(_OFFSETS) > 256:
-            _OFFSETS.clear()
-        off = _OFFSETS[key] = torch.tensor([0, rows], dtype=torch.int32, device=device)
-    return off
+def _one_expert(rows: int, device: torch.device, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 [0, rows], build_tile_map of it) on `device`, cached."""
+    from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
+
+    key = (rows, device, block_m)
+    got = _ONE_EXPERT.get(key)
+    if got is None:
+        if len(_ONE_EXPERT) > 256:
+            _ONE_EXPERT.clear()
+        off = torch.tensor([0, rows], dtype=torch.int32, device=device)
+        got = _ONE_EXPERT[key] = (off, build_tile_map(off, block_m))
+    return got
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] in fp32, cast once to out_dtype (default a's dtype). a and b must share
-    dtype and device (the callers check); a is made contiguous, b is read with its strides."""
+    dtype and device (the callers check); a is made contiguous, b is read with its strides. The
+    tile is `tp_plan.sequential_tile` of the shape (the overlapped kernels use the same one)."""
     from ditron_ep.ops.moe_layer.grouped import _Launches
-    from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map
 
     rows, k_dim = a.shape
     n_dim = b.shape[1]
@@ -41,10 +47,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = 
     if k_dim == 0:
         return out.zero_()
     on_gpu = a.device.type == "cuda"
-    cfg = default_gemm_configs(a.dtype, "hip" if on_gpu and torch.version.hip else a.device.type)[1]
+    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    cfg = sequential_tile(str(a.dtype).removeprefix("torch."), device_type, rows, n_dim)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
     run = _Launches({"down": ("portable", cfg)}, programs, "ieee", 1, 0)
-
-    offsets = _one_expert(rows, a.device)
-    run.launch_down(a.contiguous(), b[None], out, offsets, build_tile_map(offsets, cfg.block_m))
+    offsets, tiles = _one_expert(rows, a.device, cfg.block_m)
+    run.launch_down(a.contiguous(), b[None], out, offsets, tiles)
     return out
