@@ -23,7 +23,7 @@ from ditron_ep.runtime.transport import kernel_signals, put_peer_mask
 STAGE_EXCHANGE_RECV = tl.constexpr(register_stage(1, "tile exchange: receive"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "put_peers"])
 def exchange_tiles_kernel(
     x_ptr,          # (R, C) this rank's tile, sent to every rank
     out_ptr,        # (W, R, C) out[s] = the tile rank s sent

@@ -21,8 +21,10 @@ DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30, "nvshmem": 1 << 30
 # Poll budgets of a bounded wait. Emulated: one poll costs ~0.25 ms under the interpreter on an
 # idle core and ~0.5-1 ms when 4 ranks share 2 cores, so 60k polls is 15-60 s, far above any
 # honest CPU-test wait (a peer's interpreted launch takes seconds) yet short of test timeouts.
-# GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s.
-DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25, "nvshmem": 1 << 25}
+# GPU: a system-scope poll costs ~1 µs, so 2^25 polls is ~30 s. nvshmem: twice that, since a first
+# call's put-transport kernels link NVSHMEM's device library and compiled in 10-30 s each on 2xH200,
+# so a rank compiling two variants its peer had cached outwaited 30 s at the call barrier.
+DEFAULT_WAIT_BUDGET = {"emulated": 60_000, "torch": 1 << 25, "nvshmem": 1 << 26}
 WAIT_BUDGET_ENV = "DITRON_WAIT_BUDGET"
 
 # Stage codes recorded by kernels in the error slot -> readable names (kernels register theirs).

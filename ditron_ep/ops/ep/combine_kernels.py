@@ -139,7 +139,7 @@ def put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, ra
                                      tl.cast(h_hi - h_lo, tl.int64) * Y_ELT, i_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "rank", "put_peers"])  # per-rank values: one binary (fused_kernels.py)
 def ep_combine_kernel(
     y_ptr,            # (rows_cap, H) expert outputs in dispatch's row order
     recv_rows_ptr,    # int32 (W, MAXT, K) row of (source, slot, k), -1 if none

@@ -147,7 +147,7 @@ def _copy_scales(p_sst, r_src, recv_s_ptr, dst_row, m, n_scales, BLOCK_SC: tl.co
         tl.store(recv_s_ptr + dst_row[:, None] * n_scales + o_c[None, :], b_sc, mask=m_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "put_peers"])  # per-rank values: one binary (fused_kernels.py)
 def ep_dispatch_kernel(
     x_ptr,            # (T, H) tokens of this rank
     w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)

@@ -158,7 +158,12 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, call
 # equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
 # gemm_group (1 for row_major) likewise: every tile order runs one binary. T likewise (it only
 # bounds masks): calls of 1, 16·n and other token counts, and a refused call's 0, share a binary.
-@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group", "T"])
+# rank likewise, as in every kernel that meets its peers (dispatch, combine, layout exchange, the TP
+# and exchange kernels): rank 0 (a multiple of 16) and rank 1 (== 1) compiled binaries of their
+# own, so ranks on one host could not share the Triton cache, and a rank compiling a variant its
+# peers did not need kept them waiting at the call barrier (a put-transport GPU test timed out so
+# on 2xH200: 49 compiles on one rank, 46 on the other, ~7-10 s each).
+@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group", "T", "rank"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped

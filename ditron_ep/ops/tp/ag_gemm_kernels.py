@@ -51,7 +51,7 @@ def shard_tile(g, rank, world, M, BM: tl.constexpr):
     return t_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def ag_gemm_kernel(
     a_ptr,          # (M, K) this rank's rows, contiguous
     b_ptr,          # (K, N) any strides

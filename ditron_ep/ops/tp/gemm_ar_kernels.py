@@ -33,7 +33,7 @@ STAGE_GEMM_AR_PARTIAL = tl.constexpr(register_stage(5, "matmul_all_reduce: wait 
 STAGE_GEMM_AR_RESULT = tl.constexpr(register_stage(6, "matmul_all_reduce: wait for a tile's owner"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def gemm_ar_kernel(
     a_ptr,          # (M, K) this rank's rows, contiguous
     b_ptr,          # (K, N) any strides

@@ -42,7 +42,7 @@ def sum_partials(land, at, m, M, N, world):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def gemm_rs_kernel(
     a_ptr,          # (W*M, K) this rank's rows, contiguous
     b_ptr,          # (K, N) any strides
