@@ -174,17 +174,20 @@ MIN_GEMM_TILES = 128
 
 def sequential_tile(dtype: str, device_type: str, rows: int, n: int) -> GemmTileConfig:
     """The tile `gemm.matmul` uses for a [rows, K] @ [K, n] product (the sequential schedule's
-    GEMM, so the overlapped kernels' too). On a GPU the default down tile (128 x 256) shrinks for
-    small products so that there are at least MIN_GEMM_TILES tiles: BM from the rows alone (the
-    all-gather's chunk is one M-tile and must be the same on every rank, whose N may differ),
-    then BN. BK and the stages stay: each output element is still one fp32 sum over K in BK steps.
-    Under the interpreter the default tile (small, ragged in every dimension) is kept."""
+    GEMM, so the overlapped kernels' too). On a GPU the default down tile (128 x 256) narrows for
+    small products until there are at least MIN_GEMM_TILES tiles: BN halves down to 64. BM stays,
+    since every M-tile reads all of b and a small-M product is bound by those bytes (M=128, K=N=8192:
+    one M-tile reads b's 128 MB once, two would read it twice); it is 64 only for rows <= 64 (one
+    M-tile either way, half the padding). BM depends on the rows alone: the all-gather's chunk is
+    one M-tile and must be the same on every rank, whose N may differ. BK and the stages stay: each
+    output element is still one fp32 sum over K in BK steps. Under the interpreter the default tile
+    (small, ragged in every dimension) is kept."""
     import torch
 
     tile = default_gemm_configs(getattr(torch, dtype), device_type)[1]
     if device_type == "cpu":
         return tile
-    bm = tile.block_m if rows >= 8 * tile.block_m else min(tile.block_m, 64)
+    bm = tile.block_m if rows > 64 else min(tile.block_m, 64)
     bn = tile.block_n
     while bn > 64 and cdiv(rows, bm) * cdiv(n, bn) < MIN_GEMM_TILES:
         bn //= 2

@@ -149,9 +149,9 @@ def test_gemm_ar_plans_the_verifier_must_reject(name, match):
 @pytest.mark.parametrize("rows, n, want", [
     (2048, 8192, (128, 256, 8)),   # 512 default tiles: kept
     (16384, 3584, (128, 256, 8)),
-    (128, 8192, (64, 128, 4)),     # a decode-sized GEMM+AR: 32 default tiles -> 128
-    (100, 1024, (64, 64, 4)),      # BN stops at 64
-    (256, 64, (64, 64, 4)),
+    (128, 8192, (128, 64, 4)),     # a decode-sized GEMM+AR: 32 default tiles -> 128, b read once
+    (100, 1024, (128, 64, 4)),     # BN stops at 64
+    (48, 8192, (64, 64, 4)),       # rows <= 64: one M-tile of 64
 ])
 def test_the_gpu_tile_shrinks_until_the_product_fills_the_sms(rows, n, want):
     tile = sequential_tile("bfloat16", "cuda", rows, n)
