@@ -362,7 +362,7 @@ def call_end(table_ptr, rank, call, OPENS: tl.constexpr = True, skip=0):
                 tl.atomic_xchg(my_ctrl + CALL, call + resync, sem="release", scope="gpu")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank"])
 def flagged_call_kernel(table_ptr, rank, world, budget, flags):
     """This rank's part in a barrier-opened call it cannot run (one program): its record carries
     `flags` (FLAG_REFUSED: it rejected its own arguments), so every peer's launch stops at the

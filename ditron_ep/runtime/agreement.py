@@ -59,42 +59,21 @@ def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same:
     return max(v for _, _, v in posts)
 
 
-_HOST_GROUPS: dict = {}
-
-
-def host_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group over `group`'s ranks for small host-side agreements (made at first use by every
-    rank of `group`, which every caller is, and kept), or None where gloo is not available. An
-    agreement over NCCL queues behind the stream's work and its result is read back with a stream
-    sync, so every call would wait for the GPU to drain (measured: ~350 µs a call on 2xH200); over
-    gloo the host agrees while the GPU is busy. `group` itself when it already runs on gloo."""
-    if dist.get_backend(group) == "gloo":
-        return group
-    if not dist.is_gloo_available():
-        return None
-    key = (group if group is not None else dist.group.WORLD).group_name
-    if key not in _HOST_GROUPS:
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-        _HOST_GROUPS[key] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _HOST_GROUPS[key]
-
-
 def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object],
                 device: torch.device) -> None:
     """`agree` for ops on the data path: every rank posts one fixed-size int64 row — its problem
-    flag and the `same` fields as words (field_word) — in one all_gather over `host_group` (no
-    pickling, no GPU sync; on `device` through `group` only where gloo is missing); only when a row
-    is flagged or differs does it fall back to `agree`, which builds the message and raises on every
-    rank. `same` must have the same keys on every rank (a rank with a problem still passes them,
-    any values)."""
+    flag and the `same` fields as words (field_word) — in one all_gather on `device` (no pickling);
+    only when a row is flagged or differs does it fall back to `agree`, which builds the message and
+    raises on every rank. `same` must have the same keys on every rank (a rank with a problem still
+    passes them, any values). (Over a gloo side group the host would not wait for the GPU, but a
+    group made with use_local_synchronization is named by how many groups each member holds, which
+    differs between the members of a subgroup: their first call hangs.)"""
     world = dist.get_world_size(group)
-    side = host_group(group)
-    where = torch.device("cpu") if side is not None else device
     words = torch.tensor([1 if problem else 0, *(field_word(v) for v in same.values())], dtype=torch.int64,
-                         device=where)
-    rows = torch.empty(world * words.numel(), dtype=torch.int64, device=where)
+                         device=device)
+    rows = torch.empty(world * words.numel(), dtype=torch.int64, device=device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(rows, words, group=side if side is not None else group)
+    gather(rows, words, group=group)
     host = rows.cpu().view(world, -1)
     if bool(host[:, 0].any()) or bool((host[:, 1:] != host[0, 1:]).any()):
         agree(group, what, problem, None if problem else same)

@@ -162,7 +162,9 @@ def test_the_gpu_tile_shrinks_until_the_product_fills_the_sms(rows, n, want):
 
 def test_the_tile_rows_do_not_depend_on_n_and_the_interpreter_keeps_its_tile():
     # an all-gather's chunk is one M-tile: ranks whose N differ must still chunk alike
-    assert len({sequential_tile("bfloat16", "cuda", 512, n).block_m for n in (1, 64, 8192, 65536)}) == 1
+    for rows in (48, 512, 4096):
+        assert len({sequential_tile("bfloat16", "cuda", rows, n).block_m for n in (1, 64, 8192, 65536)}) == 1
+        assert len({lower_ag_gemm(2, rows, 256, n, "bfloat16", "cuda").chunk_rows for n in (1, 64, 8192)}) == 1
     assert sequential_tile("float32", "cpu", 4, 4) == default_gemm_configs(torch.float32, "cpu")[1]
     plan = lower_gemm_ar(2, 128, 8192, 8192, "bfloat16", "cuda")
     assert plan.verified and plan.tile == sequential_tile("bfloat16", "cuda", 128, 8192)

@@ -14,8 +14,8 @@ chunks 0..b only: the queue's producer-before-consumer rule holds.
 RANK_REDUCED (the rank-reduced combine, `EPBuffer.combine(topk_sum="expert_rank")`): a send-back
 first adds the token's rows on this rank, k = 0..K-1 in order, each times its row weight, in fp32,
 and writes the one sum (in the partial dtype: y's, or fp32 with PARTIAL_FP32) to s's landing
-buffer at [this rank, token]; a reduce adds a token's rank partials in rank order in fp32 and casts
-once. 1/K of the exact mode's bytes cross the wire for a token with K experts on one rank.
+buffer at [this rank, the token's staging slot] (a chunk's partials are contiguous rows); a reduce
+adds a token's rank partials in rank order in fp32 and casts once. 1/K of the exact mode's bytes cross the wire for a token with K experts on one rank.
 TOKEN_ROWS (with RANK_REDUCED): y is a token-major dispatch's row gradient, one row per (source,
 token), which is the partial itself: the backward of `dispatch(layout="token_major")`.
 """
@@ -279,8 +279,8 @@ _MULT16 = ("H", "land_offset", "slice_cols")
 register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
                                           "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)
 # fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
-# slice, lag 1, rank 1)
-_ONES = ("n_chunks", "rank", "n_slices", "lag")
+# slice, lag 1; rank is never specialised)
+_ONES = ("n_chunks", "n_slices", "lag")
 register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                     "y_ptr": "*fp32", "out_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,

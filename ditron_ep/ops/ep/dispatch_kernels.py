@@ -324,8 +324,9 @@ register_kernel(ep_dispatch_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "SCALE_R
                                            "BLOCK_S": 16, "BLOCK_H": 512, "BLOCK_W": 8, "ENTRY_BARRIER": False},
                 label="bf16-K8", multiples_of_16=_MULT16)
 # ... and combine's backward (scaled rows, along an old handle: with the barrier), fp32 also with
-# the arguments equal to 1 that Triton specialises into plain ints (one chunk, one slice, lag 1, rank 1)
-_ONES = ("n_chunks", "rank", "n_slices", "lag")
+# the arguments equal to 1 that Triton specialises into plain ints (one chunk, one slice, lag 1; rank
+# is never specialised)
+_ONES = ("n_chunks", "n_slices", "lag")
 register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not in _ONES},
                                      "x_ptr": "*fp32", "recv_x_ptr": "*fp32"},
                 {**{n: 1 for n in _ONES}, "K": 2, "HAS_WEIGHTS": True, "SCALE_ROWS": True, "BLOCK_S": 16,

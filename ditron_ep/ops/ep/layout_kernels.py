@@ -395,7 +395,7 @@ def _bitwise_or(a, b):
     return a | b
 
 
-@triton.jit(do_not_specialize=["record_pending", "T"])
+@triton.jit(do_not_specialize=["record_pending", "T", "rank"])
 def ep_layout_kernel(
     counts_ptr,      # int32 (E,) pairs per expert on this rank
     tokens_to_ptr,   # int32 (W,) tokens this rank sends to each rank

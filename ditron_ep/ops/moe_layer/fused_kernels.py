@@ -429,8 +429,8 @@ register_kernel(moe_fused_kernel, _SIG, _CONST, label="bf16-K8-overlap", multipl
 register_kernel(moe_fused_kernel, _SIG, {**_CONST, "BLOCK_T": 1}, label="bf16-K8-overlap-combine-t1",
                 multiples_of_16=_MULT16)
 # Triton specialises integer arguments equal to 1 into constants (a plain int inside the kernel):
-# a layer with I <= BN1 has one column tile, a small max_tokens one chunk, and rank 1 is 1.
-_ONES = ("n_chunks", "n_t1", "n_t2", "rank")
+# a layer with I <= BN1 has one column tile, a small max_tokens one chunk (rank is never specialised).
+_ONES = ("n_chunks", "n_t1", "n_t2")
 register_kernel(moe_fused_kernel, {n: v for n, v in _SIG.items() if n not in _ONES},
                 {**_CONST, **{n: 1 for n in _ONES}}, label="bf16-K8-overlap-ones", multiples_of_16=_MULT16)
 register_kernel(moe_fused_kernel, {**_SIG, **{n: "*fp32" for n in ("x_ptr", "w1_ptr", "w2_ptr", "b1_ptr", "b2_ptr",
