@@ -15,6 +15,7 @@ CASES = [  # (W, tokens per rank, H, E, K, dtype, routing, drop_prob)
     (4, [8, 5, 12, 3], 40, 8, 4, torch.bfloat16, "one_rank", 0.0),   # every token to rank 0
     (4, [6, 6, 6, 6], 32, 256, 8, torch.float32, "zipf", 0.1),       # E = 256, K = 8
     (4, [17, 1, 0, 33], 72, 12, 3, torch.float32, "uniform", 0.0),   # T > block, ragged
+    (8, [5, 0, 9, 3, 17, 1, 4, 6], 40, 16, 4, torch.bfloat16, "zipf", 0.1),  # W = 8 (issue 30), an empty rank
 ]
 
 
@@ -216,6 +217,7 @@ RANK_REDUCED_CASES = [  # (W, tokens, H, E, K, dtype, routing, drop, partial_dty
     (3, [11, 5, 7], 48, 12, 6, torch.bfloat16, "uniform", 0.0, torch.float32, True),  # fp32 partials
     (4, [8, 5, 12, 3], 40, 8, 4, torch.float16, "one_rank", 0.0, None, False),     # unweighted, all to rank 0
     (2, [17, 33], 72, 4, 2, torch.float32, "one_expert", 0.0, None, True),         # T > block, one expert
+    (8, [5, 0, 9, 3, 17, 1, 4, 6], 40, 16, 4, torch.bfloat16, "zipf", 0.1, None, True),  # W = 8 (issue 30)
 ]
 
 

@@ -104,8 +104,9 @@ def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
     (3, [0, 9, 13], 6, 2, "zipf", "relu", False),
     (2, [11, 7], 4, 3, "uniform", "gelu_tanh", True),
     (2, [9, 0], 2, 1, "zipf", "silu", True),
+    (8, [3, 0, 5, 2, 4, 1, 2, 3], 16, 2, "zipf", "swiglu", False),  # W = 8 (issue 30), an empty rank
 ], ids=["W2-uniform", "W3-zipf-empty-rank", "W2-gelu-bias-one-expert", "W2-geglu-bias", "W3-relu-empty-rank0",
-        "W2-gelu_tanh-bias-K3", "W2-silu-bias-E2"])
+        "W2-gelu_tanh-bias-K3", "W2-silu-bias-E2", "W8-zipf-empty-rank"])
 def test_moe_trains_under_every_schedule(emulated_cluster, W, tokens, E, K, kind, activation, bias):
     """Gradients of every input of moe (x, topk_weights, w1, w2, b1, b2) match the float64
     oracle's (fp32), for every expert type, dropped slots get none, and staged (twice), overlap,

@@ -10,7 +10,7 @@ import rank_fns_tp as fns
 TOL = 2e-5
 
 
-@pytest.mark.parametrize("world, m, k, n", [(2, 5, 19, 13), (3, 7, 33, 21)])
+@pytest.mark.parametrize("world, m, k, n", [(2, 5, 19, 13), (3, 7, 33, 21), (8, 3, 17, 11)])
 def test_ops_match_float64_and_repeat_bitwise(emulated_cluster, world, m, k, n):
     for rank, rep in enumerate(emulated_cluster(world).run(fns.ops_case, m, k, n, world)):
         bad = {name: e for name, e in rep["errs"].items() if not e <= TOL}
