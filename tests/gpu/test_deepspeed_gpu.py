@@ -11,7 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-H, I, E, T = 256, 512, 8, 512
+H, I, T = 256, 512, 512
+
+
+def _experts(world: int) -> int:
+    """8, or 2 per rank past 4 ranks: with one expert per rank the in-place weight view (experts
+    spaced in one buffer) would go untested."""
+    return max(8, 2 * world)
 
 
 class _SwiGLU(nn.Module):
@@ -27,12 +33,12 @@ def _block(world: int, expert: nn.Module, capacity_factor: float, device) -> nn.
     from deepspeed.moe.layer import MoE
 
     torch.manual_seed(3)
-    block = MoE(H, expert, num_experts=E, ep_size=world, k=2, capacity_factor=capacity_factor,
+    block = MoE(H, expert, num_experts=_experts(world), ep_size=world, k=2, capacity_factor=capacity_factor,
                 eval_capacity_factor=capacity_factor, min_capacity=1, use_rts=False, top2_2nd_expert_sampling=False)
     block.set_deepspeed_parallelism()
     with torch.no_grad():
         for i, ex in enumerate(block.deepspeed_moe.experts.deepspeed_experts):
-            gen = torch.Generator().manual_seed(1000 + dist.get_rank() * (E // world) + i)
+            gen = torch.Generator().manual_seed(1000 + dist.get_rank() * (_experts(world) // world) + i)
             for p in ex.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
     return block.to(device, torch.bfloat16)

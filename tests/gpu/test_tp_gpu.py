@@ -157,7 +157,7 @@ def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(dist_env, m, k, 
     b = (torch.randn(kr, n, generator=g, device=dev) / kr ** 0.5).to(torch.bfloat16)
     gout = torch.randn(m, n, generator=torch.Generator(device=dev).manual_seed(11), device=dev).to(torch.bfloat16)
     ref, differ, overlapped = _overlap_runs_vs_sequential(matmul_all_reduce, a, b, gout)
-    assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
     ys = [torch.empty_like(ref[0]) for _ in range(dist.get_world_size())]
-    dist.all_gather(ys, overlapped[0][0])
+    dist.all_gather(ys, overlapped[0][0])  # before any assert: a rank that failed alone must not strand its peers
+    assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
     assert all(torch.equal(y, ys[0]) for y in ys), "the overlapped all-reduce differs between ranks"

@@ -34,7 +34,7 @@ def _case(dev, activation: str, bias: bool, seed: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     E = 4 * world
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    x = torch.randn(T - 37 * rank, H, generator=g).to(torch.bfloat16)  # ragged T per rank
+    x = torch.randn(T - 37 * (rank % 4), H, generator=g).to(torch.bfloat16)  # ragged T per rank (any world size)
     idx, w = make_routing(x.shape[0], E, K, "zipf", generator=g, drop_prob=0.05, num_ranks=world)
     width = width_factor(activation) * I
     w1 = (torch.randn(E // world, H, width, generator=g) / H ** 0.5).to(torch.bfloat16)
