@@ -240,3 +240,48 @@ def overlap_empty_case() -> dict:
         out[what] = torch.equal(seq, over) and tuple(over.shape) == tuple(seq.shape)
     assert world >= 2
     return out
+
+
+def subgroup_case(m: int, k: int, n: int, seed: int) -> dict:
+    """The ops on half the ranks each ({0, 1} and {2, 3} at W=4, one group object per half, made by
+    every rank): y and the gradients against float64 over the half's operands, ranks and rows taken
+    in the group's order, and the overlapped schedule bitwise the sequential one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    halves = [dist.new_group(list(range(h, h + world // 2))) for h in (0, world // 2)]  # collective, same order
+    grp = halves[rank // (world // 2)]
+    gw, gr = dist.get_world_size(grp), dist.get_rank(grp)
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        out: list = [None] * gw
+        dist.all_gather_object(out, t.detach(), group=grp)
+        return out
+
+    errs, same = {}, {}
+    # all_gather_matmul: every rank its own b columns and upstream gradient, so da sums the group's terms
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n + gr, generator=g)
+    gout = torch.randn(gw * m, n + gr, generator=g)
+    same["ag"], seq, _ = _sequential_vs_overlap(all_gather_matmul, a, b, gout, group=grp)
+    ad, bd, g_all = _float64_leaves(gather(a)), _float64_leaves(gather(b)), gather(gout)
+    sum(((torch.cat(ad) @ bd[r]) * g_all[r].double()).sum() for r in range(gw)).backward()
+    errs["ag y"] = _rel(seq[0], torch.cat(ad).detach() @ bd[gr].detach())
+    errs["ag da"], errs["ag db"] = _rel(seq[1], ad[gr].grad), _rel(seq[2], bd[gr].grad)
+
+    a, b = torch.randn(gw * m, k, generator=g), torch.randn(k, n, generator=g)
+    gout = torch.randn(m, n, generator=g)
+    same["rs"], seq, _ = _sequential_vs_overlap(matmul_reduce_scatter, a, b, gout, group=grp)
+    ad, bd = _float64_leaves(gather(a)), _float64_leaves(gather(b))
+    full = sum(x @ z for x, z in zip(ad, bd))
+    (full * torch.cat(gather(gout)).double()).sum().backward()
+    errs["rs y"] = _rel(seq[0], full.detach()[gr * m:(gr + 1) * m])
+    errs["rs da"], errs["rs db"] = _rel(seq[1], ad[gr].grad), _rel(seq[2], bd[gr].grad)
+
+    a, b = torch.randn(m, k + gr, generator=g), torch.randn(k + gr, n, generator=g)
+    gout = torch.randn(m, n, generator=torch.Generator().manual_seed(seed + 1))
+    same["ar"], seq, _ = _sequential_vs_overlap(matmul_all_reduce, a, b, gout, group=grp)
+    ad, bd = _float64_leaves(gather(a)), _float64_leaves(gather(b))
+    full = sum(x @ z for x, z in zip(ad, bd))
+    (full * gout.double()).sum().backward()
+    errs["ar y"], errs["ar da"], errs["ar db"] = _rel(seq[0], full.detach()), _rel(seq[1], ad[gr].grad), \
+        _rel(seq[2], bd[gr].grad)
+    return {"errs": errs, "bitwise": {op: all(v) for op, v in same.items()}}

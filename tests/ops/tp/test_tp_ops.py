@@ -64,3 +64,12 @@ def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(emulated_cluster
 def test_overlapped_ops_with_empty_operands_match_sequential(emulated_cluster):
     for rank, rep in enumerate(emulated_cluster(2).run(fns.overlap_empty_case)):
         assert all(rep.values()), (rank, rep)
+
+
+def test_ops_on_subgroups_match_float64_and_overlap_equals_sequential(emulated_cluster):
+    """World 4 split into two halves, each running the ops on its own group at once: group ranks,
+    rows and heaps are the group's, not the world's."""
+    for rank, rep in enumerate(emulated_cluster(4).run(fns.subgroup_case, 5, 19, 13, 4)):
+        bad = {name: e for name, e in rep["errs"].items() if not e <= TOL}
+        assert not bad, (rank, bad)
+        assert all(rep["bitwise"].values()), (rank, rep["bitwise"])
