@@ -40,11 +40,23 @@ def field_value(word: int, like: object) -> object:
     return word if isinstance(like, int) else SYMBOLS[word] if 0 <= word < len(SYMBOLS) else f"#{word}"
 
 
+def require_member(group: dist.ProcessGroup | None, what: str) -> None:
+    """DitronConfigError unless this rank belongs to `group`. Local (no collective): a rank outside
+    a group takes no part in its collectives — torch skips them with a warning and leaves outputs
+    unwritten, or fails with an error that does not say why."""
+    if group is not None and dist.get_rank(group) < 0:
+        raise DitronConfigError(
+            f"{what}: this rank (global rank {dist.get_rank()}) is not a member of the process group it was given "
+            f"(ranks {dist.get_process_group_ranks(group)}); pass the group this rank belongs to (e.g. its own "
+            f"expert- or tensor-parallel group), or call it on that group's ranks only")
+
+
 def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object] | None = None,
           value: int = 0) -> int:
     """Collective (every rank of `group`): raise DitronConfigError on every rank if any rank has
     a `problem` (naming the ranks when only some have one), or if `same` (name -> value) differs
     between ranks (naming each rank's); else return the largest `value` over the ranks."""
+    require_member(group, what)
     posts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(posts, (problem, same, value), group=group)
     ranks = [r for r, (p, _, _) in enumerate(posts) if p]
@@ -68,6 +80,7 @@ def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None,
     passes them, any values). (Over a gloo side group the host would not wait for the GPU, but a
     group made with use_local_synchronization is named by how many groups each member holds, which
     differs between the members of a subgroup: their first call hangs.)"""
+    require_member(group, what)
     world = dist.get_world_size(group)
     words = torch.tensor([1 if problem else 0, *(field_word(v) for v in same.values())], dtype=torch.int64,
                          device=device)

@@ -162,3 +162,23 @@ def module_scenarios() -> dict:
         res["fused_after"] = bool(torch.equal(layer(x, idx, w, w1, w2), ref))
     layer.free()
     return res
+
+
+def non_member_scenarios() -> dict:
+    """Rank 1 hands every entry point a group of rank 0 alone: it gets a DitronConfigError naming
+    the group at once (rank 0, a member, runs its one-rank calls)."""
+    from ditron_ep.ops import EPBuffer, FusedMoE, all_gather_matmul
+
+    only0 = dist.new_group([0])  # collective: every rank makes it
+    res: dict = {}
+    for key, make in (("buffer", lambda: EPBuffer(only0, 4, 16, 8, 2, torch.float32)),
+                      ("layer", lambda: FusedMoE(only0, 4, 16, 8, 8, 2, torch.float32)),
+                      ("tp", lambda: all_gather_matmul(torch.randn(4, 8), torch.randn(8, 3), group=only0))):
+        try:
+            got = make()
+            res[key] = "no error"
+            if hasattr(got, "free"):
+                got.free()
+        except Exception as e:  # noqa: BLE001
+            res[key] = f"{type(e).__name__}: {e}"
+    return res

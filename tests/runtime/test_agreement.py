@@ -55,3 +55,10 @@ def test_module_scenarios(emulated_cluster):
     assert r1["fused_skipped"].startswith("DitronOutOfStepError") and r1["fused_skipped_s"] < AT_ONCE_S, r1
     for r in res:
         assert r["epmoe_after"] and r["two_layers_train"] and r["fused_after"], r
+
+
+def test_a_rank_outside_the_group_gets_a_clear_error(emulated_cluster):
+    r0, r1 = emulated_cluster(2).run(fns.non_member_scenarios)
+    assert all(v == "no error" for v in r0.values()), r0
+    for key, err in r1.items():
+        assert err.startswith("DitronConfigError") and "global rank 1) is not a member" in err and "[0]" in err, (key, err)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.ops.tp.gemm import matmul
-from ditron_ep.runtime.agreement import agree_words
+from ditron_ep.runtime.agreement import agree_words, require_member
 
 __all__ = ["all_gather_matmul", "all_gather_rows", "matmul_all_reduce", "matmul_reduce_scatter",
            "reduce_scatter_rows", "sum_in_rank_order"]
@@ -42,6 +42,7 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("the GEMM + collective ops need torch.distributed initialised (every rank of `group` "
                            "calls them); on a CPU run them under ditron_ep.runtime.EmulatedCluster")
+    require_member(group, "the GEMM + collective op")
     return dist.get_world_size(group), dist.get_rank(group)
 
 
