@@ -161,3 +161,19 @@ def test_overlapped_matmul_all_reduce_equals_sequential_bitwise(dist_env, m, k, 
     dist.all_gather(ys, overlapped[0][0])  # before any assert: a rank that failed alone must not strand its peers
     assert not differ, f"overlap differs from sequential in outputs {differ} (y, da, db)"
     assert all(torch.equal(y, ys[0]) for y in ys), "the overlapped all-reduce differs between ranks"
+
+
+def test_tp_ops_on_subgroups(dist_env):
+    """The ranks split in two halves (single ranks at W=2, pairs at W=4), each half running the ops
+    on its own group at the same time, fp32 ("ieee"): y and every gradient against float64 in the
+    group's rank and row order, the overlapped schedule (a heap per group) bitwise the sequential
+    one. The CPU twin: tests/ops/tp (emulated W=4)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("rank_fns_tp", Path(__file__).parents[1] / "ops" / "tp" / "rank_fns_tp.py")
+    fns = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fns)
+    rep = fns.subgroup_case(37, 96, 40, 4, device=dist_env.device)
+    bad = {name: e for name, e in rep["errs"].items() if not e <= 2e-5}
+    assert not bad and all(rep["bitwise"].values()), (dist.get_rank(), bad, rep["bitwise"])

@@ -242,10 +242,11 @@ def overlap_empty_case() -> dict:
     return out
 
 
-def subgroup_case(m: int, k: int, n: int, seed: int) -> dict:
-    """The ops on half the ranks each ({0, 1} and {2, 3} at W=4, one group object per half, made by
-    every rank): y and the gradients against float64 over the half's operands, ranks and rows taken
-    in the group's order, and the overlapped schedule bitwise the sequential one."""
+def subgroup_case(m: int, k: int, n: int, seed: int, device: str | torch.device = "cpu") -> dict:
+    """The ops on half the ranks each ({0, 1} and {2, 3} at W=4, single ranks at W=2; one group
+    object per half, made by every rank): y and the gradients against float64 over the half's
+    operands, ranks and rows taken in the group's order, and the overlapped schedule bitwise the
+    sequential one. fp32 operands made on the CPU, run on `device` (tests/gpu uses it too)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     halves = [dist.new_group(list(range(h, h + world // 2))) for h in (0, world // 2)]  # collective, same order
     grp = halves[rank // (world // 2)]
@@ -254,14 +255,19 @@ def subgroup_case(m: int, k: int, n: int, seed: int) -> dict:
 
     def gather(t: torch.Tensor) -> list[torch.Tensor]:
         out: list = [None] * gw
-        dist.all_gather_object(out, t.detach(), group=grp)
+        dist.all_gather_object(out, t.detach().cpu(), group=grp)
         return out
+
+    def run(op, a, b, gout):
+        """_sequential_vs_overlap on `device`; the sequential outputs back on the CPU."""
+        same, seq, _ = _sequential_vs_overlap(op, a.to(device), b.to(device), gout.to(device), group=grp)
+        return same, tuple(t.cpu() for t in seq)
 
     errs, same = {}, {}
     # all_gather_matmul: every rank its own b columns and upstream gradient, so da sums the group's terms
     a, b = torch.randn(m, k, generator=g), torch.randn(k, n + gr, generator=g)
     gout = torch.randn(gw * m, n + gr, generator=g)
-    same["ag"], seq, _ = _sequential_vs_overlap(all_gather_matmul, a, b, gout, group=grp)
+    same["ag"], seq = run(all_gather_matmul, a, b, gout)
     ad, bd, g_all = _float64_leaves(gather(a)), _float64_leaves(gather(b)), gather(gout)
     sum(((torch.cat(ad) @ bd[r]) * g_all[r].double()).sum() for r in range(gw)).backward()
     errs["ag y"] = _rel(seq[0], torch.cat(ad).detach() @ bd[gr].detach())
@@ -269,7 +275,7 @@ def subgroup_case(m: int, k: int, n: int, seed: int) -> dict:
 
     a, b = torch.randn(gw * m, k, generator=g), torch.randn(k, n, generator=g)
     gout = torch.randn(m, n, generator=g)
-    same["rs"], seq, _ = _sequential_vs_overlap(matmul_reduce_scatter, a, b, gout, group=grp)
+    same["rs"], seq = run(matmul_reduce_scatter, a, b, gout)
     ad, bd = _float64_leaves(gather(a)), _float64_leaves(gather(b))
     full = sum(x @ z for x, z in zip(ad, bd))
     (full * torch.cat(gather(gout)).double()).sum().backward()
@@ -278,7 +284,7 @@ def subgroup_case(m: int, k: int, n: int, seed: int) -> dict:
 
     a, b = torch.randn(m, k + gr, generator=g), torch.randn(k + gr, n, generator=g)
     gout = torch.randn(m, n, generator=torch.Generator().manual_seed(seed + 1))
-    same["ar"], seq, _ = _sequential_vs_overlap(matmul_all_reduce, a, b, gout, group=grp)
+    same["ar"], seq = run(matmul_all_reduce, a, b, gout)
     ad, bd = _float64_leaves(gather(a)), _float64_leaves(gather(b))
     full = sum(x @ z for x, z in zip(ad, bd))
     (full * gout.double()).sum().backward()
