@@ -113,6 +113,20 @@ def put_signal(table_ptr, sig_table_ptr, rank, peer, dst_offset, src_ptr, n_elem
 
 @register_device_function
 @triton.jit
+def put_row_block(dst, src, n_rows, h_lo, h_hi, H, ELT: tl.constexpr, peer):
+    """Put columns [h_lo, h_hi) of rows [0, n_rows) of a row-major block (H columns of ELT bytes)
+    from this rank's symmetric address `src` to `dst` on `peer` (each the block's first row): one
+    block-scoped put when the columns are whole rows (the block is contiguous), else one per row."""
+    if (h_lo == 0) & (h_hi == H):
+        putmem_nbi_block(dst, src, tl.cast(n_rows, tl.int64) * H * ELT, peer)
+    else:
+        for j in range(0, n_rows):
+            off = (tl.cast(j, tl.int64) * H + h_lo) * ELT
+            putmem_nbi_block(dst + off, src + off, tl.cast(h_hi - h_lo, tl.int64) * ELT, peer)
+
+
+@register_device_function
+@triton.jit
 def signal_after_puts(sig_table_ptr, rank, peer, sig_word, value):
     """After this program's puts to `peer`: a CTA barrier (every thread's puts issued), a fence,
     then SET the signal at `sig_word` of `peer` to `value` (as `put_signal`), delivered after them."""

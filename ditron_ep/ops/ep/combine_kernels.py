@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.nvshmem import putmem_nbi_block, quiet, signal_after_puts
+from ditron_ep.language.nvshmem import put_row_block, putmem_nbi_block, quiet, signal_after_puts
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -120,14 +120,8 @@ def put_rows_back(y_ptr, recv_rows_ptr, recv_tok_ptr, p_send, table_ptr, i_s, ra
     own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
     slot0 = r0 - i_s * MAXT
     if RANK_REDUCED:
-        if h_lo == 0 and h_hi == H:
-            putmem_nbi_block(own + land_offset + (rank * MAXT + slot0) * H * PART_ELT,
-                             tl.cast(p_send + r0 * H, tl.int64), tl.cast(n_rows * H, tl.int64) * PART_ELT, i_s)
-        else:
-            for j in range(0, n_rows):
-                putmem_nbi_block(own + land_offset + ((rank * MAXT + slot0 + j) * H + h_lo) * PART_ELT,
-                                 tl.cast(p_send + (r0 + j) * H + h_lo, tl.int64),
-                                 tl.cast(h_hi - h_lo, tl.int64) * PART_ELT, i_s)
+        put_row_block(own + land_offset + (rank * MAXT + slot0) * H * PART_ELT, tl.cast(p_send + r0 * H, tl.int64),
+                      n_rows, h_lo, h_hi, H, PART_ELT, i_s)
     else:
         for j in range(0, n_rows):
             i_tok = tl.load(recv_tok_ptr + r0 + j).to(tl.int64)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ditron_ep.language.nvshmem import putmem_nbi_block, quiet, signal_after_puts
+from ditron_ep.language.nvshmem import put_row_block, putmem_nbi_block, quiet, signal_after_puts
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
@@ -108,14 +108,8 @@ def put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, si
     n_rows = tl.cast(tl.minimum(BLOCK_S, n - first), tl.int64)
     row0 = tl.cast(rank, tl.int64) * MAXT + first   # the chunk's first staging row on i_d
     loc0 = tl.cast(i_d, tl.int64) * MAXT + first    # ... and in this rank's send areas
-    if (h_lo == 0) & (h_hi == H):  # whole rows: the chunk is contiguous on both sides
-        putmem_nbi_block(own + stage_offset + row0 * H * ELT, own + send_x_offset + loc0 * H * ELT,
-                         n_rows * H * ELT, i_d)
-    else:
-        for j in range(0, n_rows):
-            putmem_nbi_block(own + stage_offset + ((row0 + j) * H + h_lo) * ELT,
-                             own + send_x_offset + ((loc0 + j) * H + h_lo) * ELT, tl.cast(h_hi - h_lo, tl.int64) * ELT,
-                             i_d)
+    put_row_block(own + stage_offset + row0 * H * ELT, own + send_x_offset + loc0 * H * ELT, n_rows, h_lo, h_hi, H,
+                  ELT, i_d)
     if write_meta:
         putmem_nbi_block(own + meta_offset + row0 * META * 4, own + send_meta_offset + loc0 * META * 4,
                          n_rows * META * 4, i_d)
