@@ -315,7 +315,7 @@ class _Launches:
         fast(grouped_wgrad_kernel)[(min(self.num_programs, n_tiles),)](
             a, b, g, gb if gb is not None else g, expert_offsets, rows, m_dim, n_dim, num_local,
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
-            HAS_BIAS=gb is not None, BLOCK_E=triton.next_power_of_2(num_local), **cfg.launch_options())
+            HAS_BIAS=gb is not None, **cfg.launch_options())
 
     def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out):
         """y [rows, H] (into `out` when given): the no-gradient path."""

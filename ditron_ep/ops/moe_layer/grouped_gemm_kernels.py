@@ -404,18 +404,6 @@ def grouped_dgrad_kernel(
     _zero_rows_past_experts(dx_ptr, expert_off_ptr, rows_cap, N, E_local, BM, BN)
 
 
-@register_device_function
-@triton.jit
-def _wgrad_tile_rows(t, per_e, n_n, expert_off_ptr, rows_cap, BK: tl.constexpr):
-    """Tile t of grouped_wgrad_kernel (expert-major, N-tile fastest) -> (expert, M-tile, N-tile,
-    its expert's first and end row, row blocks: at least one, so an expert without rows still
-    stores its zeros)."""
-    e = t // per_e
-    lo = tl.minimum(tl.maximum(tl.load(expert_off_ptr + e), 0), rows_cap)
-    hi = tl.minimum(tl.maximum(tl.load(expert_off_ptr + e + 1), lo), rows_cap)
-    return e, (t % per_e) // n_n, t % n_n, lo, hi, tl.maximum(tl.cdiv(hi - lo, BK), 1)
-
-
 @triton.jit
 def grouped_wgrad_kernel(
     a_ptr,           # (rows_cap, M) the GEMM's input rows (x for W1, h for W2)
@@ -425,65 +413,43 @@ def grouped_wgrad_kernel(
     expert_off_ptr,  # int32 (E_local + 1,): R_e = expert_off[e]:expert_off[e+1]
     rows_cap, M, N, E_local,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+    HAS_BIAS: tl.constexpr = False,
 ):
     """Weight (and bias) gradients, one [BM, BN] tile of one expert per task: the expert's rows
     walked BK at a time in row order, i.e. in the dispatch's fixed (source rank, source token)
     order, into one fp32 accumulator. No atomics, no split of the rows: bitwise run to run and
-    for every grid size. An expert without rows gets zeros.
-
-    Program p takes tiles p, p + P, ... as one flat loop over (tile, row block): an expert has
-    only T*K/E rows (~1,000 at the layer shapes), so a tile is a short K loop, and a loop per tile
-    drains the load pipeline at every tile's end; the flat loop's pipeline loads the next tile's
-    first row blocks while this one's epilogue stores."""
+    for every grid size. An expert without rows gets zeros."""
     n_m = tl.cdiv(M, BM)
     n_n = tl.cdiv(N, BN)
-    per_e = n_m * n_n
-    pid = tl.program_id(0)
-    P = tl.num_programs(0)
-    # iterations of this program: its tiles of expert e (t = pid mod P in [e*per_e, (e+1)*per_e))
-    # times e's row blocks, summed over the experts
-    o_e = tl.arange(0, BLOCK_E)
-    m_e = o_e < E_local
-    lo_e = tl.minimum(tl.maximum(tl.load(expert_off_ptr + o_e, mask=m_e, other=0), 0), rows_cap)
-    hi_e = tl.minimum(tl.maximum(tl.load(expert_off_ptr + o_e + 1, mask=m_e, other=0), lo_e), rows_cap)
-    mine = tl.maximum((o_e + 1) * per_e - pid + P - 1, 0) // P - tl.maximum(o_e * per_e - pid + P - 1, 0) // P
-    n_iter = tl.sum(tl.where(m_e, mine * tl.maximum(tl.cdiv(hi_e - lo_e, BK), 1), 0), axis=0)
-
     o_i = tl.arange(0, BM)
     o_j = tl.arange(0, BN)
     o_r = tl.arange(0, BK)
-    t = pid
-    e, t_m, t_n, lo, hi, kt = _wgrad_tile_rows(t, per_e, n_n, expert_off_ptr, rows_cap, BK)
-    ki = 0
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    b_sum = tl.zeros((BN,), dtype=tl.float32)
-    for _it in range(0, n_iter):
+    for t in range(tl.program_id(0), E_local * n_m * n_n, tl.num_programs(0)):
+        e = t // (n_m * n_n)
+        t_m = (t // n_n) % n_m
+        t_n = t % n_n
+        lo = tl.minimum(tl.maximum(tl.load(expert_off_ptr + e), 0), rows_cap)
+        hi = tl.minimum(tl.maximum(tl.load(expert_off_ptr + e + 1), lo), rows_cap)
         i = t_m * BM + o_i
         j = t_n * BN + o_j
         m_i = i < M
         m_j = j < N
-        r = (lo + ki * BK + o_r).to(tl.int64)
-        m_r = r < hi
-        b_a = tl.load(a_ptr + r[:, None] * M + i[None, :], mask=m_r[:, None] & m_i[None, :], other=0.0)  # [BK, BM]
-        b_b = tl.load(b_ptr + r[:, None] * N + j[None, :], mask=m_r[:, None] & m_j[None, :], other=0.0)  # [BK, BN]
-        acc = tl.dot(tl.trans(b_a), b_b, acc, input_precision=INPUT_PRECISION)
-        if HAS_BIAS:
-            if t_m == 0:  # one row of tiles sums the bias gradient (uniform branch)
-                b_sum += tl.sum(b_b.to(tl.float32), axis=0)
-        ki += 1
-        if ki == kt:  # the tile's last row block: store it, move to the program's next tile
-            e64 = e.to(tl.int64)
-            tl.store(g_ptr + e64 * M * N + i.to(tl.int64)[:, None] * N + j[None, :], acc.to(g_ptr.dtype.element_ty),
-                     mask=m_i[:, None] & m_j[None, :])
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        b_sum = tl.zeros((BN,), dtype=tl.float32)
+        for r0 in range(lo, hi, BK):
+            r = (r0 + o_r).to(tl.int64)
+            m_r = r < hi
+            b_a = tl.load(a_ptr + r[:, None] * M + i[None, :], mask=m_r[:, None] & m_i[None, :], other=0.0)  # [BK, BM]
+            b_b = tl.load(b_ptr + r[:, None] * N + j[None, :], mask=m_r[:, None] & m_j[None, :], other=0.0)  # [BK, BN]
+            acc = tl.dot(tl.trans(b_a), b_b, acc, input_precision=INPUT_PRECISION)
             if HAS_BIAS:
-                tl.store(gb_ptr + e64 * N + j, b_sum.to(gb_ptr.dtype.element_ty), mask=m_j & (t_m == 0))
-                b_sum = tl.zeros((BN,), dtype=tl.float32)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            ki = 0
-            t += P
-            e, t_m, t_n, lo, hi, kt = _wgrad_tile_rows(tl.minimum(t, E_local * per_e - 1), per_e, n_n, expert_off_ptr,
-                                                       rows_cap, BK)
+                if t_m == 0:  # one row of tiles sums the bias gradient (uniform branch)
+                    b_sum += tl.sum(b_b.to(tl.float32), axis=0)
+        e64 = e.to(tl.int64)
+        tl.store(g_ptr + e64 * M * N + i.to(tl.int64)[:, None] * N + j[None, :], acc.to(g_ptr.dtype.element_ty),
+                 mask=m_i[:, None] & m_j[None, :])
+        if HAS_BIAS:
+            tl.store(gb_ptr + e64 * N + j, b_sum.to(gb_ptr.dtype.element_ty), mask=m_j & (t_m == 0))
 
 
 # ---- compile signatures
@@ -545,7 +511,7 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     register_kernel(grouped_wgrad_kernel,
                     {"a_ptr": ptr, "b_ptr": ptr, "g_ptr": ptr, "gb_ptr": ptr, "expert_off_ptr": "*i32",
                      **{n: "i32" for n in ("rows_cap", "M", "N", "E_local")}},
-                    {**blocks(wg), "INPUT_PRECISION": input_precision, "HAS_BIAS": biases, "BLOCK_E": block_e},
+                    {**blocks(wg), "INPUT_PRECISION": input_precision, "HAS_BIAS": biases},
                     label=f"{label}{act} wgrad {wg}", options=wg.launch_options(), multiples_of_16=["M", "N"])
 
 
