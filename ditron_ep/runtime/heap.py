@@ -58,6 +58,10 @@ class SymmetricBuffer:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
+# (backward pass, heap) pairs whose end-of-backward error read is queued (check_error_later)
+_END_OF_BACKWARD: set[tuple[int, int]] = set()
+
+
 class SymmetricHeap:
     """Symmetric memory over a process group, for ditron_ep kernels.
 
@@ -258,6 +262,28 @@ class SymmetricHeap:
         err = self.read_error()
         if err is not None:
             raise err
+
+    def check_error_later(self) -> None:
+        """`check_error` for a call made under autograd, without its host sync: reading the slot
+        right after the launch leaves the GPU idle while the host then issues what follows (the
+        expert GEMMs' launches, the autograd engine's own work), ~0.2-1 ms per call in a training
+        step. Inside a backward pass the slot is read once when that pass ends (a callback of
+        autograd's engine: the error raises from `backward()` / `autograd.grad`, before an
+        optimizer step can use the gradients); a forward's error stays in the slot for that read
+        (its backward calls this heap again) or for the next dispatch's layout read, which reads
+        the error words with the counts."""
+        task = torch._C._current_graph_task_id()
+        if task < 0 or (task, id(self)) in _END_OF_BACKWARD:
+            return
+        key = (task, id(self))
+        _END_OF_BACKWARD.add(key)
+
+        def check() -> None:
+            _END_OF_BACKWARD.discard(key)
+            if not self._freed:
+                self.check_error()
+
+        torch.autograd.Variable._execution_engine.queue_callback(check)
 
     def reset(self, call: int = 0) -> None:
         """Collective: clear signals, error slot and call records, and set the call number (not

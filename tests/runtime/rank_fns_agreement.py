@@ -78,6 +78,29 @@ def buffer_scenarios() -> dict:
     if rank == 1:
         _timed(res, "skipped", lambda: buf.dispatch(x, idx, w))
     res["skipped_after"] = round_trip()
+    # under autograd no launch reads the error slot on its own (a host sync each): the backward
+    # pass reads it once at its end, so a forward + backward of dispatch and combine reads it once
+    reads, read_error = [], buf.heap.read_error
+    buf.heap.read_error = lambda: (reads.append(1), read_error())[1]
+    xg = x.clone().requires_grad_()
+    recv_x, handle = buf.dispatch(xg, idx, w)
+    (buf.combine(recv_x, handle, w) * x).sum().backward()
+    res["reads_per_training_step"] = len(reads)
+    res["training_grad_ok"] = bool(torch.allclose(xg.grad, w.sum(dim=1, keepdim=True) * x, rtol=1e-6, atol=1e-6))
+    buf.heap.read_error = read_error
+    # ... and a timeout inside a backward raises from backward(): rank 0 runs the dispatch's
+    # backward (a combine, barrier-opened) alone; rank 1 arrives late at that call
+    xg = x.clone().requires_grad_()
+    recv_x, _ = buf.dispatch(xg, idx, w)
+    loss = recv_x.sum()
+    if rank == 0:
+        buf.heap.wait_budget = 3000
+        _timed(res, "backward_skipped", loss.backward)
+        buf.heap.wait_budget = budget
+    dist.barrier()
+    if rank == 1:
+        _timed(res, "backward_skipped", loss.backward)
+    res["backward_skipped_after"] = round_trip()
     res["calls"] = buf.heap.call_number
     buf.free()
     return res

@@ -30,6 +30,10 @@ def test_buffer_scenarios(emulated_cluster):
             assert r[key + "_s"] < AT_ONCE_S, (key, r[key + "_s"])
         assert all(r[k] for k in r if k == "first" or k.endswith("_after")), r
     assert r1["skipped_s"] < AT_ONCE_S
+    for r in res:  # training: one error read per backward pass, at its end
+        assert r["reads_per_training_step"] == 1 and r["training_grad_ok"], r
+    assert r0["backward_skipped"].startswith("DitronTimeoutError") and "for rank 1 to arrive" in r0["backward_skipped"], r0
+    assert r1["backward_skipped"].startswith("DitronOutOfStepError") and r1["backward_skipped_s"] < AT_ONCE_S, r1
     assert r0["calls"] == r1["calls"]
 
 

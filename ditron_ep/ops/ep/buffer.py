@@ -173,7 +173,10 @@ class EPBuffer:
         hidden_slices: column slices a chunk's copy is split into (one task each); default: enough
             for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
-            launch and raise DitronTimeoutError there (one extra device-to-host read).
+            launch and raise DitronTimeoutError there (one extra device-to-host read). Calls
+            under autograd (a forward recording a graph, every backward) skip that host sync:
+            the slot is read once when the backward pass ends, so an error raises from
+            `backward()` (a forward's, if no backward follows, from the next dispatch).
         dispatch_dtype: None (the tokens travel in `dtype`) or torch.float8_e4m3fn: FP8 dispatch
             (half the bytes of bf16): `dispatch(x_fp8, ..., x_scales=scales)` with DeepEP's format,
             fp32 scales [T, hidden / 128] (one per token and 128 columns); combine stays in `dtype`.
@@ -628,24 +631,30 @@ class EPBuffer:
             PUTS=puts, num_warps=self.num_warps)
         return out
 
-    def _finish(self, sync: bool) -> None:
+    def _finish(self, sync: bool, under_autograd: bool = False) -> None:
+        """After a launch in default mode with check_errors: read the error slot, or for a call
+        under autograd (a forward that records a graph, any backward) read it once at the end of
+        the backward pass instead (heap.check_error_later)."""
         if sync and self.check_errors:
-            self.heap.check_error()
+            if under_autograd:
+                self.heap.check_error_later()
+            else:
+                self.heap.check_error()
 
     # ------------------------------------------------------------------ raw passes (no autograd)
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
                       max_recv_rows: int | None = None, token_major: bool = False, scales: torch.Tensor | None = None,
-                      dequantize: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
+                      dequantize: bool = False, under_autograd: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
         send, recv, captured = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
         # k routed elsewhere), unless a wait times out. A timeout raises in this call when the
-        # call reads the error slot (sync and check_errors): then no combine sees these, and two
-        # fill launches are saved. Otherwise -1 = "no row", so that a combine after a timed-out
-        # call gathers through no garbage index (a timed-out column slice may still leave its
-        # columns of recv_x unwritten; the timeout is raised by the next host-visible call, and
-        # this rank's next launches refuse all work until then).
-        if sync and self.check_errors:
+        # call reads the error slot (sync and check_errors, not under autograd): then no combine
+        # sees these, and two fill launches are saved. Otherwise -1 = "no row", so that a combine
+        # after a timed-out call gathers through no garbage index (a timed-out column slice may
+        # still leave its columns of recv_x unwritten; the timeout is raised by the next
+        # host-visible read, and this rank's next launches refuse all work until then).
+        if sync and self.check_errors and not under_autograd:
             recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
             recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
         else:
@@ -680,17 +689,17 @@ class EPBuffer:
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
                               after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                               dequantize=dequantize)
-        self._finish(sync)
+        self._finish(sync, under_autograd)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
                                 num_rows, sync, capped, row_index, token_rows, recv_scales,
                                 w is not None and w.requires_grad and torch.is_grad_enabled())
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
-                     mode: int = 0) -> torch.Tensor:
+                     mode: int = 0, under_autograd: bool = False) -> torch.Tensor:
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         out = self._launch_combine(y.contiguous(), w32, handle, mode)
-        self._finish(handle.sync)
+        self._finish(handle.sync, under_autograd)
         return out
 
     def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
@@ -702,7 +711,7 @@ class EPBuffer:
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
                               grad, recv_w, recv_rows, recv_tok, after_layout=False)
-        self._finish(handle.sync)
+        self._finish(handle.sync, under_autograd=True)  # combine's backward only
         return grad
 
     def _landed(self, num_tokens: int) -> torch.Tensor:
@@ -871,7 +880,7 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, buffer, topk_idx, w, sync, max_recv_rows, token_major):
-        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major)
+        recv_x, handle = buffer._dispatch_raw(x, topk_idx, w, sync, max_recv_rows, token_major, under_autograd=True)
         ctx.buffer, ctx.handle = buffer, handle
         return recv_x, handle
 
@@ -881,7 +890,7 @@ class _Dispatch(torch.autograd.Function):
             return None, None, None, None, None, None, None
         _alive_for_backward(ctx.buffer)
         token_rows = C.FLAG_MODE_RANK_REDUCED | C.FLAG_MODE_TOKEN_ROWS if ctx.handle.row_index is not None else 0
-        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None, token_rows)
+        grad_x = ctx.buffer._combine_raw(grad_recv_x, ctx.handle, None, token_rows, under_autograd=True)
         return grad_x, None, None, None, None, None, None
 
 
@@ -891,7 +900,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, w, buffer, handle, mode):
-        out = buffer._combine_raw(y, handle, w, mode)
+        out = buffer._combine_raw(y, handle, w, mode, under_autograd=True)
         ctx.buffer, ctx.handle, ctx.mode = buffer, handle, mode
         # y(t, k) as landed, for the weights' gradient: saved (not a ctx attribute) so that the
         # engine frees it once this backward has run, not when the graph goes (rows * H elements
