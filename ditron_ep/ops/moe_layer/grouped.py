@@ -73,7 +73,7 @@ def grouped_mlp(
     config: tuple[GemmTileConfig, GemmTileConfig] | None = None,
     num_programs: int | None = None,
     input_precision: str | None = None,
-    group_rows: int = 1,
+    group_rows: int | None = None,
     out: torch.Tensor | None = None,
     check: bool | None = None,
     grad_dtype: torch.dtype | None = None,
@@ -103,11 +103,9 @@ def grouped_mlp(
         input_precision: float32 inputs only: "tf32" (GPU default) or "ieee" (interpreter
             default; needed for float32-exact results on a GPU).
         group_rows: tile order, M-tiles (row tiles) a group (`grouped_tile`): within a group each
-            weight column block goes over the group's rows before the next. Default 1, M-tile
-            major: on this op's fixed program-to-tile grid it was the fastest on an H200 at the
-            MoE layer's shapes (groups of 2-16: gate-up up to 14 % slower, down 15-22 %;
-            bench/results/tile_order_H200_20261122_s9.log). Results are bitwise identical for
-            every order.
+            weight column block goes over the group's rows before the next. Default None: per
+            kernel, 1 (M-tile major) unless its column tiles fill half the grid (`auto_group_rows`).
+            Results are bitwise identical for every order.
         out: optional [rows, H] contiguous output buffer in x's dtype (written and returned).
         check: how the VALUES of expert_offsets and row_index are checked (their shapes and dtypes
             always are). True: on the host, ValueError if wrong (a device sync on a GPU). None
@@ -166,8 +164,9 @@ def grouped_mlp(
         num_programs = 1 if device_type == "cpu" else torch.cuda.get_device_properties(x.device).multi_processor_count
     elif not is_positive_int(num_programs):
         raise ValueError(f"num_programs must be a positive int, got {num_programs!r}")
-    if not is_positive_int(group_rows):
-        raise ValueError(f"group_rows must be a positive int (row tiles a group of the tile order), got {group_rows!r}")
+    if group_rows is not None and not is_positive_int(group_rows):
+        raise ValueError(f"group_rows must be None (chosen per kernel) or a positive int (row tiles a group of the "
+                         f"tile order), got {group_rows!r}")
     if input_precision is None:
         input_precision = "ieee" if device_type == "cpu" else "tf32"
     elif input_precision not in _PRECISIONS:
@@ -247,6 +246,10 @@ class _Launches:
     def _cfg(self, kernel: str) -> GemmTileConfig:
         return self.choices[kernel][1]
 
+    def _group(self, n_cols: int, block_n: int) -> int:
+        """This call's group_rows, or for None `auto_group_rows` of a kernel with n_cols output columns."""
+        return self.group_rows or auto_group_rows(triton.cdiv(n_cols, block_n), self.num_programs)
+
     def launch_up(self, x, w1, h, expert_offsets, row_index=None, b1=None, z=None, tile_start=None):
         """The first GEMM with the activation, on its chosen path."""
         cfg = self._cfg("up")
@@ -255,7 +258,7 @@ class _Launches:
             hopper_path.launch_up(x, w1, h, z, expert_offsets, tiles, cfg, self.num_programs, self.act)
         else:
             launch_grouped_up(x, row_index, w1, h, expert_offsets, tiles, cfg, self.num_programs,
-                              self.input_precision, self.group_rows, act=self.act, b1=b1, z=z)
+                              self.input_precision, self._group(h.shape[1], cfg.block_n), act=self.act, b1=b1, z=z)
 
     def _maps(self, expert_offsets, *kernels):
         """build_tile_map for the block_m of each kernel: one map per distinct block_m for the
@@ -274,7 +277,7 @@ class _Launches:
             hopper_path.launch_down(h, w2, y, expert_offsets, tile_start, cfg, self.num_programs)
         else:
             launch_grouped_down(h, w2, y, expert_offsets, tile_start, cfg, self.num_programs, self.input_precision,
-                                self.group_rows, b2=b2)
+                                self._group(y.shape[1], cfg.block_n), b2=b2)
 
     def launch_act_grad(self, dy, w2, z, dz, h, expert_offsets, tile_start):
         """dh = dy @ W2[e]^T with the activation's backward fused: dz, and h recomputed from z."""
@@ -286,7 +289,7 @@ class _Launches:
         m_cap = max_m_tiles(rows, num_local, cfg.block_m)
         fast(grouped_act_grad_kernel)[(min(self.num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)](
             dy, w2, z, dz, h, tile_start, expert_offsets, rows, m_cap, hidden, inter, num_local,
-            min(self.group_rows, m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+            min(self._group(inter, cfg.block_n), m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, ACT=self.act,
             **cfg.launch_options())
 
@@ -300,7 +303,7 @@ class _Launches:
         m_cap = max_m_tiles(rows, num_local, cfg.block_m)
         fast(grouped_dgrad_kernel)[(min(self.num_programs, m_cap * triton.cdiv(hidden, cfg.block_n)),)](
             dz, w1, dx, tile_start, expert_offsets, rows, m_cap, width, hidden, num_local,
-            min(self.group_rows, m_cap), *w1.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
+            min(self._group(hidden, cfg.block_n), m_cap), *w1.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, **cfg.launch_options())
 
     def launch_wgrad(self, a, b, g, gb, expert_offsets):
@@ -386,6 +389,18 @@ def _empty_grads(device, specs):
     return tuple(torch.zeros(shape, dtype=dt, device=device) if need else None for need, shape, dt in specs)
 
 
+def auto_group_rows(n_col_tiles: int, num_programs: int) -> int:
+    """The tile order of a standalone expert GEMM with n_col_tiles column tiles (group_rows=None):
+    M-tile major (1) while a wave of num_programs tiles spans several M-tiles of every column
+    block (the MoE layer's shapes, 16-32 column tiles: groups of 2-16 made gate-up up to 14 %
+    and down 15-22 % slower on an H200, bench/results/tile_order_H200_20261122_s9.log); groups of
+    8 M-tiles from half a grid of column tiles, where an M-tile-major wave holds one or two
+    M-tiles and streams the expert's whole weight for each (a DeepSpeed block's I=16384 GEMMs,
+    128 column tiles: up 2.87 -> 2.56 ms, act_grad 3.53 -> 2.92 ms on an H200;
+    bench/results/tile_order_ds_H200x2_20261127_s23.log). Bits do not depend on the order."""
+    return 8 if 2 * n_col_tiles >= num_programs else 1
+
+
 def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_offsets, w1, w2, bufs: dict,
                     num_programs: int, act: int, input_precision: str | None = None):
     """(fn, out): `fn()` runs one expert-MLP kernel (core_config.EXPERT_GEMMS) on `choice` = (path, tile) over
@@ -395,7 +410,7 @@ def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_o
     if input_precision is None:
         input_precision = "tf32" if x.is_cuda else "ieee"
     run = _Launches({k: choice for k in EXPERT_GEMMS}, num_programs,
-                    input_precision, 1, act)
+                    input_precision, None, act)
     tiles = build_tile_map(expert_offsets, choice[1].block_m)
     b = bufs
     if kernel == "up":

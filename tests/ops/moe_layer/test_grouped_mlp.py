@@ -118,10 +118,11 @@ def test_bad_offsets_never_write_outside_the_rows(offsets):
 
 def test_grid_size_and_tile_order_do_not_change_bits():
     """Grid sizes and tile orders (groups of 1 = M-tile major, 2 with a short last group, 3, all
-    M-tiles in one group) give the same bits, and each equals the oracle."""
+    M-tiles in one group, the per-kernel choice of None: groups of 8 on 3 programs, 1 on 1000)
+    give the same bits, and each equals the oracle."""
     inp = make_inputs([13, 0, 27, 1, 40], 48, 24, rows=90, n_x=23, seed=3)  # 7 M-tiles of 16 rows
     runs = [grouped_mlp(**inp, num_programs=p, group_rows=g) for p, g in
-            ((1, 1), (3, 1), (1000, 1), (3, 2), (2, 3), (3, 7), (1, 100))]
+            ((1, 1), (3, 1), (1000, 1), (3, 2), (2, 3), (3, 7), (1, 100), (3, None), (1000, None))]
     assert_close_to_oracle(runs[0], oracle(inp), torch.float32, "group_rows=1")
     for y in runs[1:]:
         assert torch.equal(y, runs[0])
@@ -392,7 +393,7 @@ def _bad_inputs() -> list[tuple[str, dict, str]]:
         ("config", {"config": (cfg[0], None)}, "config must be a pair of GemmTileConfig"),
         ("config-single", {"config": cfg[0]}, "config must be a pair of GemmTileConfig"),
         ("programs", {"num_programs": 0}, "num_programs must be a positive int"),
-        ("group_rows", {"group_rows": 0}, "group_rows must be a positive int"),
+        ("group_rows", {"group_rows": 0}, "group_rows must be None (chosen per kernel) or a positive int"),
         ("precision", {"input_precision": "tf32x3"}, "input_precision must be one of"),
         ("out", {"out": torch.empty(7, 15)}, "out must be a contiguous torch.float32 tensor of shape [rows=7, H=16]"),
         ("offsets-start", {"expert_offsets": torch.tensor([2, 5, 7], dtype=torch.int32)},
