@@ -25,7 +25,8 @@ import torch
 import triton
 from torch.autograd.graph import increment_version
 
-from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs, default_gemm_configs
+from ditron_ep.compiler.core_config import (EXPERT_GEMMS, PLAIN_UP_CUDA_HALF, GemmTileConfig, default_expert_configs,
+                                            default_gemm_configs)
 from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
@@ -207,6 +208,9 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
     if path not in PATHS:
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
     portable = default_expert_configs(x.dtype, _device_type(x.device), config)
+    if (not user_tiles and w1.shape[2] == w2.shape[1] and _device_type(x.device) == "cuda"
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        portable["up"] = PLAIN_UP_CUDA_HALF  # a plain activation's first GEMM (core_config says why)
     choices = {k: ("portable", cfg) for k, cfg in portable.items()}
     if path == "portable":
         return choices

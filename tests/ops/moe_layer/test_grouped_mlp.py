@@ -454,6 +454,10 @@ for dtype in (torch.bfloat16, torch.float32):
     grouped_gemm.register_ffn_configs(dtype, *default_gemm_configs(dtype, "cuda"), label=f"cuda-default-{dtype}",
                                       shape=(7168, 2048),
                                       backward=default_backward_configs(dtype, "cuda") if dtype == torch.bfloat16 else None)
+from ditron_ep.compiler.core_config import PLAIN_UP_CUDA_HALF
+from ditron_ep.ops.moe_layer.experts import activation_code
+grouped_gemm.register_ffn_configs(torch.bfloat16, PLAIN_UP_CUDA_HALF, default_gemm_configs(torch.bfloat16, "cuda")[1],
+                                  label="cuda-default-plain-up", shape=(4096, 16384), activation=activation_code("gelu"))
 results = compile_registered([GPUTarget("cuda", 90, 32)], modules={grouped_gemm.__name__})
 json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-default" in r.label], sys.stdout)
 """
@@ -461,15 +465,15 @@ json.dump([[r.label, r.ok, r.shared_bytes, r.error] for r in results if "cuda-de
 
 def test_nvidia_default_configs_compile_for_sm90(tmp_path):
     """The portability check compiles every signature for gfx942 too, whose 64 KiB of LDS the
-    NVIDIA defaults (192 KiB) exceed: compile those (and the backward kernels with them) for sm_90
-    alone here, shared memory checked."""
+    NVIDIA defaults (192 KiB) exceed: compile those (and the backward kernels with them, and a
+    plain activation's first-GEMM tile) for sm_90 alone here, shared memory checked."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout)
-    assert len(results) == 7, results  # bf16: 2 forward + 3 backward kernels; fp32: 2 forward
+    assert len(results) == 9, results  # bf16: 2 forward + 3 backward kernels; fp32: 2 forward; plain-activation bf16: 2
     for label, ok, shared, error in results:
         assert ok, f"{label}: {error}"
     assert max(shared for _, _, shared, _ in results) == 196608  # 4 stages x 48 KiB: the K-loop is pipelined
