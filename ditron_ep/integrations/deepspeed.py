@@ -139,7 +139,8 @@ def _stacked(layers: list[list[nn.Linear]]) -> tuple[torch.Tensor, ...]:
     E, first = len(layers), layers[0][:-1]
     w1, in_place1 = _expert_weights([lin.weight for ls in layers for lin in ls[:-1]], E)
     w2, in_place2 = _expert_weights([ls[-1].weight for ls in layers], E)
-    b1 = None if first[0].bias is None else torch.stack([torch.cat([lin.bias for lin in ls[:-1]]) for ls in layers])
+    # one stack each ([E * n, I] -> [E, n * I]: an expert's n biases back to back), not a cat per expert
+    b1 = None if first[0].bias is None else torch.stack([lin.bias for ls in layers for lin in ls[:-1]]).view(E, -1)
     b2 = None if layers[0][-1].bias is None else torch.stack([ls[-1].bias for ls in layers])
     return w1.transpose(1, 2), w2.transpose(1, 2), b1, b2, in_place1 and in_place2
 
