@@ -31,21 +31,42 @@ import triton.language as tl
 
 from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_configs, default_gemm_configs
 from ditron_ep.language.registry import register_device_function, register_kernel
+from ditron_ep.runtime.fast_launch import fast
 
 __all__ = ["act_fwd", "act_grad", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
            "grouped_down_kernel", "grouped_tile", "grouped_up_kernel", "grouped_wgrad_kernel",
-           "max_m_tiles",
+           "max_m_tiles", "tile_map_kernel",
            "register_ffn_configs", "rows_gemm_acc", "tile_coords", "up_tile", "zero_tile"]
 
 _NO_TILE = tl.constexpr(2**31 - 1)  # tile_start padding: larger than any tile id
 
 
+@triton.jit
+def tile_map_kernel(expert_off_ptr, tile_start_ptr, E_local, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """build_tile_map in one launch (one program): tile_start[0] = 0, tile_start[e + 1] = the
+    M-tiles of experts 0..e, an expert's cdiv(max(rows, 0), BM)."""
+    o_e = tl.arange(0, BLOCK_E)
+    m = o_e < E_local
+    rows = tl.load(expert_off_ptr + o_e + 1, mask=m, other=0) - tl.load(expert_off_ptr + o_e, mask=m, other=0)
+    tiles = tl.where(m, (tl.maximum(rows, 0) + BM - 1) // BM, 0)
+    tl.store(tile_start_ptr + o_e + 1, tl.cumsum(tiles, axis=0), mask=m)
+    tl.store(tile_start_ptr, 0)
+
+
 def build_tile_map(expert_offsets: torch.Tensor, block_m: int) -> torch.Tensor:
     """tile_start int32 [E_local + 1]: exclusive prefix sum of cdiv(rows of expert e, block_m).
 
-    Device ops only (no host sync), on expert_offsets' device. tile_start[E_local] is the number
-    of M-tiles; an expert without rows owns no tile.
+    Device ops only (no host sync), on expert_offsets' device: on a GPU one launch
+    (`tile_map_kernel`; the torch ops below are ~7 launches, host time a training step pays per
+    map and tile height), on the CPU torch ops (an interpreted launch costs more there).
+    tile_start[E_local] is the number of M-tiles; an expert without rows owns no tile.
     """
+    if expert_offsets.is_cuda and expert_offsets.dtype == torch.int32:
+        tile_start = torch.empty_like(expert_offsets)
+        num_local = expert_offsets.shape[0] - 1
+        fast(tile_map_kernel)[(1,)](expert_offsets, tile_start, num_local, BM=block_m,
+                                    BLOCK_E=max(16, triton.next_power_of_2(num_local)))
+        return tile_start
     counts = (expert_offsets[1:] - expert_offsets[:-1]).clamp_min(0)
     tile_start = torch.zeros_like(expert_offsets, dtype=torch.int32)
     torch.cumsum(torch.div(counts + (block_m - 1), block_m, rounding_mode="floor"), 0, dtype=torch.int32,
@@ -522,3 +543,5 @@ register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"
 register_ffn_configs(torch.float32, *default_gemm_configs(torch.float32, "hip"), label="fp32-ieee",
                      has_idx=False, input_precision="ieee", num_local_experts=256, activation=3, biases=True,
                      backward=default_backward_configs(torch.float32, "hip"))
+register_kernel(tile_map_kernel, {"expert_off_ptr": "*i32", "tile_start_ptr": "*i32", "E_local": "i32"},
+                {"BM": 128, "BLOCK_E": 32}, label="tile-map")

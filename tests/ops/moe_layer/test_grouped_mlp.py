@@ -496,3 +496,16 @@ def test_values_made_valid_without_host_sync():
     off, _ = _made_valid(torch.tensor([0, 6, 3], dtype=torch.int32), None, 7, 5)
     y = grouped_mlp(**{**inp, "expert_offsets": off}, check=False)
     assert_close_to_oracle(y, oracle({**inp, "expert_offsets": off}), torch.float32, "repaired offsets")
+
+
+def test_tile_map_kernel_equals_the_torch_ops():
+    """The one-launch tile map (what GPUs run) equals build_tile_map's torch ops (what the CPU runs):
+    ragged experts, empty ones, offsets that go down (no tiles), several tile heights."""
+    from ditron_ep.ops.moe_layer.grouped_gemm_kernels import build_tile_map, tile_map_kernel
+
+    off = torch.tensor([0, 13, 13, 40, 41, 41, 30, 95, 96, 200], dtype=torch.int32)
+    for bm in (16, 64, 128):
+        want = build_tile_map(off, bm)
+        got = torch.full_like(off, -7)
+        tile_map_kernel[(1,)](off, got, off.shape[0] - 1, BM=bm, BLOCK_E=16)
+        assert torch.equal(got, want), (bm, got, want)
