@@ -131,8 +131,8 @@ def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, 
     """Tile configs of the expert MLP's backward kernels (grouped_gemm_kernels.py), by kernel:
     "act_grad" (dh = dy @ W2^T, [rows, I] tiles over K = H, activation backward in the epilogue),
     "dgrad" (dx = dz @ W1^T, [rows, H] tiles over K = n*I) and "wgrad" (per expert a^T @ b,
-    [a cols, b cols] tiles over the expert's rows). They start from the forward's: act_grad and
-    wgrad the first GEMM's tile, dgrad the second's; on NVIDIA, wgrad's half-precision tile is
+    [a cols, b cols] tiles over the expert's rows). They start from the forward's defaults: act_grad
+    and wgrad the (gated) first GEMM's tile, dgrad the second's; on NVIDIA, wgrad's half-precision tile is
     BN=256 with 3 stages: 4 % less time for a whole forward + backward at the layer shape than the
     first GEMM's tile (H200, rows=32768, E_local=32, H=7168, I=2048; BN 128 -> 256: 19.1 -> 18.3 ms;
     act_grad and dgrad kept their starting tiles, others were slower;

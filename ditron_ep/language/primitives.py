@@ -233,6 +233,19 @@ def unread_flag(my_ctrl):
 
 @register_device_function
 @triton.jit
+def held_from_earlier_call(my_ctrl, call):
+    """Nonzero when this rank holds an unread error of a call before `call`: a timeout whose
+    awaited stamp (ERR_EXPECTED: a call number) is not `call`, or a stopped call other than
+    `call`. An error another program of this very launch just recorded does not count (its
+    programs still meet, and leave at once on the abort word)."""
+    err = tl.atomic_add(my_ctrl + ERR_FLAG, 0, sem="acquire", scope="gpu")
+    err_call = tl.atomic_add(my_ctrl + ERR_EXPECTED, 0, sem="relaxed", scope="gpu")
+    fail_call = tl.atomic_add(my_ctrl + FAIL_CALL, 0, sem="relaxed", scope="gpu")
+    return ((err == 1) & (err_call != call)) | ((fail_call != 0) & (fail_call != call))
+
+
+@register_device_function
+@triton.jit
 def dispatch_stopped(src_info_ptr, world, BLOCK_W: tl.constexpr):
     """1 when the dispatch whose layout gave `src_info` [W, 2] (every rank's flags, T) did not go
     (a stop flag of any rank): a combine or replay along its handle is then no call (call_begin's
@@ -280,6 +293,7 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
     if OPENS:
         call = tl.load(my_ctrl + CALL, volatile=True) + 1
         flags |= unread_flag(my_ctrl)
+        held = held_from_earlier_call(my_ctrl, call)
         n_stop = 0
         n_missing = 0
         if skip == 0:
@@ -289,6 +303,14 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
                 tl.store(record_slot(p_ctrl, call) + 2 * rank, flags)
                 tl.store(record_slot(p_ctrl, call) + 2 * rank + 1, call)
                 notify(p_ctrl + BARRIER + rank, call)  # its release publishes the record
+        if (skip == 0) & (held != 0):
+            # The call cannot go (every peer reads FLAG_UNREAD in the record just written and stops
+            # too): leave without meeting. A host that defers its reads (calls under autograd) may
+            # issue several calls before it raises; waiting for a peer that is gone would cost a
+            # whole budget at each, and a timeout recorded here would hide the held error.
+            tl.atomic_xchg(my_ctrl + NO_GO, 1, sem="relaxed", scope="gpu")
+            n_stop = 1
+        elif skip == 0:
             for p in range(world):
                 seen, v = meet_peer(my_ctrl + BARRIER + p, record_slot(my_ctrl, call) + 2 * p, call, my_ctrl, rank,
                                     STAGE_CALL_BARRIER, p, budget)

@@ -136,7 +136,7 @@ def call_error(flags: int, ranks: list[int], me: int, call: int, calls: dict[int
     if flags & C.FLAG_UNREAD:
         return DitronConfigError(
             f"rank(s) {who} held an error of an earlier call not yet raised there (a combine with check_errors="
-            f"False, or a graph-mode call); it is raised there now, and no rank moved anything in this call "
+            f"False, a graph-mode call, or a call under autograd whose backward pass had not ended); it is raised there now, and no rank moved anything in this call "
             f"(call {call})")
     if flags & C.FLAG_REFUSED:
         differ = differing(fields or {})

@@ -58,8 +58,9 @@ class SymmetricBuffer:
         return n * torch.empty((), dtype=self.dtype).element_size()
 
 
-# (backward pass, heap) pairs whose end-of-backward error read is queued (check_error_later)
-_END_OF_BACKWARD: set[tuple[int, int]] = set()
+# backward pass (graph task id) -> the heaps whose error slots its end-of-backward callback reads
+# (check_error_later)
+_END_OF_BACKWARD: dict[int, list] = {}
 
 
 class SymmetricHeap:
@@ -267,23 +268,28 @@ class SymmetricHeap:
         """`check_error` for a call made under autograd, without its host sync: reading the slot
         right after the launch leaves the GPU idle while the host then issues what follows (the
         expert GEMMs' launches, the autograd engine's own work), ~0.2-1 ms per call in a training
-        step. Inside a backward pass the slot is read once when that pass ends (a callback of
-        autograd's engine: the error raises from `backward()` / `autograd.grad`, before an
-        optimizer step can use the gradients); a forward's error stays in the slot for that read
-        (its backward calls this heap again) or for the next dispatch's layout read, which reads
-        the error words with the counts."""
+        step. Inside a backward pass the slot is read once when that pass ends (one callback of
+        autograd's engine per pass reads the heaps its calls used, in order, and raises the first
+        error from `backward()` / `autograd.grad`; the gradients already written are not to be used); a
+        forward's error stays in the slot for that read (its backward calls this heap again) or
+        for the next dispatch's layout read, which reads the error words with the counts. A held
+        error stops this rank's next calls at once (`call_begin`), so deferring the read never
+        makes a call wait for a peer that is gone."""
         task = torch._C._current_graph_task_id()
-        if task < 0 or (task, id(self)) in _END_OF_BACKWARD:
+        if task < 0:
             return
-        key = (task, id(self))
-        _END_OF_BACKWARD.add(key)
+        heaps = _END_OF_BACKWARD.get(task)
+        if heaps is None:
+            heaps = _END_OF_BACKWARD[task] = []
 
-        def check() -> None:
-            _END_OF_BACKWARD.discard(key)
-            if not self._freed:
-                self.check_error()
+            def check() -> None:
+                for h in _END_OF_BACKWARD.pop(task, []):  # the first error raises; a later heap's stays
+                    if not h._freed:                       # held for its next read
+                        h.check_error()
 
-        torch.autograd.Variable._execution_engine.queue_callback(check)
+            torch.autograd.Variable._execution_engine.queue_callback(check)
+        if all(h is not self for h in heaps):
+            heaps.append(self)
 
     def reset(self, call: int = 0) -> None:
         """Collective: clear signals, error slot and call records, and set the call number (not

@@ -88,11 +88,13 @@ def buffer_scenarios() -> dict:
     res["reads_per_training_step"] = len(reads)
     res["training_grad_ok"] = bool(torch.allclose(xg.grad, w.sum(dim=1, keepdim=True) * x, rtol=1e-6, atol=1e-6))
     buf.heap.read_error = read_error
-    # ... and a timeout inside a backward raises from backward(): rank 0 runs the dispatch's
-    # backward (a combine, barrier-opened) alone; rank 1 arrives late at that call
+    # ... and a timeout inside a backward raises from backward(): rank 0 runs the backward of a
+    # dispatch + combine (two barrier-opened launches: the combine's replay, then the dispatch's
+    # combine) alone; its first launch times out, the second, holding that unread error, leaves
+    # without waiting again; rank 1 arrives late at the first
     xg = x.clone().requires_grad_()
-    recv_x, _ = buf.dispatch(xg, idx, w)
-    loss = recv_x.sum()
+    recv_x, handle = buf.dispatch(xg, idx, w)
+    loss = buf.combine(recv_x, handle, w).sum()
     if rank == 0:
         buf.heap.wait_budget = 3000
         _timed(res, "backward_skipped", loss.backward)

@@ -83,3 +83,48 @@ def test_host_timeout_kills_the_pool():
     pids = pids or []
     assert cluster.leftover_segments() == []
     assert not cluster.started
+
+
+class _SlotStub:
+    """Stands in for a SymmetricHeap in check_error_later: counts its error-slot reads."""
+
+    def __init__(self, error: Exception | None = None):
+        self._freed, self.error, self.reads = False, error, 0
+
+    def check_error(self) -> None:
+        self.reads += 1
+        if self.error is not None:
+            raise self.error
+
+
+def test_deferred_error_reads_happen_once_per_backward_pass_and_raise_from_it():
+    """Calls under autograd defer their error-slot read to the end of the backward pass: one read
+    per heap however many calls used it, in the order first used; the first error raises from
+    backward() and a later heap's error stays unread (held for its next read). Outside a
+    backward pass nothing is queued."""
+    from ditron_ep.runtime.heap import SymmetricHeap
+
+    def run(stubs):
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x * 2
+
+            @staticmethod
+            def backward(ctx, g):
+                for s in stubs:
+                    SymmetricHeap.check_error_later(s)
+                return g * 2
+
+        x = torch.ones(3, requires_grad=True)
+        F.apply(x).sum().backward()
+
+    a, b = _SlotStub(), _SlotStub()
+    run([a, b, a, b])
+    assert (a.reads, b.reads) == (1, 1)
+    bad, later = _SlotStub(RuntimeError("held")), _SlotStub(RuntimeError("later"))
+    with pytest.raises(RuntimeError, match="held"):
+        run([bad, later, bad])
+    assert (bad.reads, later.reads) == (1, 0)
+    SymmetricHeap.check_error_later(a)  # no backward pass running: nothing queued, nothing read
+    assert a.reads == 1

@@ -393,7 +393,8 @@ class EPBuffer:
             out: [T, H] in y's dtype. Deterministic in both modes: a fixed summation order, no atomics.
         A rank that rejects its arguments still takes part in the call's entry barrier, flagged:
         no rank moves anything, and its peers raise DitronConfigError naming it (at once in
-        default mode with check_errors, else at the next call's status read or `check()`); so do
+        default mode with check_errors outside autograd, at the end of the backward pass under
+        it, else at the next call's status read or `check()`); so do
         ranks that pass different topk_sum or partial_dtype.
         """
         self._check_alive()

@@ -98,7 +98,8 @@ def grouped_mlp(
             "silu").
         row_index: optional int32 [rows] on x's device: row r reads x[row_index[r]], values in
             [0, N). Without it rows = N and row r reads x[r].
-        config: (first GEMM, second GEMM) tile configs; default `default_gemm_configs(x.dtype, device)`.
+        config: (first GEMM, second GEMM) tile configs; default `default_gemm_configs(x.dtype, device)`
+            (a plain activation's first GEMM on NVIDIA: see `kernel_choices`).
         num_programs: persistent grid size; default the SM count on a GPU, 1 under the
             interpreter. Results are bitwise identical for every grid size (no split-K).
         input_precision: float32 inputs only: "tf32" (GPU default) or "ieee" (interpreter
@@ -197,8 +198,9 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
                    biases: bool = False, user_tiles: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
     """(path, tile) of each expert-MLP kernel (core_config.EXPERT_GEMMS) for this call; `path` as grouped_mlp's.
 
-    "portable": the `tl` kernels, `config` (or the defaults) for the forward, the backward's
-    defaults. "hopper": every kernel on the Gluon path, its tuned tile when the tuner cache has
+    "portable": the `tl` kernels, `config` (or the defaults; for a plain activation's first GEMM
+    on NVIDIA in half precision with at least 256 rows an expert, core_config.PLAIN_UP_CUDA_HALF)
+    for the forward, the backward's defaults. "hopper": every kernel on the Gluon path, its tuned tile when the tuner cache has
     one, else `hopper_path.default_hopper_configs`; DitronConfigError saying why if these inputs
     cannot take it. "auto": the tuner's choice per kernel when the cache has an entry for this
     shape (and the Hopper path can run it), else all portable: an untuned machine computes
@@ -209,8 +211,10 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
     portable = default_expert_configs(x.dtype, _device_type(x.device), config)
     if (not user_tiles and w1.shape[2] == w2.shape[1] and _device_type(x.device) == "cuda"
-            and x.dtype in (torch.bfloat16, torch.float16)):
-        portable["up"] = PLAIN_UP_CUDA_HALF  # a plain activation's first GEMM (core_config says why)
+            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] >= PLAIN_UP_CUDA_HALF.block_m * num_local):
+        # a plain activation's first GEMM (core_config says why); not with fewer rows an expert
+        # than the tile's 256 (decode, many small experts), where it would double the padding
+        portable["up"] = PLAIN_UP_CUDA_HALF
     choices = {k: ("portable", cfg) for k, cfg in portable.items()}
     if path == "portable":
         return choices
@@ -410,7 +414,7 @@ def kernel_launcher(kernel: str, choice: tuple[str, GemmTileConfig], x, expert_o
     """(fn, out): `fn()` runs one expert-MLP kernel (core_config.EXPERT_GEMMS) on `choice` = (path, tile) over
     the buffers of a forward + backward (bufs: z, h, y, dz, dx, dy, g1), `out` the tensor it
     writes. For the tuner and the expert_gemms / dense_gemm benchmarks (fp32 inputs: tf32 on a
-    GPU, ieee under the interpreter; M-tile-major order)."""
+    GPU, ieee under the interpreter; each kernel's default tile order, `auto_group_rows`)."""
     if input_precision is None:
         input_precision = "tf32" if x.is_cuda else "ieee"
     run = _Launches({k: choice for k in EXPERT_GEMMS}, num_programs,

@@ -18,8 +18,9 @@ expert over its rows in order, for both weights and the biases).
 Tile ids walk the M-tiles in groups of `group_rows` (`grouped_tile`; plan.GEMM_TILE_ORDERS):
 within a group one N-tile over the group's M-tiles, then the next N-tile. group_rows=1 is M-tile
 major (consecutive tiles share one M-tile's A rows and walk one expert's weight columns): the
-fastest order for the standalone kernels, whose program p takes tiles p, p + P, ...; the
-megakernel hands tiles out as programs free up and walks them in groups of 8 (lowering.py).
+standalone kernels' order (program p takes tiles p, p + P, ...) unless a kernel's column tiles
+fill half the grid, then groups of 8 (grouped.auto_group_rows says why); the megakernel hands
+tiles out as programs free up and walks them in groups of 8 (lowering.py).
 No split-K: every output element is one fp32 dot over the whole K, so a tile's result does not
 depend on which program computes it, on the grid size or on the tile order.
 """
