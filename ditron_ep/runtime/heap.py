@@ -7,6 +7,7 @@ and reach a named buffer on rank p as `ptr_table[p] + offset`.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -283,13 +284,15 @@ class SymmetricHeap:
             heaps = _END_OF_BACKWARD[task] = []
 
             def check() -> None:
-                for h in _END_OF_BACKWARD.pop(task, []):  # the first error raises; a later heap's stays
-                    if not h._freed:                       # held for its next read
+                for ref in _END_OF_BACKWARD.pop(task, []):  # the first error raises; a later heap's
+                    h = ref()                                # stays held for its next read
+                    if h is not None and not h._freed:
                         h.check_error()
 
             torch.autograd.Variable._execution_engine.queue_callback(check)
-        if all(h is not self for h in heaps):
-            heaps.append(self)
+        # weak: a pass that fails before its callbacks run leaves its entry, not its heaps, behind
+        if all(ref() is not self for ref in heaps):
+            heaps.append(weakref.ref(self))
 
     def reset(self, call: int = 0) -> None:
         """Collective: clear signals, error slot and call records, and set the call number (not
