@@ -233,15 +233,17 @@ def unread_flag(my_ctrl):
 
 @register_device_function
 @triton.jit
-def held_from_earlier_call(my_ctrl, call):
-    """Nonzero when this rank holds an unread error of a call before `call`: a timeout whose
-    awaited stamp (ERR_EXPECTED: a call number) is not `call`, or a stopped call other than
-    `call`. An error another program of this very launch just recorded does not count (its
-    programs still meet, and leave at once on the abort word)."""
+def held_errors(my_ctrl, call):
+    """`unread_flag` and whether the held error is of a call before `call`, from one read of the
+    error words (an opening launch's entry path): a timeout whose awaited stamp (ERR_EXPECTED: a
+    call number) is not `call`, or a stopped call other than `call`. An error another program of
+    this very launch just recorded does not count (its programs still meet, and leave at once on
+    the abort word)."""
     err = tl.atomic_add(my_ctrl + ERR_FLAG, 0, sem="acquire", scope="gpu")
-    err_call = tl.atomic_add(my_ctrl + ERR_EXPECTED, 0, sem="relaxed", scope="gpu")
     fail_call = tl.atomic_add(my_ctrl + FAIL_CALL, 0, sem="relaxed", scope="gpu")
-    return ((err == 1) & (err_call != call)) | ((fail_call != 0) & (fail_call != call))
+    err_call = tl.atomic_add(my_ctrl + ERR_EXPECTED, 0, sem="relaxed", scope="gpu")
+    unread = tl.where((err | fail_call) != 0, FLAG_UNREAD, 0)
+    return unread, ((err == 1) & (err_call != call)) | ((fail_call != 0) & (fail_call != call))
 
 
 @register_device_function
@@ -292,8 +294,8 @@ def call_begin(table_ptr, rank, world, budget, OPENS: tl.constexpr = True, flags
     my_ctrl = ctrl_ptr(table_ptr, rank)
     if OPENS:
         call = tl.load(my_ctrl + CALL, volatile=True) + 1
-        flags |= unread_flag(my_ctrl)
-        held = held_from_earlier_call(my_ctrl, call)
+        unread, held = held_errors(my_ctrl, call)
+        flags |= unread
         n_stop = 0
         n_missing = 0
         if skip == 0:
