@@ -136,10 +136,15 @@ def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, 
     BN=256 with 3 stages: 4 % less time for a whole forward + backward at the layer shape than the
     first GEMM's tile (H200, rows=32768, E_local=32, H=7168, I=2048; BN 128 -> 256: 19.1 -> 18.3 ms;
     act_grad and dgrad kept their starting tiles, others were slower;
-    bench/results/backward_tiles_H200_20261126_s16.log)."""
+    bench/results/backward_tiles_H200_20261126_s16.log). act_grad's half-precision tile on NVIDIA
+    is 128 x 256 with its epilogue run on one half of the columns at a time (the kernel does that
+    for every tile of >= 256 columns: the whole tile's dh, gate and up in fp32 at once spilled
+    registers): 2,556 -> 2,060 us at the layer shape, bitwise equal (H200;
+    bench/results/act_grad_split_H200_20261127_s24.log)."""
     up, down = default_gemm_configs(dtype, device_type)
-    wgrad = GemmTileConfig(128, 256, 64, 8, 3) if (device_type, dtype in _HALF) == ("cuda", True) else up
-    return {"act_grad": up, "dgrad": down, "wgrad": wgrad}
+    if (device_type, dtype in _HALF) == ("cuda", True):
+        return {"act_grad": GemmTileConfig(128, 256, 64, 8, 3), "dgrad": down, "wgrad": GemmTileConfig(128, 256, 64, 8, 3)}
+    return {"act_grad": up, "dgrad": down, "wgrad": up}
 
 
 def default_expert_configs(dtype: torch.dtype, device_type: str,

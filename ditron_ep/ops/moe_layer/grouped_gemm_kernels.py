@@ -34,7 +34,7 @@ from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_conf
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime.fast_launch import fast
 
-__all__ = ["act_fwd", "act_grad", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
+__all__ = ["act_fwd", "act_grad", "act_grad_split", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
            "grouped_down_kernel", "grouped_tile", "grouped_up_kernel", "grouped_wgrad_kernel",
            "max_m_tiles", "tile_map_kernel",
            "register_ffn_configs", "rows_gemm_acc", "tile_coords", "up_tile", "zero_tile"]
@@ -353,6 +353,39 @@ def _zero_rows_past_experts(y_ptr, expert_off_ptr, rows_cap, N, E_local, BM: tl.
 # ---- backward (dgrad and wgrad of both expert GEMMs): staged launches, each output tile one
 # fp32 dot over its whole reduction in a fixed order, so bitwise equal for any grid size.
 
+@register_device_function
+@triton.jit
+def act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM: tl.constexpr, BN: tl.constexpr,
+                      ACT: tl.constexpr):
+    """The activation's backward on a [BM, BN] tile of dh (fp32) at columns n0..n0+BN of rows r:
+    gated: dgate = dh * up * act'(gate), dup = dh * act(gate); plain: dz = dh * act'(z); and h
+    recomputed from z."""
+    NJ: tl.constexpr = 2 if ACT < 2 else 1
+    o_m = tl.arange(0, BM)
+    o_n = n0 + tl.arange(0, BN)
+    m = (o_m < n_rows)[:, None] & (o_n < I)[None, :]
+    p_z = z_ptr + r[:, None] * (NJ * I) + o_n[None, :]
+    p_dz = dz_ptr + r[:, None] * (NJ * I) + o_n[None, :]
+    g = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
+    a = act_fwd(g, ACT)
+    if NJ == 2:
+        u = tl.load(p_z + I, mask=m, other=0.0).to(tl.float32)
+        tl.store(p_dz, (dh * u * act_grad(g, ACT)).to(dz_ptr.dtype.element_ty), mask=m)
+        tl.store(p_dz + I, (dh * a).to(dz_ptr.dtype.element_ty), mask=m)
+        b_h = a * u
+    else:
+        tl.store(p_dz, (dh * act_grad(g, ACT)).to(dz_ptr.dtype.element_ty), mask=m)
+        b_h = a
+    tl.store(h_ptr + r[:, None] * I + o_n[None, :], b_h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+def act_grad_split(block_n: int) -> bool:
+    """grouped_act_grad_kernel's SPLIT_EPILOGUE for a tile of block_n columns: halves from 256 up
+    (a 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled registers:
+    2.0 x slower than its own GEMM; on halves 1.2 x; core_config.default_backward_configs)."""
+    return block_n >= 256
+
+
 @triton.jit(do_not_specialize=["group_rows"])
 def grouped_act_grad_kernel(
     dy_ptr,          # (rows_cap, H) gradient of the expert outputs
@@ -365,11 +398,10 @@ def grouped_act_grad_kernel(
     group_rows,
     s2e, s2k, s2n,   # w2's strides
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0,
+    INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0, SPLIT_EPILOGUE: tl.constexpr = False,
 ):
-    """dh = dy @ W2[e]^T per row tile (K = H), the activation's backward fused in the epilogue:
-    gated: dgate = dh * up * act'(gate), dup = dh * act(gate); plain: dz = dh * act'(z)."""
-    NJ: tl.constexpr = 2 if ACT < 2 else 1
+    """dh = dy @ W2[e]^T per row tile (K = H), the activation's backward fused in the epilogue
+    (act_grad_epilogue; SPLIT_EPILOGUE: on each half of the tile's columns in turn)."""
     n_n = tl.cdiv(I, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
     for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
@@ -378,23 +410,13 @@ def grouped_act_grad_kernel(
         n0 = t_n * BN
         dh = rows_gemm_acc(dy_ptr, w2_ptr + e.to(tl.int64) * s2e, row0, n_rows, n0, H, I, s2n, s2k, BM, BN, BK,
                            INPUT_PRECISION)  # [BM, BN] fp32: W2[e] read transposed
-        o_m = tl.arange(0, BM)
-        o_n = n0 + tl.arange(0, BN)
-        r = (row0 + o_m).to(tl.int64)
-        m = (o_m < n_rows)[:, None] & (o_n < I)[None, :]
-        p_z = z_ptr + r[:, None] * (NJ * I) + o_n[None, :]
-        p_dz = dz_ptr + r[:, None] * (NJ * I) + o_n[None, :]
-        g = tl.load(p_z, mask=m, other=0.0).to(tl.float32)
-        a = act_fwd(g, ACT)
-        if NJ == 2:
-            u = tl.load(p_z + I, mask=m, other=0.0).to(tl.float32)
-            tl.store(p_dz, (dh * u * act_grad(g, ACT)).to(dz_ptr.dtype.element_ty), mask=m)
-            tl.store(p_dz + I, (dh * a).to(dz_ptr.dtype.element_ty), mask=m)
-            b_h = a * u
+        r = (row0 + tl.arange(0, BM)).to(tl.int64)
+        if SPLIT_EPILOGUE:
+            dh_lo, dh_hi = dh.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
+            act_grad_epilogue(dh_lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN // 2, ACT)
+            act_grad_epilogue(dh_hi, z_ptr, dz_ptr, h_ptr, r, n0 + BN // 2, n_rows, I, BM, BN // 2, ACT)
         else:
-            tl.store(p_dz, (dh * act_grad(g, ACT)).to(dz_ptr.dtype.element_ty), mask=m)
-            b_h = a
-        tl.store(h_ptr + r[:, None] * I + o_n[None, :], b_h.to(h_ptr.dtype.element_ty), mask=m)
+            act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN, ACT)
 
 
 @triton.jit(do_not_specialize=["group_rows"])
@@ -523,7 +545,7 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
     register_kernel(grouped_act_grad_kernel,
                     {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints, **w2s},
-                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation},
+                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation, "SPLIT_EPILOGUE": act_grad_split(ag.block_n)},
                     label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=w2_16)
     dgrad_ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
     register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints, **w1s},

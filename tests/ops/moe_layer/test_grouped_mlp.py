@@ -509,3 +509,33 @@ def test_tile_map_kernel_equals_the_torch_ops():
         got = torch.full_like(off, -7)
         tile_map_kernel[(1,)](off, got, off.shape[0] - 1, BM=bm, BLOCK_E=16)
         assert torch.equal(got, want), (bm, got, want)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_act_grad_split_epilogue_gives_the_same_bits(activation):
+    """act_grad's epilogue on each half of a tile's columns (what tiles of >= 256 columns do on a
+    GPU) gives the bits of the whole tile at once, and both match the float64 activation backward:
+    ragged experts, rows past the last expert, I not a multiple of the tile (masked columns)."""
+    from ditron_ep.ops.moe_layer.experts import activation_code
+    from ditron_ep.ops.moe_layer.grouped_gemm_kernels import grouped_act_grad_kernel, max_m_tiles
+
+    g = torch.Generator().manual_seed(5)
+    off = torch.tensor([0, 13, 13, 40], dtype=torch.int32)
+    rows, E, H, I, nj = 44, 3, 32, 48, width_factor(activation)
+    dy, z = torch.randn(rows, H, generator=g), torch.randn(rows, nj * I, generator=g)
+    w2 = torch.randn(E, I, H, generator=g) / H**0.5
+    outs = []
+    for split in (False, True):
+        dz, h = torch.full((rows, nj * I), float("nan")), torch.full((rows, I), float("nan"))
+        m_cap = max_m_tiles(rows, E, 16)
+        grouped_act_grad_kernel[(3,)](dy, w2, z, dz, h, build_tile_map(off, 16), off, rows, m_cap, H, I, E, 1,
+                                      *w2.stride(), BM=16, BN=32, BK=16, BLOCK_E=4, INPUT_PRECISION="ieee",
+                                      ACT=activation_code(activation), SPLIT_EPILOGUE=split)
+        outs.append((dz[:40], h[:40]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    zd = z[:40].double().requires_grad_()
+    dh = torch.cat([dy[off[e]:off[e + 1]].double() @ w2[e].double().T for e in range(E)])
+    h_ref = expert_activation(zd, activation)
+    (dz_ref,) = torch.autograd.grad(h_ref, zd, dh)
+    torch.testing.assert_close(outs[0][0].double(), dz_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[0][1].double(), h_ref.detach(), rtol=1e-5, atol=1e-5)
