@@ -214,6 +214,9 @@ class CompileResult:
     # entries (identical branchy ticket code before the loop and at its end, merged by MLIR)
     # died with "illegal instruction" on H200 (bench/results/rolesplit_diag_H200x4_20261122.log).
     irreducible_edges: int | None = None
+    # NVIDIA only: bytes of stack a thread uses (register spills; `cuobjdump -res-usage`). A
+    # 128 x 256 act_grad tile spilled 3,776 bytes and ran 2x slower than its own GEMM.
+    spill_bytes: int | None = None
 
 
 def target_name(target: GPUTarget) -> str:
@@ -301,6 +304,25 @@ def _error_text(exc: BaseException, stderr: str) -> str:
 
 
 _GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global((?:\.[\w:]+)+)")
+
+
+def stack_bytes(cubin: bytes) -> int | None:
+    """Per-thread stack bytes of a compiled NVIDIA kernel (spilled registers), from the cuobjdump
+    Triton ships; None where it is absent."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"\bSTACK:(\d+)", out)
+    return int(m.group(1)) if m else None
 
 
 def count_narrow_accesses(ptx: str) -> int:
@@ -419,7 +441,7 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                 if not entry.compiles_for(target.backend, target.arch):
                     continue
                 start = time.perf_counter()
-                error, shared, called, narrow, irreducible = None, None, (), None, None
+                error, shared, called, narrow, irreducible, spills = None, None, (), None, None, None
                 with _CaptureStderr() as captured:
                     try:
                         compiled = triton.compile(_ast_source(entry), target=target, options=dict(entry.options))
@@ -429,6 +451,8 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                             narrow = count_narrow_accesses(compiled.asm["ptx"])
                         if "llir" in compiled.asm:
                             irreducible = count_irreducible_edges(compiled.asm["llir"])
+                        if "cubin" in compiled.asm:
+                            spills = stack_bytes(compiled.asm["cubin"])
                     except Exception as exc:
                         failure = exc
                     else:
@@ -443,7 +467,7 @@ def compile_registered(targets: Sequence[GPUTarget] = PORTABILITY_TARGETS, *,
                 results.append(CompileResult(
                     kernel=entry.name, label=label, target=target_name(target), ok=error is None, error=error,
                     seconds=round(time.perf_counter() - start, 3), shared_bytes=shared, device_functions=called,
-                    narrow_accesses=narrow, irreducible_edges=irreducible))
+                    narrow_accesses=narrow, irreducible_edges=irreducible, spill_bytes=spills))
     return results
 
 

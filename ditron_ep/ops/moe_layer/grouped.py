@@ -31,7 +31,7 @@ from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
-    act_grad_split,
+    act_grad_parts,
     build_tile_map,
     grouped_act_grad_kernel,
     grouped_dgrad_kernel,
@@ -300,7 +300,7 @@ class _Launches:
             dy, w2, z, dz, h, tile_start, expert_offsets, rows, m_cap, hidden, inter, num_local,
             min(self._group(inter, cfg.block_n), m_cap), *w2.stride(), BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
             BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=self.input_precision, ACT=self.act,
-            SPLIT_EPILOGUE=act_grad_split(cfg.block_n), **cfg.launch_options())
+            EPILOGUE_PARTS=act_grad_parts(cfg.block_n), **cfg.launch_options())
 
     def launch_dgrad(self, dz, w1, dx, expert_offsets, tile_start):
         """dx = dz @ W1[e]^T per expert's rows, rows past the last expert zero."""

@@ -34,7 +34,7 @@ from ditron_ep.compiler.core_config import GemmTileConfig, default_backward_conf
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.runtime.fast_launch import fast
 
-__all__ = ["act_fwd", "act_grad", "act_grad_split", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
+__all__ = ["act_fwd", "act_grad", "act_grad_parts", "build_tile_map", "down_acc", "down_tile", "grouped_act_grad_kernel", "grouped_dgrad_kernel",
            "grouped_down_kernel", "grouped_tile", "grouped_up_kernel", "grouped_wgrad_kernel",
            "max_m_tiles", "tile_map_kernel",
            "register_ffn_configs", "rows_gemm_acc", "tile_coords", "up_tile", "zero_tile"]
@@ -379,11 +379,12 @@ def act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM: tl.constex
     tl.store(h_ptr + r[:, None] * I + o_n[None, :], b_h.to(h_ptr.dtype.element_ty), mask=m)
 
 
-def act_grad_split(block_n: int) -> bool:
-    """grouped_act_grad_kernel's SPLIT_EPILOGUE for a tile of block_n columns: halves from 256 up
-    (a 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled registers:
-    2.0 x slower than its own GEMM; on halves 1.2 x; core_config.default_backward_configs)."""
-    return block_n >= 256
+def act_grad_parts(block_n: int) -> int:
+    """grouped_act_grad_kernel's EPILOGUE_PARTS for a tile of block_n columns: halves from 256 up
+    (a 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled 3,776 bytes a
+    thread, sm_90: 2.0 x slower than its own GEMM; on halves 472 bytes, 1.2 x;
+    core_config.default_backward_configs)."""
+    return 2 if block_n >= 256 else 1
 
 
 @triton.jit(do_not_specialize=["group_rows"])
@@ -398,10 +399,10 @@ def grouped_act_grad_kernel(
     group_rows,
     s2e, s2k, s2n,   # w2's strides
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0, SPLIT_EPILOGUE: tl.constexpr = False,
+    INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0, EPILOGUE_PARTS: tl.constexpr = 1,
 ):
     """dh = dy @ W2[e]^T per row tile (K = H), the activation's backward fused in the epilogue
-    (act_grad_epilogue; SPLIT_EPILOGUE: on each half of the tile's columns in turn)."""
+    (act_grad_epilogue) on EPILOGUE_PARTS (1, 2 or 4) column blocks of the tile in turn."""
     n_n = tl.cdiv(I, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
     for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
@@ -411,12 +412,22 @@ def grouped_act_grad_kernel(
         dh = rows_gemm_acc(dy_ptr, w2_ptr + e.to(tl.int64) * s2e, row0, n_rows, n0, H, I, s2n, s2k, BM, BN, BK,
                            INPUT_PRECISION)  # [BM, BN] fp32: W2[e] read transposed
         r = (row0 + tl.arange(0, BM)).to(tl.int64)
-        if SPLIT_EPILOGUE:
-            dh_lo, dh_hi = dh.reshape(BM, 2, BN // 2).permute(0, 2, 1).split()
-            act_grad_epilogue(dh_lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN // 2, ACT)
-            act_grad_epilogue(dh_hi, z_ptr, dz_ptr, h_ptr, r, n0 + BN // 2, n_rows, I, BM, BN // 2, ACT)
-        else:
+        if EPILOGUE_PARTS == 1:
             act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN, ACT)
+        else:
+            HALF: tl.constexpr = BN // 2
+            lo, hi = dh.reshape(BM, 2, HALF).permute(0, 2, 1).split()
+            if EPILOGUE_PARTS == 2:
+                act_grad_epilogue(lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, HALF, ACT)
+                act_grad_epilogue(hi, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, HALF, ACT)
+            else:  # quarters
+                QUARTER: tl.constexpr = BN // 4
+                q0, q1 = lo.reshape(BM, 2, QUARTER).permute(0, 2, 1).split()
+                act_grad_epilogue(q0, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, QUARTER, ACT)
+                act_grad_epilogue(q1, z_ptr, dz_ptr, h_ptr, r, n0 + QUARTER, n_rows, I, BM, QUARTER, ACT)
+                q2, q3 = hi.reshape(BM, 2, QUARTER).permute(0, 2, 1).split()
+                act_grad_epilogue(q2, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, QUARTER, ACT)
+                act_grad_epilogue(q3, z_ptr, dz_ptr, h_ptr, r, n0 + HALF + QUARTER, n_rows, I, BM, QUARTER, ACT)
 
 
 @triton.jit(do_not_specialize=["group_rows"])
@@ -545,7 +556,7 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
     register_kernel(grouped_act_grad_kernel,
                     {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints, **w2s},
-                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation, "SPLIT_EPILOGUE": act_grad_split(ag.block_n)},
+                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation, "EPILOGUE_PARTS": act_grad_parts(ag.block_n)},
                     label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=w2_16)
     dgrad_ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
     register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints, **w1s},
