@@ -131,16 +131,14 @@ def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, 
     """Tile configs of the expert MLP's backward kernels (grouped_gemm_kernels.py), by kernel:
     "act_grad" (dh = dy @ W2^T, [rows, I] tiles over K = H, activation backward in the epilogue),
     "dgrad" (dx = dz @ W1^T, [rows, H] tiles over K = n*I) and "wgrad" (per expert a^T @ b,
-    [a cols, b cols] tiles over the expert's rows). They start from the forward's defaults: act_grad
-    and wgrad the (gated) first GEMM's tile, dgrad the second's; on NVIDIA, wgrad's half-precision tile is
-    BN=256 with 3 stages: 4 % less time for a whole forward + backward at the layer shape than the
-    first GEMM's tile (H200, rows=32768, E_local=32, H=7168, I=2048; BN 128 -> 256: 19.1 -> 18.3 ms;
-    act_grad and dgrad kept their starting tiles, others were slower;
-    bench/results/backward_tiles_H200_20261126_s16.log). act_grad's half-precision tile on NVIDIA
-    is 128 x 256 with its epilogue run on one half of the columns at a time (the kernel does that
-    for every tile of >= 256 columns: the whole tile's dh, gate and up in fp32 at once spilled
-    registers): 2,556 -> 2,060 us at the layer shape, bitwise equal (H200;
-    bench/results/act_grad_split_H200_20261127_s24.log)."""
+    [a cols, b cols] tiles over the expert's rows). Elsewhere act_grad and wgrad take the (gated)
+    first GEMM's tile and dgrad the second's. On NVIDIA in half precision, wgrad is 128 x 256 with
+    3 stages (a whole forward + backward at the layer shape 19.1 -> 18.3 ms on an H200, rows=32768,
+    E_local=32, H=7168, I=2048; bench/results/backward_tiles_H200_20261126_s16.log), and so is
+    act_grad, its epilogue run on one half of the columns at a time (grouped_gemm_kernels.act_grad_parts:
+    the whole tile's dh, gate and up in fp32 at once spilled registers): 2,556 -> 2,060 us at the
+    layer shape, bitwise equal (H200; bench/results/act_grad_split_H200_20261127_s24.log). dgrad
+    keeps the second GEMM's tile (others were slower in session 16)."""
     up, down = default_gemm_configs(dtype, device_type)
     if (device_type, dtype in _HALF) == ("cuda", True):
         return {"act_grad": GemmTileConfig(128, 256, 64, 8, 3), "dgrad": down, "wgrad": GemmTileConfig(128, 256, 64, 8, 3)}
