@@ -135,13 +135,15 @@ def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, 
     first GEMM's tile and dgrad the second's. On NVIDIA in half precision, wgrad is 128 x 256 with
     3 stages (a whole forward + backward at the layer shape 19.1 -> 18.3 ms on an H200, rows=32768,
     E_local=32, H=7168, I=2048; bench/results/backward_tiles_H200_20261126_s16.log), and so is
-    act_grad, its epilogue run on one half of the columns at a time (grouped_gemm_kernels.act_grad_parts:
-    the whole tile's dh, gate and up in fp32 at once spilled registers): 2,556 -> 2,060 us at the
-    layer shape, bitwise equal (H200; bench/results/act_grad_split_H200_20261127_s24.log). dgrad
-    keeps the second GEMM's tile (others were slower in session 16)."""
+    act_grad, its epilogue run on a quarter of the columns at a time (grouped_gemm_kernels.act_grad_parts:
+    the whole tile's dh, gate and up in fp32 at once spilled registers): 2,665 -> 1,838 us at the
+    layer shape on an H100 against the 128 x 128 tile, bitwise equal
+    (bench/results/act_grad_parts_H100_20261127_s24_96260f9.log). dgrad keeps the second GEMM's
+    tile (others were slower in session 16)."""
     up, down = default_gemm_configs(dtype, device_type)
     if (device_type, dtype in _HALF) == ("cuda", True):
-        return {"act_grad": GemmTileConfig(128, 256, 64, 8, 3), "dgrad": down, "wgrad": GemmTileConfig(128, 256, 64, 8, 3)}
+        wide = GemmTileConfig(128, 256, 64, 8, 3)
+        return {"act_grad": wide, "dgrad": down, "wgrad": wide}
     return {"act_grad": up, "dgrad": down, "wgrad": up}
 
 

@@ -380,11 +380,11 @@ def act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM: tl.constex
 
 
 def act_grad_parts(block_n: int) -> int:
-    """grouped_act_grad_kernel's EPILOGUE_PARTS for a tile of block_n columns: halves from 256 up
-    (a 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled 3,776 bytes a
-    thread, sm_90: 2.0 x slower than its own GEMM; on halves 472 bytes, 1.2 x;
-    core_config.default_backward_configs)."""
-    return 2 if block_n >= 256 else 1
+    """grouped_act_grad_kernel's EPILOGUE_PARTS for a tile of block_n columns: quarters from 256 up.
+    A 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled 3,776 bytes a
+    thread (sm_90), halves 472, quarters 8: 4,525 / 2,157 / 1,838 us at the layer shape on an H100,
+    bitwise equal (its GEMM alone 1,718; bench/results/act_grad_parts_H100_20261127_s24_96260f9.log)."""
+    return 4 if block_n >= 256 else 1
 
 
 @triton.jit(do_not_specialize=["group_rows"])
@@ -556,7 +556,8 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
     register_kernel(grouped_act_grad_kernel,
                     {"dy_ptr": ptr, "w2_ptr": ptr, "z_ptr": ptr, "dz_ptr": ptr, "h_ptr": ptr, **maps, **ints, **w2s},
-                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation, "EPILOGUE_PARTS": act_grad_parts(ag.block_n)},
+                    {**dims, "s2n": 1, **blocks(ag), **tiles, "ACT": activation,
+                     "EPILOGUE_PARTS": act_grad_parts(ag.block_n)},
                     label=f"{label}{act} act-grad {ag}", options=ag.launch_options(), multiples_of_16=w2_16)
     dgrad_ints = {n: "i32" for n in ("rows_cap", "m_tiles_cap", "K", "N", "E_local", "group_rows")}
     register_kernel(grouped_dgrad_kernel, {"dz_ptr": ptr, "w_ptr": ptr, "dx_ptr": ptr, **maps, **dgrad_ints, **w1s},

@@ -518,7 +518,7 @@ def test_tile_map_kernel_equals_the_torch_ops():
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_act_grad_split_epilogue_gives_the_same_bits(activation):
     """act_grad's epilogue on halves or quarters of a tile's columns (tiles of >= 256 columns take
-    halves on a GPU) gives the bits of the whole tile at once, and both match the float64 activation backward:
+    quarters on a GPU) gives the bits of the whole tile at once, and both match the float64 activation backward:
     ragged experts, rows past the last expert, I not a multiple of the tile (masked columns)."""
     from ditron_ep.ops.moe_layer.experts import activation_code
     from ditron_ep.ops.moe_layer.grouped_gemm_kernels import grouped_act_grad_kernel, max_m_tiles
