@@ -9,8 +9,9 @@
 #
 # Environment:
 #     NPROC                            ranks (default: GPUs listed by `nvidia-smi -L`)
-#     PYTHON                           interpreter with torch, triton, pytest, ditron_ep and deepspeed==0.19.8
-#                                      importable (deepspeed: the test extra; where nothing can be installed,
+#     PYTHON                           interpreter with torch, triton, pytest, ditron_ep, deepspeed==0.19.8 and
+#                                      megatron-core 0.19.2 (test_megatron_gpu.py; its cp312 wheel is carried
+#                                      in .whl too) importable (the test extra; where nothing can be installed,
 #                                      carry its wheels and put them on PYTHONPATH: here
 #                                      `DS_BUILD_OPS=0 pip wheel --no-deps deepspeed==0.19.8 -w .whl` and
 #                                      `pip download --no-deps --only-binary=:all: --python-version 3.12
