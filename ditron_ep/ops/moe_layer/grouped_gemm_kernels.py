@@ -403,6 +403,7 @@ def grouped_act_grad_kernel(
 ):
     """dh = dy @ W2[e]^T per row tile (K = H), the activation's backward fused in the epilogue
     (act_grad_epilogue) on EPILOGUE_PARTS (1, 2 or 4) column blocks of the tile in turn."""
+    tl.static_assert((EPILOGUE_PARTS == 1) or (EPILOGUE_PARTS == 2) or (EPILOGUE_PARTS == 4))
     n_n = tl.cdiv(I, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
     for t in range(tl.program_id(0), n_m * n_n, tl.num_programs(0)):
