@@ -19,7 +19,7 @@ def import_framework(module: str, name: str, extra: str, supported: tuple[str, .
     except ImportError as exc:
         raise DitronConfigError(f"this integration needs {name}: pip install 'ditron_ep[{extra}]' ({name} "
                                 f"{' or '.join(supported)})") from exc
-    if mod.__version__ not in supported:
+    if mod.__version__.split("+")[0] not in supported:  # a local suffix (+<git hash>) is the same release
         raise DitronConfigError(f"{name} {mod.__version__} is not supported by ditron_ep.integrations.{extra}; "
                                 f"supported: {', '.join(supported)}")
     return mod

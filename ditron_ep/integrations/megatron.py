@@ -111,6 +111,13 @@ def _dispatcher_class():
             self.handle = None
             return hidden_states.view(self.hidden_shape)
 
+        def free(self) -> None:
+            """Free this dispatcher's buffer (collective: call on every rank of its group, with no
+            backward of its calls pending); a later dispatch builds a new one."""
+            if getattr(self, "_ditron_slot", None) is not None:
+                self._ditron_slot.free()
+                self._ditron_slot = None
+
     return DitronTokenDispatcher
 
 
@@ -121,9 +128,12 @@ def __getattr__(name: str):
 
 
 def _graphs_moe(config) -> bool:
-    """Whether config.cuda_graph_scope captures any part of the MoE layer (a replay would reuse
-    the routing the dispatcher kept from the captured call)."""
-    scope = config.cuda_graph_scope
+    """Whether the config's CUDA graphs capture any part of the MoE layer (a replay would reuse
+    the routing the dispatcher kept from the captured call): megatron-core 0.19 names the captured
+    modules in cuda_graph_modules (empty: the whole layer; its __post_init__ moves a
+    cuda_graph_scope there and clears it), 0.16 in cuda_graph_scope."""
+    modules = getattr(config, "cuda_graph_modules", None)
+    scope = modules if modules is not None else config.cuda_graph_scope
     scopes = scope if isinstance(scope, (list, tuple)) else [scope]
     names = [getattr(s, "name", str(s)) for s in scopes]
     return not names or any(n in ("full", "full_iteration") or n.startswith("moe") for n in names)

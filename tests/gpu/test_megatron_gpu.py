@@ -7,6 +7,7 @@ the router and every expert weight agree within bf16 tolerance (Megatron adds a 
 in bf16, ours in fp32), and ours repeats bit for bit run to run."""
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -65,9 +66,12 @@ def test_moe_layer_with_ditron_dispatcher_matches_alltoall(dist_env):
 
     parallel_state = _megatron()[0]
     W, rank = dist.get_world_size(), dist.get_rank()
-    problems = []
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=W)
+    problems, ours = [], None
     try:
+        # Megatron's groups wait 30 minutes by default: a hang would outlive the suite's limit
+        minutes = max(1, int(os.environ.get("DITRON_GPU_COLLECTIVE_TIMEOUT_S", "300")) // 60)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=W,
+                                                 distributed_timeout_minutes=minutes)
         theirs, ours = _layer(W), _layer(W)
         replaced = use_ditron_dispatcher(ours)
         gen = torch.Generator().manual_seed(40 + rank)
@@ -88,6 +92,9 @@ def test_moe_layer_with_ditron_dispatcher_matches_alltoall(dist_env):
     except Exception as exc:  # noqa: BLE001 — reported after the groups are gone, on every rank
         problems.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     finally:
+        torch.cuda.synchronize()
+        if ours is not None:  # its buffer, freed on every rank together (not by garbage collection)
+            ours.token_dispatcher.free()
         clear_cache()
         parallel_state.destroy_model_parallel()
     assert not problems, "\n".join(problems)

@@ -34,3 +34,23 @@ def test_unsupported_settings_and_versions_raise(monkeypatch):
     with pytest.raises(DitronConfigError, match="megatron-core 0.9.0 is not supported.*0.16.1"):
         integration.DitronTokenDispatcher  # noqa: B018
     integration._dispatcher_class.cache_clear()
+    monkeypatch.setattr(mcore, "__version__", "0.16.1+0123abc")  # a local build of a supported release
+    assert integration.DitronTokenDispatcher is not None
+    integration._dispatcher_class.cache_clear()
+
+
+def test_cuda_graph_guard_reads_both_config_schemas():
+    """The dispatcher refuses CUDA graphs over the MoE layer: megatron-core 0.19 names the captured
+    modules in cuda_graph_modules (empty = the whole layer), 0.16 in cuda_graph_scope."""
+    from enum import Enum
+    from types import SimpleNamespace
+
+    from ditron_ep.integrations.megatron import _graphs_moe
+
+    Module = Enum("Module", "attn mlp moe moe_router")
+    new = lambda modules: SimpleNamespace(cuda_graph_modules=modules, cuda_graph_scope=None)  # noqa: E731
+    assert _graphs_moe(new([])) and _graphs_moe(new([Module.moe_router])) and _graphs_moe(new([Module.attn, Module.moe]))
+    assert not _graphs_moe(new([Module.attn])) and not _graphs_moe(new([Module.attn, Module.mlp]))
+    old = SimpleNamespace  # 0.16: no cuda_graph_modules field
+    assert _graphs_moe(old(cuda_graph_scope="full")) and _graphs_moe(old(cuda_graph_scope=[Module.moe_router]))
+    assert not _graphs_moe(old(cuda_graph_scope=[Module.attn]))
