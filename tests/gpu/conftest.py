@@ -75,7 +75,8 @@ def _timeout_s() -> int:
 
 @pytest.fixture(scope="session", autouse=True)
 def dist_env():
-    """Process group of the torchrun job: namespace(rank, world, local_rank, device)."""
+    """Process group of the torchrun job: namespace(rank, world, local_rank, device, timeout_s: the
+    collectives' timeout, for process groups a test makes)."""
     problem = _environment_problem()
     if problem is not None:
         pytest.skip(problem)
@@ -91,7 +92,7 @@ def dist_env():
     # Verdicts travel over gloo (CPU): they still get through when a rank's CUDA context is broken.
     _STATE.verdict_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_timeout_s()))
     _STATE.rank, _STATE.world = rank, world
-    yield types.SimpleNamespace(rank=rank, world=world, local_rank=local_rank, device=device)
+    yield types.SimpleNamespace(rank=rank, world=world, local_rank=local_rank, device=device, timeout_s=_timeout_s())
     group, _STATE.verdict_group = _STATE.verdict_group, None
     if _STATE.owns_pg:
         try:

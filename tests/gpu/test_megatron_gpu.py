@@ -7,7 +7,6 @@ the router and every expert weight agree within bf16 tolerance (Megatron adds a 
 in bf16, ours in fp32), and ours repeats bit for bit run to run."""
 from __future__ import annotations
 
-import os
 import zlib
 
 import pytest
@@ -65,13 +64,12 @@ def test_moe_layer_with_ditron_dispatcher_matches_alltoall(dist_env):
     from ditron_ep.ops import clear_cache
 
     parallel_state = _megatron()[0]
-    W, rank = dist.get_world_size(), dist.get_rank()
+    W, rank = dist_env.world, dist_env.rank
     problems, ours = [], None
     try:
         # Megatron's groups wait 30 minutes by default: a hang would outlive the suite's limit
-        minutes = max(1, int(os.environ.get("DITRON_GPU_COLLECTIVE_TIMEOUT_S", "300")) // 60)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=W,
-                                                 distributed_timeout_minutes=minutes)
+                                                 distributed_timeout_minutes=max(1, dist_env.timeout_s // 60))
         theirs, ours = _layer(W), _layer(W)
         replaced = use_ditron_dispatcher(ours)
         gen = torch.Generator().manual_seed(40 + rank)

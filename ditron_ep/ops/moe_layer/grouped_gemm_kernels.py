@@ -379,6 +379,18 @@ def act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM: tl.constex
     tl.store(h_ptr + r[:, None] * I + o_n[None, :], b_h.to(h_ptr.dtype.element_ty), mask=m)
 
 
+@register_device_function
+@triton.jit
+def act_grad_epilogue_halves(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM: tl.constexpr, BN: tl.constexpr,
+                             ACT: tl.constexpr):
+    """act_grad_epilogue on the left, then the right half of dh's BN columns (fewer fp32 values
+    live at once: the whole tile's spilled registers)."""
+    HALF: tl.constexpr = BN // 2
+    lo, hi = dh.reshape(BM, 2, HALF).permute(0, 2, 1).split()
+    act_grad_epilogue(lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, HALF, ACT)
+    act_grad_epilogue(hi, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, HALF, ACT)
+
+
 def act_grad_parts(block_n: int) -> int:
     """grouped_act_grad_kernel's EPILOGUE_PARTS for a tile of block_n columns: quarters from 256 up.
     A 128 x 256 tile's dh, gate, up and their products in fp32 at once spilled 3,776 bytes a
@@ -415,20 +427,13 @@ def grouped_act_grad_kernel(
         r = (row0 + tl.arange(0, BM)).to(tl.int64)
         if EPILOGUE_PARTS == 1:
             act_grad_epilogue(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN, ACT)
-        else:
+        elif EPILOGUE_PARTS == 2:
+            act_grad_epilogue_halves(dh, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, BN, ACT)
+        else:  # quarters: each half in halves
             HALF: tl.constexpr = BN // 2
             lo, hi = dh.reshape(BM, 2, HALF).permute(0, 2, 1).split()
-            if EPILOGUE_PARTS == 2:
-                act_grad_epilogue(lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, HALF, ACT)
-                act_grad_epilogue(hi, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, HALF, ACT)
-            else:  # quarters
-                QUARTER: tl.constexpr = BN // 4
-                q0, q1 = lo.reshape(BM, 2, QUARTER).permute(0, 2, 1).split()
-                act_grad_epilogue(q0, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, QUARTER, ACT)
-                act_grad_epilogue(q1, z_ptr, dz_ptr, h_ptr, r, n0 + QUARTER, n_rows, I, BM, QUARTER, ACT)
-                q2, q3 = hi.reshape(BM, 2, QUARTER).permute(0, 2, 1).split()
-                act_grad_epilogue(q2, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, QUARTER, ACT)
-                act_grad_epilogue(q3, z_ptr, dz_ptr, h_ptr, r, n0 + HALF + QUARTER, n_rows, I, BM, QUARTER, ACT)
+            act_grad_epilogue_halves(lo, z_ptr, dz_ptr, h_ptr, r, n0, n_rows, I, BM, HALF, ACT)
+            act_grad_epilogue_halves(hi, z_ptr, dz_ptr, h_ptr, r, n0 + HALF, n_rows, I, BM, HALF, ACT)
 
 
 @triton.jit(do_not_specialize=["group_rows"])
