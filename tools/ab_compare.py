@@ -12,7 +12,7 @@ before every replay, CUDA events around it, the slowest rank's time per replay, 
 `--iters`. `--pairs` rounds alternate the order (old, new), (new, old), ... Outputs of the two
 versions are compared bit for bit on every case (same kernels: any difference is a bug), and every replay with its eager
 default-mode call (a replay that refused its work would be fast and wrong).
-Cases: dispatch and combine at H=7168, E=256, top-8; the MoE layer (overlap) at H=7168,
+Cases: dispatch and combine (exact and rank-reduced) at H=7168, E=256, top-8; the MoE layer (overlap) at H=7168,
 I=2048, E=64, top-8; bf16, uniform routing, each at every `--tokens`.
 """
 from __future__ import annotations
@@ -103,6 +103,8 @@ class Cases:
             recv, handle = buf.dispatch(x, idx_ep, w_ep)  # default mode: raises on any problem
             self.eager[f"dispatch T={T}"] = recv.clone()
             self.eager[f"combine T={T}"] = buf.combine(recv.clone(), handle, w_ep).clone()
+            # the rank-reduced combine weighs by the weights the dispatch carried
+            self.eager[f"combine reduced T={T}"] = buf.combine(recv.clone(), handle, topk_sum="expert_rank").clone()
             r_g, h_g = buf.dispatch(x, idx_ep, w_ep, sync=False)  # compiles the graph-mode variants
             buf.combine(r_g, h_g, w_ep)
             got = {}
@@ -119,6 +121,8 @@ class Cases:
             # No eager warm-up here: the captured dispatch's handle is filled only by its replays.
             self.graphs[f"combine T={T}"] = _capture(lambda buf=buf, y=y, h=h_g, w=w_ep: buf.combine(y, h, w),
                                                     warmup=False)
+            self.graphs[f"combine reduced T={T}"] = _capture(
+                lambda buf=buf, y=y, h=h_g: buf.combine(y, h, topk_sum="expert_rank"), warmup=False)
             if not with_layer:
                 continue
             layer = ops.FusedMoE(None, E_moe, H, I, T, K, torch.bfloat16)
@@ -201,7 +205,7 @@ def main() -> int:
                 medians[name][v].append(_time_graph(versions[v].graphs[name][0], args.iters, None))
     wall = time.time() - t0
     if rank == 0:
-        head = f"{'case':<16} {args.old_label + ' µs (min..max of pair medians)':>34} {'new µs':>28} {'new/old':>8}"
+        head = f"{'case':<24} {args.old_label + ' µs (min..max of pair medians)':>34} {'new µs':>28} {'new/old':>8}"
         print(f"A/B graph-mode medians, {world} ranks, {torch.cuda.get_device_name()}, {args.pairs} interleaved pairs "
               f"of {args.iters} replays; {wall:.0f} s")
         print(head)
@@ -209,7 +213,7 @@ def main() -> int:
         for name in names:
             a, b = medians[name][args.old_label], medians[name]["new"]
             ratio = statistics.median(b) / statistics.median(a)
-            print(f"{name:<16} {statistics.median(a):>12.1f} ({min(a):.1f}..{max(a):.1f}){'':>4}"
+            print(f"{name:<24} {statistics.median(a):>12.1f} ({min(a):.1f}..{max(a):.1f}){'':>4}"
                   f" {statistics.median(b):>10.1f} ({min(b):.1f}..{max(b):.1f}) {ratio:>8.3f}")
             rows.append({"case": name, "old_us": a, "new_us": b, "new_over_old": ratio})
         print("replays equal eager calls, no error recorded, old == new bit for bit:",

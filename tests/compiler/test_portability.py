@@ -90,6 +90,24 @@ def test_data_path_kernels_move_half_precision_in_vectors(package_report: dict) 
     assert not narrow, "\n".join(narrow)
 
 
+# The EP copy kernels' registered half-precision signatures are the ones EPBuffer launches on CUDA
+# (1,024-column steps, 8 warps). An fp32 sum over such a step spilled registers (the rank-reduced
+# combine 2,456 bytes of stack a thread); the sums now step through narrower column blocks. A few
+# words of stack (the dispatch: 40 bytes) cost nothing measurable; kilobytes do.
+EP_COPY_KERNELS = ("ep_dispatch_kernel", "ep_combine_kernel")
+EP_STACK_LIMIT = 64
+
+
+def test_ep_copy_kernels_do_not_spill_on_sm90(package_report: dict) -> None:
+    results = [r for r in package_report["results"]
+               if r["target"].startswith("cuda") and r["kernel"].rsplit(".", 1)[-1] in EP_COPY_KERNELS]
+    assert {r["kernel"].rsplit(".", 1)[-1] for r in results} == set(EP_COPY_KERNELS)
+    assert all(r["spill_bytes"] is not None for r in results), "no stack bytes read (cuobjdump): the check would be vacuous"
+    spilled = [f"{r['kernel']} [{r['label']}]: {r['spill_bytes']} bytes of stack a thread"
+               for r in results if r["spill_bytes"] > EP_STACK_LIMIT]
+    assert not spilled, "\n".join(spilled)
+
+
 def test_no_kernel_has_a_loop_with_two_entries(package_report: dict) -> None:
     checked = [r for r in package_report["results"] if r["irreducible_edges"] is not None]
     assert checked, "no compile produced LLVM IR: the check would be vacuous"

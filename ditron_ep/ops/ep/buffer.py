@@ -15,7 +15,7 @@ import triton
 
 from ditron_ep.compiler.plan import is_nonnegative_int, is_positive_int
 from ditron_ep.language import task_queue
-from ditron_ep.ops.ep.combine_kernels import ep_combine_kernel, topk_dots_kernel
+from ditron_ep.ops.ep.combine_kernels import combine_sum_columns, ep_combine_kernel, topk_dots_kernel
 from ditron_ep.ops.ep.dispatch_kernels import ep_dispatch_kernel
 from ditron_ep.language.nvshmem import nvshmem_launcher
 from ditron_ep.language.primitives import flagged_call_kernel
@@ -628,6 +628,7 @@ class EPBuffer:
             self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0,
             K=self.topk, HAS_WEIGHTS=(row_w if reduced else w) is not None, BLOCK_S=self.block_rows,
             BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
+            BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows),
             RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
             PUTS=puts, num_warps=self.num_warps)
         return out

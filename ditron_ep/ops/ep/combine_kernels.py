@@ -34,6 +34,18 @@ from ditron_ep.runtime.heap import register_stage
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
+# fp32 elements of a sum's accumulator a program holds at once (BLOCK_S x columns). The copy steps
+# are wide (EPBuffer: 1,024 bf16 columns, for bytes in flight), but an fp32 accumulator of 16 x 1,024
+# with its loaded tile spilled registers on sm_90 (exact mode 272 bytes a thread, the rank-reduced
+# send 2,456; 0 and 24 at 512 columns): the sums step through a copy step's columns in narrower
+# blocks. Each element's sum is the same (k or rank order, fp32), so the bits do not change.
+SUM_ELEMENTS = 8192
+
+
+def combine_sum_columns(block_hidden: int, block_rows: int) -> int:
+    """Columns per step of the combine's fp32 sums (its BLOCK_HA) for a copy step of block_hidden."""
+    return max(16, min(block_hidden, SUM_ELEMENTS // block_rows))
+
 
 @register_device_function
 @triton.jit
@@ -161,8 +173,11 @@ def ep_combine_kernel(
     RANK_REDUCED: tl.constexpr = False, PARTIAL_FP32: tl.constexpr = False,
     TOKEN_ROWS: tl.constexpr = False,  # with RANK_REDUCED: y is token-major (one row per (source, token))
     PUTS: tl.constexpr = False,        # the put transport is compiled in (every signal then a uint64)
+    BLOCK_HA: tl.constexpr = 0,        # columns per step of the fp32 sums (0: BLOCK_H); combine_sum_columns
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
+    SUM_H: tl.constexpr = BLOCK_H if BLOCK_HA == 0 else BLOCK_HA
+    tl.static_assert(BLOCK_H % SUM_H == 0, "the sums' column steps must tile a copy step")
     SIG_STRIDE: tl.constexpr = 2 if PUTS else 1
     PART_ELT: tl.constexpr = 4 if PARTIAL_FP32 else y_ptr.dtype.element_ty.primitive_bitwidth // 8
     skip = dispatch_stopped(src_info_ptr, world, BLOCK_W)  # a graph-mode handle of a dispatch that did not go
@@ -203,7 +218,7 @@ def ep_combine_kernel(
                                 p_send = heap_ptr(table_ptr, rank, send_land_offset, y_ptr.dtype.element_ty)
                             send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_send, r_src, o_j,
                                               token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W), m_j, i_s,
-                                              h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
+                                              h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, SUM_H)
                             tl.debug_barrier()  # the block-scoped puts read what every thread stored
                         else:
                             p_send = y_ptr
@@ -218,7 +233,7 @@ def ep_combine_kernel(
                             p_part = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
                         tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)
                         send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, o_j, tok_row, m_j, rank,
-                                          h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, BLOCK_H)
+                                          h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, SUM_H)
                     else:
                         p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
                         for k in tl.static_range(K):
@@ -253,10 +268,10 @@ def ep_combine_kernel(
                         else:
                             p_own = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
                         reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
-                                             BLOCK_T, BLOCK_H)
+                                             BLOCK_T, SUM_H)
                     else:
                         reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr,
-                                      w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, BLOCK_H)
+                                      w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, SUM_H)
         t = next_task(my_ctrl)
     if PUTS:
         quiet()  # this program's puts delivered (and their sources free) before the call ends
@@ -270,8 +285,11 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32", "put_peers": "i32",
         "send_land_offset": "i64"}
 _MULT16 = ("H", "land_offset", "slice_cols")
-register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512, "BLOCK_W": 8}, label="bf16-K8", multiples_of_16=_MULT16)
+# bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 8 warps, 512-column sums
+_CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_HA": 512, "BLOCK_W": 8}
+_WARPS8 = {"num_warps": 8}
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True}, label="bf16-K8",
+                multiples_of_16=_MULT16, options=_WARPS8)
 # fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
 # slice, lag 1; rank is never specialised)
 _ONES = ("n_chunks", "n_slices", "lag")
@@ -280,15 +298,14 @@ register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
                  "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
 # the rank-reduced combine: bf16 partials (weighted) and fp32 partials (unweighted)
-register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": True, "BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 512,
-                                          "BLOCK_W": 8, "RANK_REDUCED": True}, label="bf16-K8-rank-reduced",
-                multiples_of_16=_MULT16)
-register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512, "BLOCK_W": 8, "RANK_REDUCED": True, "PARTIAL_FP32": True},
-                label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16)
-register_kernel(ep_combine_kernel, _SIG, {"K": 8, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
-                                          "BLOCK_H": 512, "BLOCK_W": 8, "RANK_REDUCED": True, "TOKEN_ROWS": True},
-                label="bf16-K8-token-rows", multiples_of_16=_MULT16)
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True, "RANK_REDUCED": True},
+                label="bf16-K8-rank-reduced", multiples_of_16=_MULT16, options=_WARPS8)
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": False, "RANK_REDUCED": True,
+                                          "PARTIAL_FP32": True},
+                label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16, options=_WARPS8)
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": False, "RANK_REDUCED": True,
+                                          "TOKEN_ROWS": True},
+                label="bf16-K8-token-rows", multiples_of_16=_MULT16, options=_WARPS8)
 
 
 @triton.jit

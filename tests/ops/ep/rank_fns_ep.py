@@ -640,7 +640,7 @@ def cast_like_kernels(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def rank_reduced_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int,
                       drop_prob: float, partial_dtype: torch.dtype | None, weighted: bool,
-                      num_programs: int | None = None) -> dict:
+                      num_programs: int | None = None, block_rows: int = 16, block_hidden: int | None = None) -> dict:
     """combine(topk_sum="expert_rank") against (1) its sequential schedule written with torch ops
     (each expert rank's k-ordered fp32 sum, cast to the partial dtype; the token rank's rank-ordered
     fp32 sum, cast once), bit for bit; (2) the float64 oracle; (3) itself, run twice and in graph
@@ -648,7 +648,8 @@ def rank_reduced_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dt
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
     x, idx, w = xs[rank], idxs[rank], ws[rank]
-    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, num_programs=num_programs)
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, num_programs=num_programs, block_rows=block_rows,
+                   block_hidden=block_hidden)
     order = recv_order(idxs, rank, E)
     part_dt = partial_dtype or dtype
     report: dict = {}
