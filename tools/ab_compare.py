@@ -93,6 +93,7 @@ class Cases:
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.eager: dict[str, torch.Tensor] = {}
         self.objects: list = []
+        self.inputs: list = []  # tensors a graph reads that nothing else holds: freed, their memory would be reused
         H, E_ep, E_moe, I, K = 7168, 256, 64, 2048, 8
         w1, w2 = data["w1"], data["w2"]
         for T in tokens:
@@ -118,6 +119,7 @@ class Cases:
             # replays must give the eager combine's result
             y, h_g = torch.zeros_like(got["x"]), got["h"]
             y[:recv.shape[0]] = recv
+            self.inputs.append(y)
             # No eager warm-up here: the captured dispatch's handle is filled only by its replays.
             self.graphs[f"combine T={T}"] = _capture(lambda buf=buf, y=y, h=h_g, w=w_ep: buf.combine(y, h, w),
                                                     warmup=False)
@@ -158,6 +160,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--new-first", action="store_true", help="build the new version's cases first")
     parser.add_argument("--cases", choices=("all", "ep", "moe"), default="all",
                         help="ep: dispatch and combine only; moe: the layer only")
     args = parser.parse_args()
@@ -184,7 +187,10 @@ def main() -> int:
 
     t0 = time.time()
     layer = args.cases != "ep"
-    versions = {args.old_label: Cases(old_ops, args.tokens, data, layer), "new": Cases(new_ops, args.tokens, data, layer)}
+    built = {}  # the version built first runs the process's first compiles and calls
+    for label in ((args.old_label, "new") if not args.new_first else ("new", args.old_label)):
+        built[label] = Cases(new_ops if label == "new" else old_ops, args.tokens, data, layer)
+    versions = {args.old_label: built[args.old_label], "new": built["new"]}
     if args.cases == "moe":
         for c in versions.values():
             c.graphs = {k: v for k, v in c.graphs.items() if k.startswith("moe")}
@@ -204,6 +210,10 @@ def main() -> int:
             for name in names:
                 medians[name][v].append(_time_graph(versions[v].graphs[name][0], args.iters, None))
     wall = time.time() - t0
+    again = [f"{v}: {p} (after timing)" for v, c in versions.items() for p in c.replay_problems()]
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, again)
+    mismatches += sorted({f"{name} (rank {r})" for r, names in enumerate(every_rank) for name in names})
     if rank == 0:
         head = f"{'case':<24} {args.old_label + ' µs (min..max of pair medians)':>34} {'new µs':>28} {'new/old':>8}"
         print(f"A/B graph-mode medians, {world} ranks, {torch.cuda.get_device_name()}, {args.pairs} interleaved pairs "

@@ -628,7 +628,7 @@ class EPBuffer:
             self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0,
             K=self.topk, HAS_WEIGHTS=(row_w if reduced else w) is not None, BLOCK_S=self.block_rows,
             BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
-            BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows),
+            BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows, row_w is not None),
             RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
             PUTS=puts, num_warps=self.num_warps)
         return out

@@ -34,16 +34,22 @@ from ditron_ep.runtime.heap import register_stage
 
 STAGE_COMBINE_REDUCE = tl.constexpr(register_stage(4, "ep combine: wait for expert outputs"))
 
-# fp32 elements of a sum's accumulator a program holds at once (BLOCK_S x columns). The copy steps
-# are wide (EPBuffer: 1,024 bf16 columns, for bytes in flight), but an fp32 accumulator of 16 x 1,024
-# with its loaded tile spilled registers on sm_90 (exact mode 272 bytes a thread, the rank-reduced
-# send 2,456; 0 and 24 at 512 columns): the sums step through a copy step's columns in narrower
-# blocks. Each element's sum is the same (k or rank order, fp32), so the bits do not change.
+# fp32 elements of the weighted rank-reduced send's accumulator a program holds at once (BLOCK_S x
+# columns). The copy steps are wide (EPBuffer: 1,024 bf16 columns, for bytes in flight), but that
+# send's weighted fp32 sum of 16 x 1,024 spilled 2,456 bytes of stack a thread on sm_90 (bf16
+# partials) and took 2,531 µs at T=4096 (H100 pair, graph mode) against 564 µs when it steps through
+# the columns 512 at a time (24 bytes; bench/results/ab_ep_H100x2_20261127_s25_efba2fb.log). The
+# exact reduce spills 272 bytes at 1,024 columns, yet ran 2.5 % faster than at 512 (its index loads
+# are per column step), and the unweighted sends do not spill: they keep the copy step. Each
+# element's sum is the same either way, so the bits are too.
 SUM_ELEMENTS = 8192
 
 
-def combine_sum_columns(block_hidden: int, block_rows: int) -> int:
-    """Columns per step of the combine's fp32 sums (its BLOCK_HA) for a copy step of block_hidden."""
+def combine_sum_columns(block_hidden: int, block_rows: int, weighted_partials: bool) -> int:
+    """Columns per step of the combine's fp32 sums (its BLOCK_HA) for a copy step of block_hidden;
+    weighted_partials: a rank-reduced combine whose sends weigh the rows."""
+    if not weighted_partials:
+        return block_hidden
     return max(16, min(block_hidden, SUM_ELEMENTS // block_rows))
 
 
@@ -285,8 +291,10 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32", "put_peers": "i32",
         "send_land_offset": "i64"}
 _MULT16 = ("H", "land_offset", "slice_cols")
-# bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 8 warps, 512-column sums
-_CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_HA": 512, "BLOCK_W": 8}
+# bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 8 warps; the weighted rank-reduced
+# sums 512 columns at a time (combine_sum_columns)
+_CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_W": 8}
+_REDUCED_SUMS = {**_CUDA_BF16, "RANK_REDUCED": True}
 _WARPS8 = {"num_warps": 8}
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True}, label="bf16-K8",
                 multiples_of_16=_MULT16, options=_WARPS8)
@@ -298,13 +306,11 @@ register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
                  "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
 # the rank-reduced combine: bf16 partials (weighted) and fp32 partials (unweighted)
-register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True, "RANK_REDUCED": True},
+register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": True, "BLOCK_HA": 512},
                 label="bf16-K8-rank-reduced", multiples_of_16=_MULT16, options=_WARPS8)
-register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": False, "RANK_REDUCED": True,
-                                          "PARTIAL_FP32": True},
+register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": False, "PARTIAL_FP32": True},
                 label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16, options=_WARPS8)
-register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": False, "RANK_REDUCED": True,
-                                          "TOKEN_ROWS": True},
+register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": False, "TOKEN_ROWS": True},
                 label="bf16-K8-token-rows", multiples_of_16=_MULT16, options=_WARPS8)
 
 

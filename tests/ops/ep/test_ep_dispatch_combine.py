@@ -36,8 +36,7 @@ def test_dispatch_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, dro
 def test_grid_chunk_and_slice_sizes_do_not_change_bits(emulated_cluster):
     base = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf", 3)
     assert base[0]["n_slices"] == 1
-    # (programs, rows per chunk, columns per step, column slices asked for -> slices used); chunks of
-    # 256 rows: the fp32 sums step through a 64-column copy step 32 columns at a time
+    # (programs, rows per chunk, columns per step, column slices asked for -> slices used)
     for programs, block, block_h, slices, used in [(1, 16, None, None, 1), (5, 4, None, None, 1),
                                                    (3, 4, 16, None, 3), (2, 8, 16, 2, 2), (2, 256, 64, None, 1)]:
         other = emulated_cluster(3).run(fns.dispatch_combine_case, [13, 6, 9], 40, 6, 2, torch.float32, "zipf",
