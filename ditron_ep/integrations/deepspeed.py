@@ -20,12 +20,12 @@ on every rank, in fp32; anything else raises DitronConfigError naming the module
   nn.ReLU, nn.SiLU, biases or not (DeepSpeed's examples);
 * a module whose only children are Linear `gate_proj`, `up_proj` (H -> I) and `down_proj`
   (I -> H), computing down(silu(gate(x)) * up(x)) (Llama / Mixtral style SwiGLU).
-Not supported (raise): Tutel, tensor-parallel experts, `noisy_gate_policy` other than None is
-DeepSpeed's own gate and stays supported.
+Not supported (raise): Tutel, tensor-parallel experts. Any gate setting is (DeepSpeed's own top-2
+gate's routes are computed here with the same values, `_top2_routes`; every other gate runs itself).
 
-Expert weights are stacked on every call in nn.Linear's own layout (one contiguous copy with
-autograd: gradients reach the experts' own parameters; the kernels read the transposed views), so
-ZeRO re-pointing `param.data` is seen. Reading each expert's weights in place (no copy) is not done.
+Expert weights are read in place on every call (`_stacked`): weights that own their storage are
+moved into one buffer per layer when replaced, ZeRO's flat buffers are read where they are, and
+anything else is stacked (a copy with autograd); the kernels read nn.Linear's layout transposed.
 """
 from __future__ import annotations
 
@@ -172,6 +172,62 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
+def _token_positions(mask: torch.Tensor) -> torch.Tensor:
+    """positions[s, e] = (tokens t <= s with mask[t, e] set) - 1: the running count down the tokens
+    of a [S, E] 0/1 mask, as DeepSpeed's gates compute with torch.cumsum(mask, dim=0). That scan
+    along the outer dimension of a few expert columns ran at 723 µs per call for S = 4,096, E = 16
+    on an H100 (bench/results/ds_trace_H100x2_20261127_s25_efba2fb.log: two per top-2 step); the
+    same sums taken along rows of the transposed mask are integers, so equal."""
+    return (mask.t().contiguous().cumsum(dim=1) - 1).t()
+
+
+def _top2_routes(gate, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """DeepSpeed 0.19.8's TopKGate forward for k = 2 with capacity drops and no noisy gating, sparse
+    routes: (l_aux, indices [2, S] int32 (-1: dropped by the capacity), gates [2, S], exp_counts),
+    the values `gate(tokens, None, True)` returns (tested against it, gradients included), with the
+    capacity positions from `_token_positions`. DeepSpeed's own gate runs every other configuration."""
+    from deepspeed.moe.sharded_moe import _capacity, gumbel_rsample
+
+    logits = nn.functional.linear(tokens.float(), weight=gate.wg.weight.float(), bias=None)
+    probs = torch.softmax(logits, dim=1)
+    num_experts = probs.shape[1]
+    first = torch.argmax(probs, dim=1)
+    mask1 = nn.functional.one_hot(first, num_classes=num_experts)
+    if gate.top2_2nd_expert_sampling:  # DeepSpeed's Gumbel draw: the same random numbers
+        logits += gumbel_rsample(logits.shape, device=logits.device)
+    second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
+    mask2 = nn.functional.one_hot(second, num_classes=num_experts)
+    # the load-balancing loss and the counts see every first (and second) choice, before drops
+    l_aux = torch.mean(torch.mean(probs, dim=0) * torch.mean(mask1.float(), dim=0)) * num_experts * num_experts
+    exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
+    factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+    capacity = _capacity(probs, torch.tensor(factor * 2), torch.tensor(gate.min_capacity))
+    # a token's place among its expert's first choices, and among its second choices after all
+    # first choices; routes placed at or past the capacity are dropped
+    place1 = _token_positions(mask1).gather(1, first[:, None])[:, 0]
+    place2 = (_token_positions(mask2) + torch.sum(mask1, dim=0, keepdim=True)).gather(1, second[:, None])[:, 0]
+    kept1, kept2 = place1 < capacity, place2 < capacity
+    g1 = torch.einsum("se,se->s", probs, (mask1 * kept1[:, None]).float())
+    g2 = torch.einsum("se,se->s", probs, (mask2 * kept2[:, None]).float())
+    denom = torch.clamp(g1 + g2, min=torch.finfo(g1.dtype).eps)
+    g1, g2 = g1 / denom, g2 / denom
+    indices = torch.stack([torch.where(kept1, first, -1), torch.where(kept2, second, -1)]).to(torch.int32)
+    return l_aux, indices, torch.stack([g1, g2]), exp_counts
+
+
+def _gate_routes(gate, tokens: torch.Tensor, used_token: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(l_aux, indices [k, S] int32 with -1 for a route the capacity dropped, gates [k, S], exp_counts)
+    of the layer's DeepSpeed gate: `_top2_routes` for DeepSpeed's own top-2 gate with drops and no
+    noise, else the gate itself."""
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    if (type(gate) is TopKGate and gate.k == 2 and gate.drop_tokens and gate.noisy_gate_policy is None
+            and not gate.wall_clock_breakdown and used_token is None):
+        return _top2_routes(gate, tokens)
+    l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = gate(tokens, used_token, True, False)
+    return l_aux, indices, gates, exp_counts
+
+
 def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """MOELayer.forward with ditron_ep's dispatch, experts and combine (DeepSpeed's gate kept)."""
     from ditron_ep.ops.moe_layer.functional import MoESlots, run_moe
@@ -181,8 +237,7 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     d_model = x.shape[-1]
     tokens = x.reshape(-1, d_model)
     # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
-    self.l_aux, _capacity, _num_experts, indices, _locations, gates, self.exp_counts = self.gate(
-        tokens, used_token, True, False)
+    self.l_aux, indices, gates, self.exp_counts = _gate_routes(self.gate, tokens, used_token)
     w1, w2, b1, b2, self._ditron_in_place = _stacked(self._ditron_layers)
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
         self._ditron_slots = MoESlots(self.ep_group)

@@ -136,3 +136,38 @@ def test_engine_checkpoints_load_across_the_replacement(emulated_cluster, tmp_pa
                 assert abs(got - want) <= 1e-5 * abs(want), (rank, label, step, runs)
             assert len(runs[label]) == len(runs["full"]) == 3
         assert abs(runs["fresh"][0] - runs["full"][0]) > 1e-3 * abs(runs["full"][0]), "the check cannot fail"
+
+
+@pytest.mark.parametrize("capacity_factor, sampling, training", [
+    (0.25, False, True),   # many drops
+    (1.0, True, True),     # DeepSpeed's Gumbel second choice
+    (1.0, False, False),   # eval: eval_capacity_factor
+    (8.0, True, True),     # no drops
+])
+def test_top2_routes_equal_deepspeeds_gate(capacity_factor, sampling, training):
+    """replace_moe's top-2 routes (capacity positions from a scan of the transposed mask) against
+    DeepSpeed's own TopKGate with sparse routes: l_aux, indices, gates, exp_counts and the
+    gradients of the input and the gate weight, equal."""
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    from ditron_ep.integrations.deepspeed import _gate_routes
+
+    S, H, E = 96, 16, 8
+    torch.manual_seed(11)
+    gate = TopKGate(H, E, k=2, capacity_factor=capacity_factor, eval_capacity_factor=0.5, min_capacity=2,
+                    drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=sampling).train(training)
+    x = torch.randn(S, H)
+    r = torch.randn(2, S)
+    runs = []
+    for fn in (lambda t: _gate_routes(gate, t, None), lambda t: (lambda o: (o[0], o[3], o[5], o[6]))(gate(t, None, True))):
+        leaf = x.clone().requires_grad_()
+        torch.manual_seed(5)  # the Gumbel draw
+        l_aux, indices, gates, counts = fn(leaf)
+        grads = torch.autograd.grad(l_aux + (gates * r).sum(), [leaf, gate.wg.weight])
+        runs.append((l_aux.detach(), indices, gates.detach(), counts, *grads))
+    ours, theirs = runs
+    names = ("l_aux", "indices", "gates", "exp_counts", "grad x", "grad wg")
+    for name, a, b in zip(names, ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs from DeepSpeed's gate"
+    dropped = int((ours[1] < 0).sum())
+    assert (dropped > 0) == (capacity_factor * 2 * S / E < S), f"{dropped} routes dropped"
