@@ -47,6 +47,18 @@ def _patched_copy(old_root: Path, dest: Path) -> None:
             path.write_text(new)
 
 
+def import_old_ops(old_root: Path, folder: str):
+    """`ditron_ep.ops` of the tree at old_root, imported as OLD_NAME.ops (rank 0 writes the patched
+    copy under $TMPDIR/folder; every rank waits for it)."""
+    copy_dir = Path(os.environ.get("TMPDIR", "/tmp")) / folder
+    if dist.get_rank() == 0:
+        copy_dir.mkdir(parents=True, exist_ok=True)
+        _patched_copy(old_root, copy_dir)
+    dist.barrier()
+    sys.path.insert(0, str(copy_dir))
+    return importlib.import_module(f"{OLD_NAME}.ops")
+
+
 def _routing(T: int, E: int, K: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     scores = torch.rand(T, E, generator=g)
@@ -168,14 +180,8 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    copy_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "ab_compare"
-    if rank == 0:
-        copy_dir.mkdir(parents=True, exist_ok=True)
-        _patched_copy(args.old_root, copy_dir)
-    dist.barrier()
-    sys.path.insert(0, str(copy_dir))
+    old_ops = import_old_ops(args.old_root, "ab_compare")
     new_ops = importlib.import_module("ditron_ep.ops")
-    old_ops = importlib.import_module(f"{OLD_NAME}.ops")
 
     H, I, K = 7168, 2048, 8
     g = torch.Generator(device="cuda").manual_seed(1234 + rank)

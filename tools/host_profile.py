@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.ab_compare import OLD_NAME, _patched_copy, _routing  # noqa: E402
+from tools.ab_compare import _routing, import_old_ops  # noqa: E402
 
 STEPS = ("_check_routing", "_layout", "_rows_and_tokens", "_launch_dispatch", "_launch_combine", "_finish")
 E, H, K = 256, 7168, 8
@@ -132,13 +132,7 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     versions = {"new": importlib.import_module("ditron_ep.ops")}
     if args.old_root is not None:
-        copy_dir = Path(os.environ.get("TMPDIR", "/tmp")) / "host_profile"
-        if rank == 0:
-            copy_dir.mkdir(parents=True, exist_ok=True)
-            _patched_copy(args.old_root, copy_dir)
-        dist.barrier()
-        sys.path.insert(0, str(copy_dir))
-        versions = {args.old_label: importlib.import_module(f"{OLD_NAME}.ops"), **versions}
+        versions = {args.old_label: import_old_ops(args.old_root, "host_profile"), **versions}
     g = torch.Generator(device="cuda").manual_seed(4321 + rank)
     results: list[dict] = []
     for T in args.tokens:
