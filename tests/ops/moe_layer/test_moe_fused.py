@@ -117,9 +117,9 @@ def test_moe_layer_matches_oracle(emulated_cluster, W, tokens, E, K, kind):
 def test_moe_trains_under_every_schedule(emulated_cluster, W, tokens, E, K, kind, activation, bias):
     """Gradients of every input of moe (x, topk_weights, w1, w2, b1, b2) match the float64
     oracle's (fp32), for every expert type, dropped slots get none, and staged (twice), overlap,
-    sequential and FusedMoE called directly give the same bits (at W = 8, on 2 CPU cores: staged,
-    overlap recompute and sequential)."""
-    only = ("overlap recompute", "sequential recompute") if W == 8 else None
+    sequential and FusedMoE called directly give the same bits (at W = 8, on 2 CPU cores: staged and
+    the fused forward recomputed in the backward; the schedules' bits are compared at W = 2 and 3)."""
+    only = ("overlap recompute",) if W == 8 else None
     for rank, rep in enumerate(emulated_cluster(W).run(fns.moe_training_case, tokens, 24, 16, E, K, kind, 5,
                                                        activation, bias, only)):
         for name, (err, ref) in rep["errors"].items():
