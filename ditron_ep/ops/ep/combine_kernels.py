@@ -50,7 +50,8 @@ def combine_sum_columns(block_hidden: int, block_rows: int, weighted_partials: b
     weighted_partials: a rank-reduced combine whose sends weigh the rows."""
     if not weighted_partials:
         return block_hidden
-    return max(16, min(block_hidden, SUM_ELEMENTS // block_rows))
+    # never wider than the copy step (a buffer of hidden <= 8 has block_hidden < 16)
+    return min(block_hidden, max(16, SUM_ELEMENTS // block_rows))
 
 
 @register_device_function

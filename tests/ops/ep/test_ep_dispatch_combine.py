@@ -239,6 +239,20 @@ def test_rank_reduced_combine(emulated_cluster, case):
         assert rep["graph_grad_clean"], f"rank {rank}: graph mode's y gradient is not w * g, then zeros"
 
 
+def test_combine_sum_columns_tile_every_copy_step():
+    """The sums' column step (the kernel's BLOCK_HA) divides the copy step for every power-of-two
+    block_hidden a buffer can have (down to 1: hidden <= 8) and any rows per chunk; only the
+    weighted rank-reduced sends step narrower."""
+    from ditron_ep.ops.ep.combine_kernels import combine_sum_columns
+
+    for bh in (1 << i for i in range(12)):
+        for rows in (1, 4, 16, 64, 256, 1024, 16384):
+            cols = combine_sum_columns(bh, rows, True)
+            assert 1 <= cols <= bh and bh % cols == 0, (bh, rows, cols)
+            assert combine_sum_columns(bh, rows, False) == bh
+    assert combine_sum_columns(1024, 16, True) == 512  # the CUDA bf16 default
+
+
 def test_rank_reduced_combine_bad_modes(emulated_cluster):
     for rank, res in enumerate(emulated_cluster(2).run(fns.rank_reduced_errors_case)):
         assert "another mode" in res["mismatch"] and "rank(s) " + str(1 - rank) in res["mismatch"], res["mismatch"]
