@@ -164,6 +164,13 @@ class Cases:
         return problems
 
 
+def _on_every_rank(problems: list[str], world: int) -> list[str]:
+    """Every rank's problems, each named with its rank, sorted (the same list on every rank)."""
+    every_rank: list = [None] * world
+    dist.all_gather_object(every_rank, problems)
+    return sorted({f"{p} (rank {r})" for r, ps in enumerate(every_rank) for p in ps})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old-root", type=Path, required=True, help="folder holding the old ditron_ep/")
@@ -206,9 +213,7 @@ def main() -> int:
         a, b = (c.eager[name] for c in versions.values())
         if a.shape != b.shape or not torch.equal(a, b):
             mismatches.append(f"{name}: old and new differ")
-    every_rank: list = [None] * world
-    dist.all_gather_object(every_rank, mismatches)
-    mismatches = sorted({f"{name} (rank {r})" for r, names in enumerate(every_rank) for name in names})
+    mismatches = _on_every_rank(mismatches, world)
     medians: dict[str, dict[str, list[float]]] = {n: {v: [] for v in versions} for n in names}
     order = list(versions)
     for p in range(args.pairs):
@@ -216,10 +221,8 @@ def main() -> int:
             for name in names:
                 medians[name][v].append(_time_graph(versions[v].graphs[name][0], args.iters, None))
     wall = time.time() - t0
-    again = [f"{v}: {p} (after timing)" for v, c in versions.items() for p in c.replay_problems()]
-    every_rank = [None] * world
-    dist.all_gather_object(every_rank, again)
-    mismatches += sorted({f"{name} (rank {r})" for r, names in enumerate(every_rank) for name in names})
+    mismatches += _on_every_rank([f"{v}: {p} (after timing)" for v, c in versions.items() for p in c.replay_problems()],
+                                 world)
     if rank == 0:
         head = f"{'case':<24} {args.old_label + ' µs (min..max of pair medians)':>34} {'new µs':>28} {'new/old':>8}"
         print(f"A/B graph-mode medians, {world} ranks, {torch.cuda.get_device_name()}, {args.pairs} interleaved pairs "

@@ -295,7 +295,7 @@ _MULT16 = ("H", "land_offset", "slice_cols")
 # bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 8 warps; the weighted rank-reduced
 # sums 512 columns at a time (combine_sum_columns)
 _CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_W": 8}
-_REDUCED_SUMS = {**_CUDA_BF16, "RANK_REDUCED": True}
+_CUDA_BF16_REDUCED = {**_CUDA_BF16, "RANK_REDUCED": True}
 _WARPS8 = {"num_warps": 8}
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True}, label="bf16-K8",
                 multiples_of_16=_MULT16, options=_WARPS8)
@@ -307,11 +307,11 @@ register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in
                 {**{n: 1 for n in _ONES}, "K": 3, "HAS_WEIGHTS": False, "BLOCK_S": 16, "BLOCK_T": 16,
                  "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
 # the rank-reduced combine: bf16 partials (weighted) and fp32 partials (unweighted)
-register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": True, "BLOCK_HA": 512},
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": True, "BLOCK_HA": 512},
                 label="bf16-K8-rank-reduced", multiples_of_16=_MULT16, options=_WARPS8)
-register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": False, "PARTIAL_FP32": True},
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": False, "PARTIAL_FP32": True},
                 label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16, options=_WARPS8)
-register_kernel(ep_combine_kernel, _SIG, {**_REDUCED_SUMS, "K": 8, "HAS_WEIGHTS": False, "TOKEN_ROWS": True},
+register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": False, "TOKEN_ROWS": True},
                 label="bf16-K8-token-rows", multiples_of_16=_MULT16, options=_WARPS8)
 
 
