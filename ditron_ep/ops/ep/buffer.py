@@ -27,7 +27,7 @@ from ditron_ep.ops.ep.layout_kernels import (
     exchange_layout,
     layout_landing_shape,
 )
-from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, layout_arena_words
+from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays, layout_arena_words
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
@@ -215,7 +215,7 @@ class EPBuffer:
                 "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
                 "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype,
                 "transport": transport})
-        self._layouts: CallGraphCache[CapturedLayout] = CallGraphCache(graph_cache)
+        self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
         self.fp8 = self.dispatch_dtype == FP8
@@ -517,10 +517,13 @@ class EPBuffer:
                                record_pending=record_pending, tokens=tokens)
         return send, recv
 
-    def _layout(self, topk_idx: torch.Tensor, sync: bool) -> tuple[SendLayout, RecvLayout, CapturedLayout | None]:
+    def _layout(self, topk_idx: torch.Tensor, sync: bool
+                ) -> tuple[SendLayout, RecvLayout, CapturedLayout | None, bool]:
         """This call's layout: in default mode replayed from a captured graph when the signature
-        has one (`graph_cache`), else launched directly. Returns (send, recv, captured): in default
-        mode `_rows_from_status` reads the status (the host waits there, not here).
+        has one (`graph_cache`), else launched directly. Returns (send, recv, captured, lent):
+        in default mode `_rows_from_status` reads the status (the host waits there, not here);
+        lent: the layout is a captured copy's own (layout_replay.LayoutReplays), and so are its
+        recv_rows / recv_tok.
 
         Graph mode never replays: capturing synchronises the device (torch.cuda.graph does), and
         graph mode promises no host sync; its callers capture their own graphs anyway."""
@@ -531,12 +534,13 @@ class EPBuffer:
         if (sync and self._layouts.capacity and T <= self.max_tokens and topk_idx.data_ptr() % 16 == 0
                 and self._can_capture()):
             key = (T, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
-            c = self._layouts.lookup_or_give_up(key, lambda: self._capture_layout(topk_idx), "EPBuffer")
-            if c is not None:
-                send, recv = c.replay(topk_idx)
-                return send, recv, c
+            replays = self._layouts.lookup_or_give_up(
+                key, lambda: LayoutReplays(lambda: self._capture_layout(topk_idx)), "EPBuffer")
+            ran = replays.replay(topk_idx) if replays is not None else None
+            if ran is not None:
+                return ran
         send, recv = self._launch_layout(topk_idx, record_pending=not sync)
-        return send, recv, None
+        return send, recv, None, False
 
     def _can_capture(self) -> bool:
         """CUDA graphs need a GPU, and a call inside the caller's own capture launches directly."""
@@ -571,7 +575,9 @@ class EPBuffer:
             graph=torch.cuda.CUDAGraph() if cuda else None,
             arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
             status=torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=cuda),
-            ready=torch.cuda.Event() if cuda else None)
+            ready=torch.cuda.Event() if cuda else None,
+            recv_rows=torch.empty((W, self.max_tokens, self.topk), dtype=torch.int32, device=self.device),
+            recv_tok=torch.empty((W, self.max_tokens), dtype=torch.int32, device=self.device))
 
     def _layout_launches(self, c: CapturedLayout) -> None:
         """What a captured layout graph runs: the layout launches on c's static routing into c's
@@ -647,7 +653,7 @@ class EPBuffer:
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
                       max_recv_rows: int | None = None, token_major: bool = False, scales: torch.Tensor | None = None,
                       dequantize: bool = False, under_autograd: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
-        send, recv, captured = self._layout(topk_idx, sync)
+        send, recv, captured, lent = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
         # k routed elsewhere), unless a wait times out. A timeout raises in this call when the
@@ -657,8 +663,11 @@ class EPBuffer:
         # still leave its columns of recv_x unwritten; the timeout is raised by the next
         # host-visible read, and this rank's next launches refuse all work until then).
         if sync and self.check_errors and not under_autograd:
-            recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
-            recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
+            if lent:  # the captured copy's, handed out with its layout (no allocation)
+                recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
+            else:
+                recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
+                recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
         else:
             recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
             recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)

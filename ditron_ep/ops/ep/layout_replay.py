@@ -1,4 +1,4 @@
-"""EPBuffer's layout launches replayed from a CUDA graph, each replay's layout copied out in one piece.
+"""EPBuffer's layout launches replayed from CUDA graphs, each replay's layout handed to the call.
 
 Why: an eager dispatch at small T is bound by host time. Its layout stage is four Triton launches
 and about a dozen allocations: ~190 µs per call on a lent H200 host at T=128 (`layout`), against
@@ -8,22 +8,31 @@ and runtime/call_graphs.py says when a call signature is captured.
 
 Unlike the layer's, a dispatch's layout outlives the call: its handle keeps it for `combine` and
 the backward passes, while the next replay rewrites the graph's buffers. So every layout tensor
-the graph writes is a view of one flat int32 arena. Each replay clones the arena (one copy of a
-few KiB to ~1 MiB) and re-points the layout at the clone. Default mode only: capturing
-synchronises the device, which graph mode (sync=False) promises never to do.
+the graph writes is a view of one flat int32 arena, and a signature keeps a few captured copies
+of its launches (`LayoutReplays`), each with its own arena: a replay runs one no live handle (nor
+any tensor taken from one) still holds, and hands that copy's layout to the call as it is.
+Whether anything still holds a copy is read off reference counts (`CapturedLayout.idle`), so a
+dispatch -> combine -> next dispatch loop replays the same copy every call and pays no copy-out.
+When every copy is held (a training step keeps each layer's handle until its backward), one more
+shared copy is replayed and its arena cloned (one copy of a few KiB to ~1 MiB; the views rebuilt
+with as_strided, ~3 µs a tensor on a lent host). Default mode only: capturing synchronises the
+device, which graph mode (sync=False) promises never to do.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ditron_ep.ops.ep.layout_kernels import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
 from ditron_ep.runtime.fast_launch import current_stream
 
-__all__ = ["Int32Arena", "CapturedLayout", "layout_arena_words", "rebuild_layout", "view_recipe"]
+__all__ = ["Int32Arena", "CapturedLayout", "LayoutReplays", "layout_arena_words", "rebuild_layout", "view_recipe"]
 
 # Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
 # 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
@@ -85,6 +94,20 @@ def rebuild_layout(recipe: tuple[type, list[tuple[str, object]]], copy: torch.Te
     return cls(**{name: (copy.as_strided(*how) if isinstance(how, tuple) else how) for name, how in fields})
 
 
+# How many copies of a signature's launches may be held by live handles at once (beside the shared
+# one that is copied out): a few in-flight dispatches (micro-batches, a layer's forward and its
+# recomputation); a training step's dozens of held handles take the shared copy.
+LENDABLE_COPIES = 3
+
+# The reference count of a storage (its tensors and views); None where torch lacks it: then no
+# copy is ever handed out, every replay is copied out of the shared one.
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_count(t: torch.Tensor) -> int:
+    return _storage_use_count(t.untyped_storage()._cdata)
+
+
 @dataclass
 class CapturedLayout:
     """One default-mode dispatch signature's layout launches as a CUDA graph, and the static
@@ -95,19 +118,106 @@ class CapturedLayout:
     arena: Int32Arena              # every layout tensor the graph writes
     status: torch.Tensor           # pinned host copy of the layout status words
     ready: torch.cuda.Event        # recorded after the replay: wait on it before reading `status`
+    recv_rows: torch.Tensor | None = None  # the handle's int32 [W, MAXT, K] / [W, MAXT], which the
+    recv_tok: torch.Tensor | None = None   # dispatch kernel writes, handed out with the layout
     send: SendLayout | None = None  # views of the arena (set by the launches)
     recv: RecvLayout | None = None
-    recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first replay
+    recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first copied replay
+    _watch: tuple = ()             # what `idle` watches (`arm`), and its counts when idle
+    _storages: tuple = ()
+    _base: tuple | None = None     # None: not lent yet (`replay_in_place` arms it)
+
+    def _queue(self, topk_idx: torch.Tensor) -> None:
+        self.topk_idx.copy_(topk_idx)
+        self.graph.replay()
+        self.ready.record(current_stream() if self.topk_idx.is_cuda else None)
 
     def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """Queue this call's layout on the current stream; return it, copied out of the graph's
         memory (the handle keeps it past the next replay). No host sync: wait on `ready` before
         reading `status`."""
-        self.topk_idx.copy_(topk_idx)
-        self.graph.replay()
-        self.ready.record(current_stream() if self.topk_idx.is_cuda else None)
+        self._queue(topk_idx)
         flat = self.arena.flat
         if self.recipes is None:
             self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))
         snap = flat[:self.arena.used].clone()
         return rebuild_layout(self.recipes[0], snap), rebuild_layout(self.recipes[1], snap)
+
+    def replay_in_place(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+        """`replay`, returning the graph's own layout (only when `idle`: nothing else holds it)."""
+        self._queue(topk_idx)
+        if self._base is None:
+            self.arm()
+        return self.send, self.recv
+
+    def arm(self) -> None:
+        """Take the reference counts of an idle copy (at its first lending): of every object a caller can
+        be handed (the layouts, each of their tensors, recv_rows / recv_tok) and of every storage
+        behind them (a view taken of any of them counts there). `idle` counts the same way."""
+        tensors = [t for lay in (self.send, self.recv) for f in dataclasses.fields(lay)
+                   for t in [getattr(lay, f.name)] if isinstance(t, torch.Tensor)]
+        tensors += [t for t in (self.recv_rows, self.recv_tok) if t is not None]
+        by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
+        self._watch = (self.send, self.recv, *tensors)
+        self._storages = tuple(by_storage.values())
+        del tensors, by_storage  # (their references would count now and not in `idle`)
+        self._base = (self._object_refs(), self._storage_refs())
+
+    def _object_refs(self) -> list[int]:
+        return [sys.getrefcount(o) for o in self._watch]
+
+    def _storage_refs(self) -> list[int]:
+        return [_storage_count(t) for t in self._storages]
+
+    def idle(self) -> bool:
+        """Nothing outside this object holds its layout, tensors or a view of their memory."""
+        if self._base is None:
+            return True
+        objs, stores = self._base
+        return self._object_refs() == objs and self._storage_refs() == stores
+
+
+class LayoutReplays:
+    """A signature's captured layout launches: up to LENDABLE_COPIES copies handed to calls as
+    they are, and a shared copy replayed and copied out while all of them are held (module
+    docstring). `capture()` builds a copy (nothing queued); it is called again as more copies
+    are needed, and a copy it could not build (it raised RuntimeError: a CUDA capture problem,
+    out of memory) stops the growth (`replay` then returns None while it has nothing to run)."""
+
+    def __init__(self, capture: Callable[[], CapturedLayout]) -> None:
+        self._capture = capture
+        self.lendable = LENDABLE_COPIES if _storage_use_count is not None else 0
+        first = capture()
+        self.copies: list[CapturedLayout] = [first] if self.lendable else []  # the lendable ones
+        self.shared: CapturedLayout | None = None if self.lendable else first
+
+    @property
+    def replays(self) -> int:
+        """Replays of every copy (tests)."""
+        return sum(c.graph.replays for c in self.copies + ([self.shared] if self.shared else []))
+
+    def _grow(self) -> CapturedLayout | None:
+        try:
+            return self._capture()
+        except RuntimeError as err:  # as CallGraphCache.lookup_or_give_up: never fail the call
+            warnings.warn(f"EPBuffer: capturing another copy of a dispatch's layout launches failed ({err}); "
+                          f"this signature keeps the {len(self.copies)} it has", RuntimeWarning, stacklevel=4)
+            self.lendable = len(self.copies)
+            return None
+
+    def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
+        """Queue this call's layout: (send, recv, the copy that ran, whether its layout is lent
+        to the call as it is), or None (launch directly: no copy could be captured)."""
+        for c in self.copies:
+            if c.idle():
+                return (*c.replay_in_place(topk_idx), c, True)
+        if len(self.copies) < self.lendable:
+            c = self._grow()
+            if c is not None:
+                self.copies.append(c)
+                return (*c.replay_in_place(topk_idx), c, True)
+        if self.shared is None:
+            self.shared = self._grow()
+            if self.shared is None:
+                return None
+        return (*self.shared.replay(topk_idx), self.shared, False)

@@ -7,6 +7,8 @@ import pytest
 import rank_fns_ep as fns
 import torch
 
+from ditron_ep.ops.ep.layout_replay import LENDABLE_COPIES
+
 CASES = [  # (W, tokens per rank, H, E, K, dtype, routing, drop_prob)
     (2, [20, 13], 64, 8, 2, torch.float32, "uniform", 0.0),
     (2, [9, 17], 100, 4, 1, torch.bfloat16, "zipf", 0.0),            # H not a block multiple, K = 1
@@ -135,14 +137,23 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
     CPU stand-in for the CUDA graph reruns the buffer's own launch sequence into the same arena):
     every call's rows and combine are bitwise those of a buffer launching directly, also for
     handles combined only after later calls replayed over the graph's buffers; graph mode never
-    replays; bad input on a replayed call still raises."""
-    calls = 4
+    replays; bad input on a replayed call still raises. A signature's captured copy is handed to
+    one call at a time: held handles (or a view of their layout) keep theirs from being replayed
+    over, dropped ones give it back."""
+    calls = LENDABLE_COPIES + 2  # the last replay of the default-mode calls is copied out of a shared copy
     for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls)):
         assert rep["captured"] == 1, f"rank {rank}: expected one captured signature, got {rep['captured']}"
         assert rep["replays"] == calls - 1, f"rank {rank}: {rep['replays']} replays"
         assert all(rep["same"]), f"rank {rank}: replayed calls differ from direct ones: {rep['same']}"
+        # the kept handles of the default-mode calls each hold a copy, the last one a copy out of
+        # the shared one; then dropped handles give theirs back, and a view of a call's layout
+        # keeps that copy from being replayed over
+        assert rep["copies"] == rep["copies_after_reuse"] == LENDABLE_COPIES and rep["shared_copy"], rep
+        assert all(rep["reuse_same"]), f"rank {rank}: calls on lent copies differ: {rep['reuse_same']}"
+        assert rep["copies_used"] == [0, 1, 1, 1], rep["copies_used"]
+        assert rep["kept_view_intact"], "a replay overwrote a layout a live view still reads"
         assert rep["bad"].startswith("RoutingError") and "ranks 0" in rep["bad"], rep["bad"]
-        assert rep["replays_after_bad"] == rep["replays"] + 1, "the bad call did not take the replay path"
+        assert rep["replays_after_bad"] == rep["replays_before_bad"] + 1, "the bad call did not take the replay path"
         assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
         assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
 
