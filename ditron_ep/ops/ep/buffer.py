@@ -751,7 +751,7 @@ class EPBuffer:
         layout's and the data kernel's ~45 arguments) cost ~150 µs of it on a lent host. Bad
         input raises on every rank as in a direct call; the rows that moved stay in the graph's
         static output, never returned (graph mode's semantics for flagged slots)."""
-        T = x.shape[0]
+        T, K = x.shape[0], self.topk
         key = (T, topk_idx.dtype, w is not None, token_major, self.heap.wait_budget)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         replays = self._calls.lookup_or_give_up(
