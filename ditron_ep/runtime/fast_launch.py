@@ -99,37 +99,16 @@ class FastLauncher:
             self.prepare(self.fn.run(*args, grid=grid, warmup=True, **kwargs))  # compiles, does not launch
         return self.fn.run(*args, grid=grid, warmup=False, **kwargs)
 
-    def compile(self, grid: tuple[int, ...], *args, **kwargs) -> None:
-        """Compile what `self[grid](*args, **kwargs)` would launch, without launching it (before
-        a CUDA graph capture that launches it with these arguments' specialisations)."""
-        if not self.enabled or self.prepare is not None:
-            return  # the interpreter compiles nothing; NVSHMEM kernels are not captured this way
-        key = self._key(args, kwargs)
-        if key is None or key in self._compiled:
+    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if (not self.enabled or callable(grid) or self.fn.pre_run_hooks or len(args) > self._first_constexpr):
+            self._ordinary(grid, args, kwargs)
             return
-        if self.extern_libs is not None:
-            kwargs = {**kwargs, "extern_libs": self.extern_libs}
-        kernel = self.fn.run(*args, grid=grid, warmup=True, **kwargs)
-        if kernel is not None and len(args) <= self._first_constexpr:
-            self._remember(key, kernel, len(args), kwargs)
-
-    def _key(self, args: tuple, kwargs: dict) -> tuple | None:
         knobs = self._knobs
         try:
             key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)
             hash(key)
         except TypeError:  # an argument of a type the key does not cover
-            return None
-        return key
-
-    def launch(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
-        if (not self.enabled or callable(grid) or self.fn.pre_run_hooks or len(args) > self._first_constexpr):
-            self._ordinary(grid, args, kwargs)
-            return
-        knobs = self._knobs
-        key = self._key(args, kwargs)
-        if key is None:
             self._ordinary(grid, args, kwargs)
             return
         entry = self._compiled.get(key)

@@ -26,11 +26,6 @@ from ditron_ep.ops.ep.layout_kernels import (
     build_send_layout,
     exchange_layout,
     layout_landing_shape,
-    SEND_LAYOUT_BLOCK_T,
-    _int32_tensors,
-    _send_layout,
-    recv_layout_shapes,
-    send_layout_shapes,
 )
 from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays, layout_arena_words
 from ditron_ep.runtime import control as C
@@ -44,10 +39,6 @@ from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_ten
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = torch.float8_e4m3fn
-# A default-mode dispatch replays whole from a CUDA graph while its static output at capacity
-# (W * max_tokens * K rows) takes at most this (EPBuffer._dispatch_replayed); T=128, H=7168,
-# top-8 on 8 ranks: 117 MiB. Larger calls are bound by the GPU, not by launches.
-WHOLE_CALL_BYTES = 128 << 20
 SCALE_COLS = 128  # FP8 dispatch: one fp32 scale per token and 128 columns (DeepEP's format)
 
 
@@ -225,7 +216,6 @@ class EPBuffer:
                 "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype,
                 "transport": transport})
         self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
-        self._calls: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)  # whole dispatches
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
         self.fp8 = self.dispatch_dtype == FP8
@@ -462,7 +452,6 @@ class EPBuffer:
 
     def free(self) -> None:
         self._layouts.clear()  # the graphs point into the heap
-        self._calls.clear()
         self.heap.free()
 
     # ------------------------------------------------------------------ validation
@@ -602,16 +591,14 @@ class EPBuffer:
                          recv_w: torch.Tensor | None, recv_rows: torch.Tensor, recv_tok: torch.Tensor, *,
                          after_layout: bool, row_index: torch.Tensor | None = None,
                          scales: torch.Tensor | None = None, recv_scales: torch.Tensor | None = None,
-                         dequantize: bool = False, compile_only: bool = False) -> None:
+                         dequantize: bool = False) -> None:
         """The data kernel. after_layout: this call's counts exchange ran right before on this
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
-        False for a replay along an old handle (combine's backward). compile_only: compile it
-        for these arguments, launch nothing (before a capture: `_capture_call`)."""
+        False for a replay along an old handle (combine's backward)."""
         h = self.heap
         dummy_f = self._dummy_f32
         puts = self._put_peers != 0
-        launcher = (nvshmem_launcher if puts else fast)(ep_dispatch_kernel)
-        (functools.partial(launcher.compile, (self.num_programs,)) if compile_only else launcher[(self.num_programs,)])(
+        (nvshmem_launcher if puts else fast)(ep_dispatch_kernel)[(self.num_programs,)](
             x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
             recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
@@ -666,10 +653,6 @@ class EPBuffer:
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
                       max_recv_rows: int | None = None, token_major: bool = False, scales: torch.Tensor | None = None,
                       dequantize: bool = False, under_autograd: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
-        if sync and not under_autograd and scales is None and self._whole_call_fits(x, topk_idx, w):
-            done = self._dispatch_replayed(x, topk_idx, w, token_major)
-            if done is not None:
-                return done
         send, recv, captured, lent = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
         # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
@@ -722,107 +705,6 @@ class EPBuffer:
                                 num_rows, sync, capped, row_index, token_rows, recv_scales,
                                 w is not None and w.requires_grad and torch.is_grad_enabled())
         return recv_x, handle
-
-    # ------------------------------------------------------------------ whole eager calls from CUDA graphs
-    def _whole_call_fits(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None) -> bool:
-        """Whether a default-mode dispatch replays whole from a CUDA graph (`_dispatch_replayed`):
-        a graph cache, a CUDA device outside a capture, the pointer transport, errors read per
-        call (check_errors), this rank's tokens within capacity, 16-byte aligned inputs (the
-        kernels compiled for them serve the graph's static copies), and received rows at
-        capacity (W * max_tokens * K rows, what the graph's static output holds) within
-        WHOLE_CALL_BYTES."""
-        return (self._calls.capacity > 0 and self.check_errors and self._put_peers == 0 and not self.fp8
-                and x.shape[0] <= self.max_tokens and self._capacity_bytes() <= WHOLE_CALL_BYTES
-                and x.data_ptr() % 16 == 0 and topk_idx.data_ptr() % 16 == 0
-                and (w is None or w.data_ptr() % 16 == 0) and self._can_capture())
-
-    def _capacity_bytes(self) -> int:
-        return self.world_size * self.max_tokens * self.topk * self.hidden * self._elt
-
-    def _dispatch_replayed(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
-                           token_major: bool) -> tuple[torch.Tensor, DispatchHandle] | None:
-        """A default-mode dispatch as one graph replay: the call's tokens, routing and weights
-        copied into a captured copy's static inputs, its layout, status copy, data kernel (rows
-        at capacity, the same kernel and bits as a direct call) and error-word copy replayed, one
-        wait, then the received rows copied out. None: launch it the ordinary way (first call of
-        a signature, every copy held, a capture that failed).
-
-        Why: at small T an eager dispatch is bound by host time, and the launches it saves (the
-        layout's and the data kernel's ~45 arguments) cost ~150 µs of it on a lent host. Bad
-        input raises on every rank as in a direct call; the rows that moved stay in the graph's
-        static output, never returned (graph mode's semantics for flagged slots)."""
-        T, K = x.shape[0], self.topk
-        key = (T, topk_idx.dtype, w is not None, token_major, self.heap.wait_budget)
-        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
-        replays = self._calls.lookup_or_give_up(
-            key, lambda: LayoutReplays(lambda: self._capture_call(x, topk_idx, w32, token_major), shared=False),
-            "EPBuffer")
-        ran = replays.replay(topk_idx, *((x,) if w32 is None else (x, w32))) if replays is not None else None
-        if ran is None:
-            return None
-        send, recv, c, _ = ran
-        c.ready.synchronize()
-        words = c.status.tolist()
-        if any(c.errors.tolist()):  # the data kernel recorded an error: read (and clear) it as usual
-            self.heap.check_error()
-        num_rows = raise_layout_status(words, self.heap, self._pending_flags, self)
-        token_rows = sum(words[-self.world_size:])
-        recv_x = c.recv_x[:token_rows if token_major else num_rows].clone()
-        recv_w = None if c.recv_w is None else c.recv_w[:num_rows].clone()
-        row_index = None if c.row_index is None else c.row_index[:num_rows].clone()
-        handle = DispatchHandle(id(self), send, recv, c.recv_rows, c.recv_tok, recv_w, T, num_rows, num_rows, True,
-                                None, row_index, token_rows if token_major else None, None,
-                                w is not None and w.requires_grad and torch.is_grad_enabled())
-        return recv_x, handle
-
-    def _capture_call(self, x: torch.Tensor, topk_idx: torch.Tensor, w32: torch.Tensor | None = None,
-                      token_major: bool = False) -> CapturedLayout:
-        """Capture a default-mode dispatch whole (see `_dispatch_replayed`): static inputs like
-        this call's, outputs at capacity."""
-        c = self._call_statics(x, topk_idx, w32, token_major)
-        self._call_launches(c, compile_only=True)  # its kernels compile here, not inside the capture
-        with graph_capture(c.graph):
-            self._call_launches(c)
-        return c
-
-    def _call_statics(self, x: torch.Tensor, topk_idx: torch.Tensor, w32: torch.Tensor | None,
-                      token_major: bool) -> CapturedLayout:
-        """`_layout_statics`, plus the static inputs after the routing and the outputs at capacity."""
-        c = self._layout_statics(topk_idx)
-        W, T, K, cuda = self.world_size, self.max_tokens, self.topk, self.device.type == "cuda"
-        rows_cap = W * T * K
-        c.inputs = (torch.empty_like(x),) + (() if w32 is None else (torch.empty_like(w32),))
-        c.recv_x = torch.empty((W * T if token_major else rows_cap, self.hidden), dtype=self.dtype, device=self.device)
-        c.recv_w = None if w32 is None else torch.empty(rows_cap, dtype=torch.float32, device=self.device)
-        c.row_index = torch.empty(rows_cap, dtype=torch.int32, device=self.device) if token_major else None
-        c.errors = torch.empty(C.HOST_WORDS - C.ERR_FLAG, dtype=torch.int32, pin_memory=cuda)
-        return c
-
-    def _call_launches(self, c: CapturedLayout, compile_only: bool = False) -> None:
-        """What a whole-call graph runs: `_layout_launches`, the data kernel on the static inputs
-        into the outputs at capacity, then the copy of the error words into c.errors."""
-        if not compile_only:
-            self._layout_launches(c)
-        x = c.inputs[0]
-        w = c.inputs[1] if len(c.inputs) > 1 else None
-        send, recv = (c.send, c.recv) if not compile_only else self._compile_stand_ins(c)
-        self._launch_dispatch(x, w, send, recv, c.recv_x.shape[0] if c.row_index is None else c.row_index.shape[0],
-                              False, c.recv_x, c.recv_w, c.recv_rows, c.recv_tok, after_layout=True,
-                              row_index=c.row_index, compile_only=compile_only)
-        if not compile_only:
-            c.errors.copy_(self.heap.error_words, non_blocking=True)
-
-    def _compile_stand_ins(self, c: CapturedLayout) -> tuple[SendLayout, RecvLayout]:
-        """The layout tensors the capture will pass (the same views of c's arena, allocated in the
-        same order, so the same alignment), for compiling the data kernel before the capture;
-        nothing launched, their words unwritten."""
-        T, E, W = c.topk_idx.shape[0], self.num_experts, self.world_size
-        c.arena.used = 0
-        out = _int32_tensors(send_layout_shapes(T, self.topk, E, W, self.max_tokens), c.arena, self.device)
-        send = _send_layout(out, out["prefix"][triton.cdiv(T, SEND_LAYOUT_BLOCK_T)], E, W)
-        recv = RecvLayout(**_int32_tensors(recv_layout_shapes(W, self.num_local_experts), c.arena, self.device))
-        c.arena.used = 0
-        return send, recv
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
                      mode: int = 0, under_autograd: bool = False) -> torch.Tensor:

@@ -123,38 +123,29 @@ class CapturedLayout:
     send: SendLayout | None = None  # views of the arena (set by the launches)
     recv: RecvLayout | None = None
     recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first copied replay
-    # a whole dispatch's graph (EPBuffer._capture_call) also has: static inputs after the routing
-    # (tokens, weights), static outputs at capacity (copied out of), pinned error words
-    inputs: tuple = ()
-    recv_x: torch.Tensor | None = None
-    recv_w: torch.Tensor | None = None
-    row_index: torch.Tensor | None = None
-    errors: torch.Tensor | None = None
     _watch: tuple = ()             # what `idle` watches (`arm`), and its counts when idle
     _storages: tuple = ()
     _base: tuple | None = None     # None: not lent yet (`replay_in_place` arms it)
 
-    def _queue(self, topk_idx: torch.Tensor, *inputs: torch.Tensor) -> None:
+    def _queue(self, topk_idx: torch.Tensor) -> None:
         self.topk_idx.copy_(topk_idx)
-        for static, value in zip(self.inputs, inputs, strict=True):
-            static.copy_(value)
         self.graph.replay()
         self.ready.record(current_stream() if self.topk_idx.is_cuda else None)
 
-    def replay(self, topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
-        """Queue this call's layout on the current stream (`inputs`: into the static `inputs`);
-        return it, copied out of the graph's memory (the handle keeps it past the next replay).
-        No host sync: wait on `ready` before reading `status`."""
-        self._queue(topk_idx, *inputs)
+    def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+        """Queue this call's layout on the current stream; return it, copied out of the graph's
+        memory (the handle keeps it past the next replay). No host sync: wait on `ready` before
+        reading `status`."""
+        self._queue(topk_idx)
         flat = self.arena.flat
         if self.recipes is None:
             self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))
         snap = flat[:self.arena.used].clone()
         return rebuild_layout(self.recipes[0], snap), rebuild_layout(self.recipes[1], snap)
 
-    def replay_in_place(self, topk_idx: torch.Tensor, *inputs: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+    def replay_in_place(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """`replay`, returning the graph's own layout (only when `idle`: nothing else holds it)."""
-        self._queue(topk_idx, *inputs)
+        self._queue(topk_idx)
         if self._base is None:
             self.arm()
         return self.send, self.recv
@@ -193,13 +184,10 @@ class LayoutReplays:
     are needed, and a copy it could not build (it raised RuntimeError: a CUDA capture problem,
     out of memory) stops the growth (`replay` then returns None while it has nothing to run)."""
 
-    def __init__(self, capture: Callable[[], CapturedLayout], shared: bool = True) -> None:
-        """shared=False: no shared copy (a whole dispatch's graph, whose recv_rows / recv_tok a
-        copy-out would have to clone too): `replay` returns None while every copy is held."""
+    def __init__(self, capture: Callable[[], CapturedLayout]) -> None:
         self._capture = capture
-        self._has_shared = shared
         self.lendable = LENDABLE_COPIES if _storage_use_count is not None else 0
-        first = capture() if self.lendable or shared else None
+        first = capture()
         self.copies: list[CapturedLayout] = [first] if self.lendable else []  # the lendable ones
         self.shared: CapturedLayout | None = None if self.lendable else first
 
@@ -217,23 +205,19 @@ class LayoutReplays:
             self.lendable = len(self.copies)
             return None
 
-    def replay(self, topk_idx: torch.Tensor, *inputs: torch.Tensor
-               ) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
-        """Queue this call's layout (and `inputs`: the copies' static inputs after the routing):
-        (send, recv, the copy that ran, whether its layout is lent to the call as it is), or
-        None (launch directly: no copy could be captured, or none is free and there is no shared one)."""
+    def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
+        """Queue this call's layout: (send, recv, the copy that ran, whether its layout is lent
+        to the call as it is), or None (launch directly: no copy could be captured)."""
         for c in self.copies:
             if c.idle():
-                return (*c.replay_in_place(topk_idx, *inputs), c, True)
+                return (*c.replay_in_place(topk_idx), c, True)
         if len(self.copies) < self.lendable:
             c = self._grow()
             if c is not None:
                 self.copies.append(c)
-                return (*c.replay_in_place(topk_idx, *inputs), c, True)
-        if not self._has_shared:
-            return None
+                return (*c.replay_in_place(topk_idx), c, True)
         if self.shared is None:
             self.shared = self._grow()
             if self.shared is None:
                 return None
-        return (*self.shared.replay(topk_idx, *inputs), self.shared, False)
+        return (*self.shared.replay(topk_idx), self.shared, False)

@@ -406,26 +406,7 @@ def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor):
     return c
 
 
-def _cpu_capture_call(buf: EPBuffer, x: torch.Tensor, topk_idx: torch.Tensor, w32, token_major: bool):
-    """EPBuffer._capture_call for the CPU: `_call_statics`, and a stand-in graph rerunning
-    `_call_launches` (as `_cpu_capture_layout`)."""
-    c = buf._call_statics(x, topk_idx, w32, token_major)
-    c.arena.flat.fill_(-12345)
-    c.recv_x.fill_(float("nan"))  # poison: rows the kernel does not write show
-
-    def launches() -> None:
-        first = (c.send, c.recv)
-        buf._call_launches(c)
-        if first[0] is not None:
-            c.send, c.recv = first
-
-    c.graph = _RerunGraph(launches)
-    c.ready = _DoneEvent()
-    return c
-
-
-def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, seed: int = 0,
-                         whole: bool = False) -> dict:
+def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, seed: int = 0) -> dict:
     """A buffer replaying its layout (graph_cache, with the CPU stand-in for the graph) against
     one launching directly: `calls` dispatches per mode with fresh routings (the same T), every
     handle kept and combined only after all of them (a replay must not rewrite an earlier call's
@@ -439,10 +420,6 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
     cached._can_capture = lambda: True
     cached._capture_layout = lambda idx: _cpu_capture_layout(cached, idx)
-    cached._capture_call = lambda *a: _cpu_capture_call(cached, *a)
-    if not whole:  # the layout-only replays (whole dispatches replay from the second call on)
-        cached._calls.capacity = 0
-    cache = cached._calls if whole else cached._layouts
     report = {"same": [], "replays": 0}
     for sync in (True, False):
         runs = {"direct": [], "cached": []}
@@ -458,12 +435,12 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
             report["same"].append(torch.equal(rx_d[:n], rx_c[:n]) and torch.equal(out_d, out_c)
                                   and torch.equal(h_d.expert_offsets, h_c.expert_offsets)
                                   and torch.equal(h_d.send.slot, h_c.send.slot))
-    report["captured"] = len(cache)
-    report["replays"] = sum(c.replays for c in cache._entries.values())
+    report["captured"] = len(cached._layouts)
+    report["replays"] = sum(c.replays for c in cached._layouts._entries.values())
     # Handles dropped after their combine give their captured copy back: the loop replays one
     # copy. A view taken of a handle's layout holds its copy after the handle is gone: that
     # copy is not replayed over (the view keeps its values).
-    entry = next(iter(cache._entries.values()))
+    entry = next(iter(cached._layouts._entries.values()))
     report["copies"] = len(entry.copies)
     report["shared_copy"] = entry.shared is not None
     report["reuse_same"], kept, used = [], None, []
@@ -482,7 +459,7 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     report["copies_used"] = used
     report["kept_view_intact"] = torch.equal(*kept)
     del kept, view
-    report["replays_before_bad"] = sum(c.replays for c in cache._entries.values())
+    report["replays_before_bad"] = sum(c.replays for c in cached._layouts._entries.values())
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", seed + 999)
     if rank == 0 and tokens[0]:
         idxs[0][0, 0] = E + 3
@@ -491,14 +468,14 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
         report["bad"] = "no error"
     except RoutingError as err:
         report["bad"] = f"RoutingError: {err}"
-    report["replays_after_bad"] = sum(c.replays for c in cache._entries.values())
+    report["replays_after_bad"] = sum(c.replays for c in cached._layouts._entries.values())
     cached.dispatch(xs[rank], idxs[rank], ws[rank], sync=False)
     try:
         cached.check()
         report["bad_graph_mode"] = "no error"
     except RoutingError as err:
         report["bad_graph_mode"] = f"RoutingError: {err}"
-    report["replays_after_graph_mode"] = sum(c.replays for c in cache._entries.values())
+    report["replays_after_graph_mode"] = sum(c.replays for c in cached._layouts._entries.values())
     direct.free()
     cached.free()
     return report

@@ -131,28 +131,24 @@ def test_two_ranks_refusing_one_combine_are_both_counted(emulated_cluster):
     assert r0["after"] and r1["after"] and r2["after"]
 
 
-@pytest.mark.parametrize("W,tokens,whole", [(2, [13, 20], False), (3, [7, 0, 18], False), (2, [13, 20], True)],
-                         ids=["W2", "W3-empty-rank", "W2-whole-call"])
-def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, tokens, whole):
+@pytest.mark.parametrize("W,tokens", [(2, [13, 20]), (3, [7, 0, 18])], ids=["W2", "W3-empty-rank"])
+def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, tokens):
     """EPBuffer(graph_cache) replays a default-mode signature's layout from its second call on (a
     CPU stand-in for the CUDA graph reruns the buffer's own launch sequence into the same arena):
     every call's rows and combine are bitwise those of a buffer launching directly, also for
     handles combined only after later calls replayed over the graph's buffers; graph mode never
     replays; bad input on a replayed call still raises. A signature's captured copy is handed to
     one call at a time: held handles (or a view of their layout) keep theirs from being replayed
-    over, dropped ones give it back. whole: the same for default-mode dispatches replayed whole
-    (layout and data kernel, EPBuffer._dispatch_replayed)."""
+    over, dropped ones give it back."""
     calls = LENDABLE_COPIES + 2  # the last replay of the default-mode calls is copied out of a shared copy
-    for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls,
-                                                       whole=whole)):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls)):
         assert rep["captured"] == 1, f"rank {rank}: expected one captured signature, got {rep['captured']}"
-        # a whole dispatch has no shared copy: with every copy held the call launches directly
-        assert rep["replays"] == (LENDABLE_COPIES if whole else calls - 1), f"rank {rank}: {rep['replays']} replays"
+        assert rep["replays"] == calls - 1, f"rank {rank}: {rep['replays']} replays"
         assert all(rep["same"]), f"rank {rank}: replayed calls differ from direct ones: {rep['same']}"
         # the kept handles of the default-mode calls each hold a copy, the last one a copy out of
         # the shared one; then dropped handles give theirs back, and a view of a call's layout
         # keeps that copy from being replayed over
-        assert rep["copies"] == rep["copies_after_reuse"] == LENDABLE_COPIES and rep["shared_copy"] != whole, rep
+        assert rep["copies"] == rep["copies_after_reuse"] == LENDABLE_COPIES and rep["shared_copy"], rep
         assert all(rep["reuse_same"]), f"rank {rank}: calls on lent copies differ: {rep['reuse_same']}"
         assert rep["copies_used"] == [0, 1, 1, 1], rep["copies_used"]
         assert rep["kept_view_intact"], "a replay overwrote a layout a live view still reads"
