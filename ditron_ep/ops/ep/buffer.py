@@ -183,9 +183,11 @@ class EPBuffer:
         graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
             dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
             a signature's second call and replayed after (ops/ep/layout_replay.py, runtime/call_graphs.py):
-            the same kernels and arguments, so the same bits, for a replay, a copy and a clone
-            instead of four launches and a dozen allocations (~190 µs of host time on a lent H200
-            host). 0 launches every call directly.
+            the same kernels and arguments, so the same bits, for a replay and a copy of the
+            routing instead of four launches and a dozen allocations (~190 µs of host time on a
+            lent H200 host). A signature keeps up to 3 captured copies, each handed to one call at
+            a time (its handle holds it; a clone of a shared copy when all are held). 0 launches
+            every call directly.
         transport (runtime/transport.py): how the dispatch's tokens reach each peer. "auto"
             (default) and "pointer": stores through the peer pointer table; "put" (backend
             "nvshmem"): NVSHMEM put-with-signal to every peer (the transport for peers without a
