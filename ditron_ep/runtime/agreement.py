@@ -73,24 +73,73 @@ def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same:
 
 def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object],
                 device: torch.device) -> None:
-    """`agree` for ops on the data path: every rank posts one fixed-size int64 row — its problem
-    flag and the `same` fields as words (field_word) — in one all_gather on `device` (no pickling);
-    only when a row is flagged or differs does it fall back to `agree`, which builds the message and
-    raises on every rank. `same` must have the same keys on every rank (a rank with a problem still
-    passes them, any values). (Over a gloo side group the host would not wait for the GPU, but a
-    group made with use_local_synchronization is named by how many groups each member holds, which
-    differs between the members of a subgroup: their first call hangs.)"""
+    """`agree` for ops on the data path: every rank posts one fixed-size row of words — its problem
+    flag and the `same` fields (field_word) — and reads every rank's (`_exchange_rows`); only when a
+    row is flagged or differs does it fall back to `agree`, which builds the message and raises on
+    every rank. `same` must have the same keys on every rank (a rank with a problem still passes
+    them, any values)."""
     require_member(group, what)
-    world = dist.get_world_size(group)
-    words = torch.tensor([1 if problem else 0, *(field_word(v) for v in same.values())], dtype=torch.int64,
-                         device=device)
-    rows = torch.empty(world * words.numel(), dtype=torch.int64, device=device)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(rows, words, group=group)
-    host = rows.cpu().view(world, -1)
-    if bool(host[:, 0].any()) or bool((host[:, 1:] != host[0, 1:]).any()):
+    words = [1 if problem else 0, *(field_word(v) for v in same.values())]
+    rows = _exchange_rows(group, words, device)
+    if any(r[0] for r in rows) or any(r[1:] != rows[0][1:] for r in rows):
         agree(group, what, problem, None if problem else same)
         raise DitronConfigError(f"{what}: the ranks' arguments differ ({', '.join(same)})")  # agree raised already
+
+
+# NCCL groups exchange agree_words' rows through the rendezvous store: a tensor all_gather there
+# is a GPU collective whose read-back waits for everything queued on the stream (~350-450 µs a
+# call on 2xH200, bench/results/HISTORY.md session 22), the store a few TCP round trips of the host.
+# Other groups (gloo: emulated CPU ranks, whose FileStore rereads its whole log on every access)
+# all_gather on `device`. Tests set it to "store" / "tensor" to force either.
+AGREE_TRANSPORT = "auto"
+_STORE_AGREEMENTS: dict = {}
+
+
+def _exchange_rows(group: dist.ProcessGroup | None, words: list[int], device: torch.device) -> list[list[int]]:
+    """Every rank's `words` (a list of ints, the same length on every rank), in rank order."""
+    via = AGREE_TRANSPORT if AGREE_TRANSPORT != "auto" else \
+        "store" if "nccl" in str(dist.get_backend(group)) else "tensor"
+    if via == "store":
+        g = group if group is not None else dist.group.WORLD
+        key = g.group_name if hasattr(g, "group_name") else id(g)
+        base = dist.distributed_c10d._get_default_store()
+        agreement = _STORE_AGREEMENTS.get(key)
+        if agreement is None or agreement.base is not base:  # (a process group made again: a new store)
+            agreement = _STORE_AGREEMENTS[key] = StoreAgreement(group, base)
+        return agreement.exchange(words)
+    world = dist.get_world_size(group)
+    row = torch.tensor(words, dtype=torch.int64, device=device)
+    rows = torch.empty(world * row.numel(), dtype=torch.int64, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(rows, row, group=group)
+    return rows.cpu().view(world, -1).tolist()
+
+
+class StoreAgreement:
+    """A group's rows exchanged through the default c10d store (the rendezvous TCPStore under
+    torchrun): call c of rank r sets key "c/r"; every rank reads the group's keys of call c (the
+    store's get waits for a key, up to the store's timeout), then deletes its own key of call c - 2,
+    which every peer has read by then (it could not have finished call c - 1 without this rank's
+    key c - 1, set after this rank had read call c - 2). No GPU work, no stream sync. The group's
+    name (the same on its members) keeps groups apart; every rank makes a group's calls in the same
+    order, as for any collective."""
+
+    def __init__(self, group: dist.ProcessGroup | None, base: dist.Store) -> None:
+        g = group if group is not None else dist.group.WORLD
+        name = g.group_name if hasattr(g, "group_name") else "world"
+        self.base = base
+        self.store = dist.PrefixStore(f"ditron_ep/agree/{name}/", base)
+        self.rank, self.world, self.call = dist.get_rank(group), dist.get_world_size(group), 0
+
+    def exchange(self, words: list[int]) -> list[list[int]]:
+        self.call += 1
+        c = self.call
+        self.store.set(f"{c}/{self.rank}", ",".join(map(str, words)))
+        keys = [f"{c}/{r}" for r in range(self.world)]
+        values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else [self.store.get(k) for k in keys]
+        if c > 2:
+            self.store.delete_key(f"{c - 2}/{self.rank}")
+        return [[int(w) for w in bytes(v).decode().split(",")] for v in values]
 
 
 def differing(fields: dict[int, dict | None]) -> str:

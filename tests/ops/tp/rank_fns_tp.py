@@ -124,6 +124,32 @@ def bad_input_case(kind: str) -> str:
     return "no error"
 
 
+def store_agreement_case(kinds: list[str]) -> dict:
+    """The TP ops' agreement through the c10d store (what NCCL groups use; agreement.py): each
+    kind of bad input raises the same error on every rank as the tensor exchange does, good
+    calls give the tensor exchange's results, and each rank's keys of old calls are deleted."""
+    from ditron_ep.runtime import agreement
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rep: dict = {}
+    old = agreement.AGREE_TRANSPORT
+    try:
+        a, b = torch.randn(4 * world, 8, generator=torch.Generator().manual_seed(rank)), torch.randn(8, 6)
+        agreement.AGREE_TRANSPORT = "tensor"
+        want = [matmul_all_reduce(a, b), all_gather_matmul(a, b), matmul_reduce_scatter(a, b)]
+        agreement.AGREE_TRANSPORT = "store"
+        rep["errors"] = {kind: bad_input_case(kind) for kind in kinds}
+        got = [[matmul_all_reduce(a, b), all_gather_matmul(a, b), matmul_reduce_scatter(a, b)] for _ in range(3)]
+        rep["same"] = [all(torch.equal(g, w) for g, w in zip(call, want)) for call in got]
+        ag = next(iter(agreement._STORE_AGREEMENTS.values()))
+        dist.barrier()
+        rep["calls"] = ag.call
+        rep["kept"] = [c for c in range(1, ag.call + 1) if ag.store.check([f"{c}/{rank}"])]
+    finally:
+        agreement.AGREE_TRANSPORT = old
+    return rep
+
+
 def modules_case(seq_parallel: bool, tokens: int, hidden: int, ffn: int, seed: int,
                  schedule: str = "sequential") -> dict:
     """A TP MLP block (ColumnParallel -> GELU -> RowParallel, from the same nn.Linears on every rank)

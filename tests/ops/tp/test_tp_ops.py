@@ -32,6 +32,17 @@ def test_bad_input_raises_on_every_rank(emulated_cluster, kind, match):
         assert err.startswith("DitronConfigError") and re.search(match, err), (rank, err)
 
 
+def test_store_agreement_raises_alike_and_deletes_old_keys(emulated_cluster):
+    """NCCL groups agree through the c10d store (no GPU collective, no stream sync); forced here
+    on gloo ranks: the same errors on every rank, the same results, old calls' keys deleted."""
+    kinds = ["rows differ", "inner mismatch on one rank", "dtype"]
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.store_agreement_case, kinds)):
+        for kind, err in rep["errors"].items():
+            assert err.startswith("DitronConfigError"), (rank, kind, err)
+        assert all(rep["same"]), (rank, rep["same"])
+        assert rep["kept"] == [rep["calls"] - 1, rep["calls"]], (rank, rep["kept"], rep["calls"])
+
+
 @pytest.mark.parametrize("schedule", ["sequential", "overlap"])
 @pytest.mark.parametrize("seq_parallel", [False, True], ids=["replicated", "sequence-parallel"])
 def test_tp_mlp_block_matches_the_unsharded_block(emulated_cluster, seq_parallel, schedule):
