@@ -16,6 +16,7 @@ of a call say every rank needs another one.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Generic, TypeVar
 
 import torch
@@ -90,8 +91,10 @@ def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None,
 # is a GPU collective whose read-back waits for everything queued on the stream (~350-450 µs a
 # call on 2xH200, bench/results/HISTORY.md session 22), the store a few TCP round trips of the host.
 # Other groups (gloo: emulated CPU ranks, whose FileStore rereads its whole log on every access)
-# all_gather on `device`. Tests set it to "store" / "tensor" to force either.
-AGREE_TRANSPORT = "auto"
+# all_gather on `device`. DITRON_AGREE_TRANSPORT=store|tensor (or tests, setting this) forces either.
+AGREE_TRANSPORT = os.environ.get("DITRON_AGREE_TRANSPORT", "auto")
+if AGREE_TRANSPORT not in ("auto", "store", "tensor"):
+    raise DitronConfigError(f"DITRON_AGREE_TRANSPORT must be auto, store or tensor, got {AGREE_TRANSPORT!r}")
 _STORE_AGREEMENTS: dict = {}
 
 
