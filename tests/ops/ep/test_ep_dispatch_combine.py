@@ -141,7 +141,9 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
     one call at a time: held handles (or a view of their layout) keep theirs from being replayed
     over, dropped ones give it back."""
     calls = LENDABLE_COPIES + 2  # the last replay of the default-mode calls is copied out of a shared copy
-    for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls)):
+    reuse = W == 2  # (the reuse loop once: it is rank-local)
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.replayed_layout_case, tokens, 64, 4 * W, 2, calls,
+                                                       reuse=reuse)):
         assert rep["captured"] == 1, f"rank {rank}: expected one captured signature, got {rep['captured']}"
         assert rep["replays"] == calls - 1, f"rank {rank}: {rep['replays']} replays"
         assert all(rep["same"]), f"rank {rank}: replayed calls differ from direct ones: {rep['same']}"
@@ -149,9 +151,10 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
         # the shared one; then dropped handles give theirs back, and a view of a call's layout
         # keeps that copy from being replayed over
         assert rep["copies"] == rep["copies_after_reuse"] == LENDABLE_COPIES and rep["shared_copy"], rep
-        assert all(rep["reuse_same"]), f"rank {rank}: calls on lent copies differ: {rep['reuse_same']}"
-        assert rep["copies_used"] == [0, 1, 1, 1], rep["copies_used"]
-        assert rep["kept_view_intact"], "a replay overwrote a layout a live view still reads"
+        if reuse:
+            assert all(rep["reuse_same"]), f"rank {rank}: calls on lent copies differ: {rep['reuse_same']}"
+            assert rep["copies_used"] == [0, 1, 1, 1], rep["copies_used"]
+            assert rep["kept_view_intact"], "a replay overwrote a layout a live view still reads"
         assert rep["bad"].startswith("RoutingError") and "ranks 0" in rep["bad"], rep["bad"]
         assert rep["replays_after_bad"] == rep["replays_before_bad"] + 1, "the bad call did not take the replay path"
         assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
