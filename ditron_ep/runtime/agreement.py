@@ -91,8 +91,12 @@ def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None,
 # is a GPU collective whose read-back waits for everything queued on the stream (~350-450 µs a
 # call on 2xH200, bench/results/HISTORY.md session 22), the store a few TCP round trips of the host.
 # Other groups (gloo: emulated CPU ranks, whose FileStore rereads its whole log on every access)
-# all_gather on `device`. DITRON_AGREE_TRANSPORT=store|tensor (or tests, setting this) forces either.
+# all_gather on `device`. DITRON_AGREE_TRANSPORT=store|tensor (or tests, setting this) forces either;
+# every rank must see the same setting (a rank on the other transport waits until the timeout).
+# Jobs of more than STORE_MAX_WORLD ranks keep the all_gather: one TCPStore server answers every
+# rank's three requests a call.
 AGREE_TRANSPORT = os.environ.get("DITRON_AGREE_TRANSPORT", "auto")
+STORE_MAX_WORLD = 16
 if AGREE_TRANSPORT not in ("auto", "store", "tensor"):
     raise DitronConfigError(f"DITRON_AGREE_TRANSPORT must be auto, store or tensor, got {AGREE_TRANSPORT!r}")
 _STORE_AGREEMENTS: dict = {}
@@ -100,14 +104,15 @@ _STORE_AGREEMENTS: dict = {}
 
 def _exchange_rows(group: dist.ProcessGroup | None, words: list[int], device: torch.device) -> list[list[int]]:
     """Every rank's `words` (a list of ints, the same length on every rank), in rank order."""
-    via = AGREE_TRANSPORT if AGREE_TRANSPORT != "auto" else \
-        "store" if "nccl" in str(dist.get_backend(group)) else "tensor"
+    via = AGREE_TRANSPORT if AGREE_TRANSPORT != "auto" else "store" if (
+        "nccl" in str(dist.get_backend(group)) and dist.get_world_size() <= STORE_MAX_WORLD) else "tensor"
     if via == "store":
         g = group if group is not None else dist.group.WORLD
         key = g.group_name if hasattr(g, "group_name") else id(g)
         base = dist.distributed_c10d._get_default_store()
         agreement = _STORE_AGREEMENTS.get(key)
         if agreement is None or agreement.base is not base:  # (a process group made again: a new store)
+            _STORE_AGREEMENTS.pop(key, None)
             agreement = _STORE_AGREEMENTS[key] = StoreAgreement(group, base)
         return agreement.exchange(words)
     world = dist.get_world_size(group)
@@ -124,15 +129,22 @@ class StoreAgreement:
     store's get waits for a key, up to the store's timeout), then deletes its own key of call c - 2,
     which every peer has read by then (it could not have finished call c - 1 without this rank's
     key c - 1, set after this rank had read call c - 2). No GPU work, no stream sync. The group's
-    name (the same on its members) keeps groups apart; every rank makes a group's calls in the same
+    name (the same on its members) keeps groups apart, and an epoch the group's ranks draw from a
+    store counter when they make it (all on their first exchange on the group) keeps a group made
+    again after destroy_process_group (same name, maybe the same store, the last two keys of each
+    rank left there) from reading the old one's keys. Every rank makes a group's calls in the same
     order, as for any collective."""
 
     def __init__(self, group: dist.ProcessGroup | None, base: dist.Store) -> None:
         g = group if group is not None else dist.group.WORLD
-        name = g.group_name if hasattr(g, "group_name") else "world"
+        name = g.group_name if hasattr(g, "group_name") else str(id(g))
         self.base = base
-        self.store = dist.PrefixStore(f"ditron_ep/agree/{name}/", base)
         self.rank, self.world, self.call = dist.get_rank(group), dist.get_world_size(group), 0
+        # each incarnation's W ranks add 1 once, all before any of them completes its first exchange:
+        # they get values in (epoch * W, (epoch + 1) * W] (one counter per group size)
+        where = f"ditron_ep/agree/{name}/{self.world}"
+        epoch = (base.add(f"{where}/members", 1) - 1) // self.world
+        self.store = dist.PrefixStore(f"{where}/{epoch}/", base)
 
     def exchange(self, words: list[int]) -> list[list[int]]:
         self.call += 1

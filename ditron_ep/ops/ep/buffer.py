@@ -97,13 +97,15 @@ class DispatchHandle:
     recv_scales: torch.Tensor | None = None  # FP8 dispatch: fp32 [recv_x rows, hidden / 128]
     weights_need_grad: bool = False        # the dispatched weights required grad (they get none through here)
 
+    # Views, not the layout's own tensors: a caller that keeps one (autograd saving it included)
+    # holds the layout's memory, which a replayed copy's reuse checks (layout_replay.CapturedLayout.idle)
     @property
     def num_recv_per_expert(self) -> torch.Tensor:
-        return self.recv.num_recv
+        return self.recv.num_recv[:]
 
     @property
     def expert_offsets(self) -> torch.Tensor:
-        return self.recv.expert_off if self.capped_offsets is None else self.capped_offsets
+        return (self.recv.expert_off if self.capped_offsets is None else self.capped_offsets)[:]
 
     @property
     def grouped_mm_offs(self) -> torch.Tensor:
@@ -537,7 +539,7 @@ class EPBuffer:
                 and self._can_capture()):
             key = (T, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
             replays = self._layouts.lookup_or_give_up(
-                key, lambda: LayoutReplays(lambda: self._capture_layout(topk_idx)), "EPBuffer")
+                key, lambda: LayoutReplays(lambda lent: self._capture_layout(topk_idx, lent)), "EPBuffer")
             ran = replays.replay(topk_idx) if replays is not None else None
             if ran is not None:
                 return ran
@@ -562,24 +564,26 @@ class EPBuffer:
             words = captured.status.tolist()
         return raise_layout_status(words, self.heap, self._pending_flags, self), sum(words[-self.world_size:])
 
-    def _capture_layout(self, topk_idx: torch.Tensor) -> CapturedLayout:
-        """Capture a default-mode signature's layout launches (see `_layout`)."""
-        c = self._layout_statics(topk_idx)
+    def _capture_layout(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
+        """Capture a default-mode signature's layout launches (see `_layout`); lent: a copy handed
+        to calls (layout_replay.LayoutReplays), which holds their recv_rows / recv_tok too."""
+        c = self._layout_statics(topk_idx, lent)
         with graph_capture(c.graph):
             self._layout_launches(c)
         return c
 
-    def _layout_statics(self, topk_idx: torch.Tensor) -> CapturedLayout:
+    def _layout_statics(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
         """The static tensors a captured layout reads and writes (nothing launched yet)."""
         W, T, cuda = self.world_size, topk_idx.shape[0], self.device.type == "cuda"
+        rows = (W, self.max_tokens, self.topk)
         return CapturedLayout(
             topk_idx=torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device),
             graph=torch.cuda.CUDAGraph() if cuda else None,
             arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
             status=torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=cuda),
             ready=torch.cuda.Event() if cuda else None,
-            recv_rows=torch.empty((W, self.max_tokens, self.topk), dtype=torch.int32, device=self.device),
-            recv_tok=torch.empty((W, self.max_tokens), dtype=torch.int32, device=self.device))
+            recv_rows=torch.empty(rows, dtype=torch.int32, device=self.device) if lent else None,
+            recv_tok=torch.empty(rows[:2], dtype=torch.int32, device=self.device) if lent else None)
 
     def _layout_launches(self, c: CapturedLayout) -> None:
         """What a captured layout graph runs: the layout launches on c's static routing into c's
@@ -665,7 +669,7 @@ class EPBuffer:
         # still leave its columns of recv_x unwritten; the timeout is raised by the next
         # host-visible read, and this rank's next launches refuse all work until then).
         if sync and self.check_errors and not under_autograd:
-            if lent:  # the captured copy's, handed out with its layout (no allocation)
+            if lent and captured.recv_rows is not None:  # the captured copy's, handed out with its layout
                 recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
             else:
                 recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)

@@ -100,8 +100,12 @@ def rebuild_layout(recipe: tuple[type, list[tuple[str, object]]], copy: torch.Te
 LENDABLE_COPIES = 3
 
 # The reference count of a storage (its tensors and views); None where torch lacks it: then no
-# copy is ever handed out, every replay is copied out of the shared one.
+# copy is ever handed out, every replay is copied out of the shared one. Before torch 2.10 a
+# reference held only by C++ (a tensor autograd saved) did not show in a tensor's Python reference
+# count: copies are lent from 2.10 on.
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 10):
+    _storage_use_count = None
 
 
 def _storage_count(t: torch.Tensor) -> int:
@@ -126,11 +130,18 @@ class CapturedLayout:
     _watch: tuple = ()             # what `idle` watches (`arm`), and its counts when idle
     _storages: tuple = ()
     _base: tuple | None = None     # None: not lent yet (`replay_in_place` arms it)
+    _stream: object = None         # the stream of the last replay
 
     def _queue(self, topk_idx: torch.Tensor) -> None:
+        stream = current_stream() if self.topk_idx.is_cuda else None
+        if stream is not None and self._stream is not None and self._stream is not stream:
+            # the last call's kernels (its combine, the caller's own reads) may still read the
+            # layout on the other stream: a host reference count says nothing about them
+            stream.wait_stream(self._stream)
+        self._stream = stream
         self.topk_idx.copy_(topk_idx)
         self.graph.replay()
-        self.ready.record(current_stream() if self.topk_idx.is_cuda else None)
+        self.ready.record(stream)
 
     def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """Queue this call's layout on the current stream; return it, copied out of the graph's
@@ -156,7 +167,10 @@ class CapturedLayout:
         behind them (a view taken of any of them counts there). `idle` counts the same way."""
         tensors = [t for lay in (self.send, self.recv) for f in dataclasses.fields(lay)
                    for t in [getattr(lay, f.name)] if isinstance(t, torch.Tensor)]
-        tensors += [t for t in (self.recv_rows, self.recv_tok) if t is not None]
+        # the arena itself too (every view's `_base`). Not seen: a caller keeping only a storage
+        # object (`untyped_storage()`) of these tensors, whose Python references the interpreter's
+        # launches also take and drop at times.
+        tensors += [t for t in (self.recv_rows, self.recv_tok, self.arena.flat) if t is not None]
         by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
         self._watch = (self.send, self.recv, *tensors)
         self._storages = tuple(by_storage.values())
@@ -182,23 +196,28 @@ class LayoutReplays:
     they are, and a shared copy replayed and copied out while all of them are held (module
     docstring). `capture()` builds a copy (nothing queued); it is called again as more copies
     are needed, and a copy it could not build (it raised RuntimeError: a CUDA capture problem,
-    out of memory) stops the growth (`replay` then returns None while it has nothing to run)."""
+    out of memory) stops the growth (`replay` then returns None while it has nothing to run).
+    Copies are replayed on the caller's stream; one replayed on another stream than before first
+    waits for the work queued on that one."""
 
-    def __init__(self, capture: Callable[[], CapturedLayout]) -> None:
+    def __init__(self, capture: Callable[[bool], CapturedLayout]) -> None:
+        """capture(lent): a new copy; lent: it will be handed to calls (it then also holds the
+        handle's recv_rows / recv_tok)."""
         self._capture = capture
         self.lendable = LENDABLE_COPIES if _storage_use_count is not None else 0
-        first = capture()
+        first = capture(bool(self.lendable))
         self.copies: list[CapturedLayout] = [first] if self.lendable else []  # the lendable ones
         self.shared: CapturedLayout | None = None if self.lendable else first
+        self._shared_failed = False
 
     @property
     def replays(self) -> int:
         """Replays of every copy (tests)."""
         return sum(c.graph.replays for c in self.copies + ([self.shared] if self.shared else []))
 
-    def _grow(self) -> CapturedLayout | None:
+    def _grow(self, lent: bool) -> CapturedLayout | None:
         try:
-            return self._capture()
+            return self._capture(lent)
         except RuntimeError as err:  # as CallGraphCache.lookup_or_give_up: never fail the call
             warnings.warn(f"EPBuffer: capturing another copy of a dispatch's layout launches failed ({err}); "
                           f"this signature keeps the {len(self.copies)} it has", RuntimeWarning, stacklevel=4)
@@ -212,12 +231,15 @@ class LayoutReplays:
             if c.idle():
                 return (*c.replay_in_place(topk_idx), c, True)
         if len(self.copies) < self.lendable:
-            c = self._grow()
+            c = self._grow(True)
             if c is not None:
                 self.copies.append(c)
                 return (*c.replay_in_place(topk_idx), c, True)
         if self.shared is None:
-            self.shared = self._grow()
+            if self._shared_failed:  # (a capture that failed is not retried every call)
+                return None
+            self.shared = self._grow(False)
             if self.shared is None:
+                self._shared_failed = True
                 return None
         return (*self.shared.replay(topk_idx), self.shared, False)

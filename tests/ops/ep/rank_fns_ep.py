@@ -386,11 +386,11 @@ class _DoneEvent:
         pass
 
 
-def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor):
+def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor, lent: bool = False):
     """EPBuffer._capture_layout for the CPU: the buffer's own static tensors and launch sequence
     (`_layout_statics`, `_layout_launches`), with a "graph" that reruns that sequence on every
     replay. Nothing runs at capture, as with a CUDA graph (ranks may capture on different calls)."""
-    c = buf._layout_statics(topk_idx)
+    c = buf._layout_statics(topk_idx, lent)
     c.arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
 
     def launches() -> None:
@@ -420,7 +420,7 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     direct = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=0)
     cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
     cached._can_capture = lambda: True
-    cached._capture_layout = lambda idx: _cpu_capture_layout(cached, idx)
+    cached._capture_layout = lambda idx, lent=False: _cpu_capture_layout(cached, idx, lent)
     report = {"same": [], "replays": 0}
     for sync in (True, False):
         runs = {"direct": [], "cached": []}

@@ -145,6 +145,10 @@ def store_agreement_case(kinds: list[str]) -> dict:
         dist.barrier()
         rep["calls"] = ag.call
         rep["kept"] = [c for c in range(1, ag.call + 1) if ag.store.check([f"{c}/{rank}"])]
+        # the group made again (destroy_process_group, init): its first calls must not read the
+        # keys the old one left in the store
+        again = agreement.StoreAgreement(None, ag.base)
+        rep["fresh_rows"] = all(row[0] == 7 for _ in range(ag.call) for row in again.exchange([7, rank]))
     finally:
         agreement.AGREE_TRANSPORT = old
     return rep

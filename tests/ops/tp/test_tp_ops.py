@@ -41,6 +41,7 @@ def test_store_agreement_raises_alike_and_deletes_old_keys(emulated_cluster):
             assert err.startswith("DitronConfigError"), (rank, kind, err)
         assert all(rep["same"]), (rank, rep["same"])
         assert rep["kept"] == [rep["calls"] - 1, rep["calls"]], (rank, rep["kept"], rep["calls"])
+        assert rep["fresh_rows"], "a group made again read the old group's keys"
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlap"])
