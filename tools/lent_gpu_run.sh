@@ -14,7 +14,9 @@
 #                          OLD ditron_ep | tar -x -C .base)
 #   host                   tools/host_profile.py (with .base when it exists)
 # Environment: NEW_COMMIT (the short hash sent: DITRON_COMMIT and file names), OUT (default
-# /tmp/out), STEP_TIMEOUT_S (default 300), BENCH_ARGS (extra bench arguments, e.g. "--tokens 4096").
+# /tmp/out), STEP_TIMEOUT_S (default 300; the suite step: SUITE_TIMEOUT_S, default 560), BENCH_ARGS
+# (extra bench arguments, e.g. "--tokens 4096"). A device call runs at most 600 s: put the suite
+# in a call of its own, or last.
 # Wheels: .whl/*.whl (deepspeed, megatron-core, their pure-Python dependencies; see
 # tests/gpu/run_gpu_suite.sh) and .nvwhl/*.whl (nvshmem4py) are installed with --no-deps into
 # /tmp/site. Carry .whl, .nvwhl, .anchors and .base in the device call as needed.
@@ -54,7 +56,9 @@ for step in "$@"; do
             ${arg2:+--routing $arg2} ${BENCH_ARGS:-} --json "$RES/${name}_$TAG.json" > "$RES/${name}_$TAG.log" 2>&1
         grep -E "^\s+[0-9]+\s|^(OK|FAIL)" "$RES/${name}_$TAG.log" | cut -c1-150 ;;
     suite)
-        DITRON_GPU_SUITE_TIMEOUT_S=$(( ${STEP_TIMEOUT_S:-300} - 20 )) run bash tests/gpu/run_gpu_suite.sh \
+        # the whole suite takes ~340-400 s cold on 2 GPUs: its own limit (SUITE_TIMEOUT_S, default 560)
+        limit=${SUITE_TIMEOUT_S:-560}
+        DITRON_GPU_SUITE_TIMEOUT_S=$(( limit - 20 )) timeout "$limit" bash tests/gpu/run_gpu_suite.sh \
             ${arg1:+-k "$arg1"} > "$RES/gpu_suite_$TAG.log" 2>&1
         tail -5 "$RES/gpu_suite_$TAG.log" ;;
     ab)
