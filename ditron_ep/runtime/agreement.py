@@ -133,13 +133,16 @@ class StoreAgreement:
     store counter when they make it (all on their first exchange on the group) keeps a group made
     again after destroy_process_group (same name, maybe the same store, the last two keys of each
     rank left there) from reading the old one's keys. Every rank makes a group's calls in the same
-    order, as for any collective."""
+    order, as for any collective. A call that fails (a peer that never comes: the store's timeout)
+    raises DitronOutOfStepError, and so does every later call of the group on that rank: its call
+    number may be ahead of its peers', so no row is compared again."""
 
     def __init__(self, group: dist.ProcessGroup | None, base: dist.Store) -> None:
         g = group if group is not None else dist.group.WORLD
         name = g.group_name if hasattr(g, "group_name") else str(id(g))
         self.base = base
         self.rank, self.world, self.call = dist.get_rank(group), dist.get_world_size(group), 0
+        self.failed = ""
         # each incarnation's W ranks add 1 once, all before any of them completes its first exchange:
         # they get values in (epoch * W, (epoch + 1) * W] (one counter per group size)
         where = f"ditron_ep/agree/{name}/{self.world}"
@@ -147,13 +150,22 @@ class StoreAgreement:
         self.store = dist.PrefixStore(f"{where}/{epoch}/", base)
 
     def exchange(self, words: list[int]) -> list[list[int]]:
+        if self.failed:  # its call number may be ahead of its peers': never compare rows again
+            raise DitronOutOfStepError(f"this group's agreement failed at call {self.call} ({self.failed}); its "
+                                       f"calls are out of step: make the process group again")
         self.call += 1
         c = self.call
-        self.store.set(f"{c}/{self.rank}", ",".join(map(str, words)))
-        keys = [f"{c}/{r}" for r in range(self.world)]
-        values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else [self.store.get(k) for k in keys]
-        if c > 2:
-            self.store.delete_key(f"{c - 2}/{self.rank}")
+        try:
+            self.store.set(f"{c}/{self.rank}", ",".join(map(str, words)))
+            keys = [f"{c}/{r}" for r in range(self.world)]
+            values = self.store.multi_get(keys) if hasattr(self.store, "multi_get") else \
+                [self.store.get(k) for k in keys]
+            if c > 2:
+                self.store.delete_key(f"{c - 2}/{self.rank}")
+        except Exception as err:  # a peer that never came (the store's timeout), a store gone
+            self.failed = f"{type(err).__name__}: {err}"
+            raise DitronOutOfStepError(f"the agreement of call {c} on this group failed: a peer did not arrive or "
+                                       f"the store failed ({self.failed}); no data moved") from err
         return [[int(w) for w in bytes(v).decode().split(",")] for v in values]
 
 

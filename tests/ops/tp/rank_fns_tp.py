@@ -149,6 +149,25 @@ def store_agreement_case(kinds: list[str]) -> dict:
         # keys the old one left in the store
         again = agreement.StoreAgreement(None, ag.base)
         rep["fresh_rows"] = all(row[0] == 7 for _ in range(ag.call) for row in again.exchange([7, rank]))
+        dist.barrier()
+        # a peer that never comes: the store's timeout raises, and every later call of that
+        # agreement raises at once (its call number is ahead of its peers')
+        if rank == 0:
+            import datetime
+            before = again.store.timeout  # (the process group's own store: restored below)
+            again.store.set_timeout(datetime.timedelta(seconds=1))
+            rep["timeout"] = []
+            try:
+                for _ in range(2):
+                    try:
+                        again.exchange([7, rank])
+                        rep["timeout"].append("no error")
+                    except agreement.DitronOutOfStepError as err:
+                        rep["timeout"].append(str(err))
+            finally:
+                again.store.set_timeout(before)
+            rep["timeout_restored"] = ag.base.timeout == before
+        dist.barrier()
     finally:
         agreement.AGREE_TRANSPORT = old
     return rep

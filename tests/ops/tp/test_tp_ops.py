@@ -42,6 +42,10 @@ def test_store_agreement_raises_alike_and_deletes_old_keys(emulated_cluster):
         assert all(rep["same"]), (rank, rep["same"])
         assert rep["kept"] == [rep["calls"] - 1, rep["calls"]], (rank, rep["kept"], rep["calls"])
         assert rep["fresh_rows"], "a group made again read the old group's keys"
+        if rank == 0:
+            first, second = rep["timeout"]
+            assert "failed: a peer did not arrive" in first and "out of step" in second, rep["timeout"]
+            assert rep["timeout_restored"]
 
 
 @pytest.mark.parametrize("schedule", ["sequential", "overlap"])
