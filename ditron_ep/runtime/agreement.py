@@ -107,8 +107,7 @@ def _exchange_rows(group: dist.ProcessGroup | None, words: list[int], device: to
     via = AGREE_TRANSPORT if AGREE_TRANSPORT != "auto" else "store" if (
         "nccl" in str(dist.get_backend(group)) and dist.get_world_size() <= STORE_MAX_WORLD) else "tensor"
     if via == "store":
-        g = group if group is not None else dist.group.WORLD
-        key = g.group_name if hasattr(g, "group_name") else id(g)
+        key = group_key(group)
         base = dist.distributed_c10d._get_default_store()
         agreement = _STORE_AGREEMENTS.get(key)
         if agreement is None or agreement.base is not base:  # (a process group made again: a new store)
@@ -138,8 +137,7 @@ class StoreAgreement:
     number may be ahead of its peers', so no row is compared again."""
 
     def __init__(self, group: dist.ProcessGroup | None, base: dist.Store) -> None:
-        g = group if group is not None else dist.group.WORLD
-        name = g.group_name if hasattr(g, "group_name") else str(id(g))
+        name = group_key(group)
         self.base = base
         self.rank, self.world, self.call = dist.get_rank(group), dist.get_world_size(group), 0
         self.failed = ""
@@ -177,11 +175,16 @@ def differing(fields: dict[int, dict | None]) -> str:
     return "; ".join(f"{n}: " + ", ".join(f"rank {r} {f.get(n)!r}" for r, f in known.items()) for n in names)
 
 
+def group_key(group: dist.ProcessGroup | None) -> str | int:
+    """What names a process group (None = the default group): its name, the same on its members."""
+    g = group if group is not None else dist.group.WORLD
+    return g.group_name if hasattr(g, "group_name") else id(g)
+
+
 def per_group(registry: dict, group: dist.ProcessGroup | None, make: Callable[[dist.ProcessGroup | None], R]) -> R:
     """The registry's entry for the process group (keyed by its name; None = the default group),
     made by `make(group)` at first use: what the functional forms keep per group."""
-    g = group if group is not None else dist.group.WORLD
-    key = g.group_name if hasattr(g, "group_name") else id(g)
+    key = group_key(group)
     if key not in registry:
         registry[key] = make(group)
     return registry[key]

@@ -669,7 +669,7 @@ class EPBuffer:
         # still leave its columns of recv_x unwritten; the timeout is raised by the next
         # host-visible read, and this rank's next launches refuse all work until then).
         if sync and self.check_errors and not under_autograd:
-            if lent and captured.recv_rows is not None:  # the captured copy's, handed out with its layout
+            if lent:  # the captured copy's, handed out with its layout
                 recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
             else:
                 recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
