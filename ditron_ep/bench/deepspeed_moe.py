@@ -7,6 +7,8 @@ second-expert sampling (deterministic gates); the same gate and distinct experts
 layers. One iteration: out, l_aux = block(x); torch.autograd.grad(sum(out * grad_out) + l_aux,
 (x, every parameter)). Rows:
   replace_moe, fwd+bwd       the block with ditron_ep's dispatch, experts and combine;
+  replace_moe(experts='modules'), fwd+bwd   ditron_ep's dispatch and combine around DeepSpeed's expert
+                             modules (one call per local expert on its rows: cuBLAS GEMMs);
   DeepSpeed MoE, fwd+bwd     DeepSpeed's own (gate, [E, capacity, H] buffer, two all-to-alls,
                              per-expert loop);
   gate-up / down: dense, one expert's W  torch.matmul of the busiest rank's routed rows against
@@ -33,6 +35,7 @@ from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_erro
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Shape
 
 OURS, THEIRS = "replace_moe, fwd+bwd", "DeepSpeed MoE, fwd+bwd"
+MODULES = "replace_moe(experts='modules'), fwd+bwd"
 TOPK, CAPACITY_FACTOR = 2, 1.0
 FLOP_RULE = ("FLOPs = 3 x (2*rows*H*I + 2*rows*I*H): the experts' forward GEMMs and twice them in the backward, "
              "rows = the routed (token, k) rows the busiest rank's experts keep; TFLOP/s = those FLOPs / median "
@@ -89,12 +92,14 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     from ditron_ep.integrations.deepspeed import replace_moe
 
     s = ctx.shape
-    names = (OURS, THEIRS, *DENSE, FLOOR)
+    names = (OURS, MODULES, THEIRS, *DENSE, FLOOR)
     try:
         guarded(ctx, "deepspeed.init_distributed", lambda: _init_deepspeed(ctx))
         theirs = guarded(ctx, "DeepSpeed MoE block", lambda: _block(ctx, 17 + ctx.seed))
         ours = guarded(ctx, "DeepSpeed MoE block (to replace)", lambda: _block(ctx, 17 + ctx.seed))
         guarded(ctx, "replace_moe", lambda: replace_moe(ours))
+        modules = guarded(ctx, "DeepSpeed MoE block (modules)", lambda: _block(ctx, 17 + ctx.seed))
+        guarded(ctx, "replace_moe(experts='modules')", lambda: replace_moe(modules, experts="modules"))
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.seed * 1000 + ctx.rank)
         x = torch.randn(tokens, s.hidden, generator=gen, device=ctx.device).to(ctx.dtype)
         grad_out = torch.randn(tokens, s.hidden, generator=gen, device=ctx.device).to(ctx.dtype)
@@ -103,24 +108,31 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     rows_max = _busiest_rows(ctx, theirs, x)
     flops = 3 * (2.0 * rows_max * s.hidden * s.inter * 2)  # plain MLP: two GEMMs of rows x H x I
     rtol = TOLERANCES[ctx.dtype][0]
-    steps = {OURS: _step(ours, x, grad_out), THEIRS: _step(theirs, x, grad_out)}
+    steps = {OURS: _step(ours, x, grad_out), MODULES: _step(modules, x, grad_out), THEIRS: _step(theirs, x, grad_out)}
+    labels = ["out", "l_aux", "x", *[n for n, _ in ours.named_parameters()]]
     try:
-        got = guarded(ctx, f"{OURS} (check)", steps[OURS])
-        again = guarded(ctx, f"{OURS} (check again)", steps[OURS])
         want = guarded(ctx, f"{THEIRS} (check)", steps[THEIRS])
+        checks = {name: _check(ctx, steps[name], name, want, labels, rtol) for name in (OURS, MODULES)}
     except StageFailed as exc:
         return [Measurement(n, work=flops, ok=False, error=str(exc)) for n in names]
-    labels = ["out", "l_aux", "x", *[n for n, _ in ours.named_parameters()]]
+    del want
+    return [*(ctx.measure(name, steps[name], flops, *checks[name]) for name in (OURS, MODULES)),
+            ctx.measure(THEIRS, steps[THEIRS], flops, "reference", True), *training_floor(ctx, rows_max, s.inter)]
+
+
+def _check(ctx: BenchContext, step: Callable[[], tuple], name: str, want: tuple, labels: list[str],
+           rtol: float) -> tuple[str, bool]:
+    """(text, ok) of a replaced block's step against DeepSpeed's: output, l_aux and every gradient
+    within tolerance, and two steps bitwise equal."""
+    got = guarded(ctx, f"{name} (check)", step)
+    again = guarded(ctx, f"{name} (check again)", step)
     rel = {lab: relative_errors(ctx, w, {"g": g})["g"] for lab, g, w in zip(labels, got, want)
            if g is not None and w is not None}
     worst_grad = max((lab for lab in rel if lab not in ("out", "l_aux")), key=rel.get)
     same = all_ranks(ctx, all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, again)))
     ok = rel["out"] <= rtol and rel["l_aux"] <= rtol and rel[worst_grad] <= 2 * rtol and same
-    check = (f"{'ok' if ok else 'FAIL'}: out {rel['out']:.1e}, grads <= {rel[worst_grad]:.1e} ({worst_grad}) vs "
-             f"DeepSpeed's{', bitwise run to run' if same else ', FAIL: two runs differ'}")
-    del got, again, want
-    return [ctx.measure(OURS, steps[OURS], flops, check, ok),
-            ctx.measure(THEIRS, steps[THEIRS], flops, "reference", True), *training_floor(ctx, rows_max, s.inter)]
+    return (f"{'ok' if ok else 'FAIL'}: out {rel['out']:.1e}, grads <= {rel[worst_grad]:.1e} ({worst_grad}) vs "
+            f"DeepSpeed's{', bitwise run to run' if same else ', FAIL: two runs differ'}"), ok
 
 
 def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
@@ -136,7 +148,7 @@ def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
 
 
 def plan_deepspeed_moe(req: BenchRequest, tokens: int, options: Any, on_gpu: bool) -> tuple[Impl, ...]:
-    return (Impl(OURS, against=(THEIRS,)), Impl(THEIRS, "baseline"), *(Impl(n, "reference") for n in DENSE),
+    return (Impl(OURS, against=(THEIRS,)), Impl(MODULES, against=(THEIRS,)), Impl(THEIRS, "baseline"), *(Impl(n, "reference") for n in DENSE),
             Impl(FLOOR, "reference", timed=False))
 
 

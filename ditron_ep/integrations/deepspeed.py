@@ -6,7 +6,10 @@ parameters (the same `Parameter` objects, names and tags, so `state_dict` keys, 
 ZeRO partitioning and checkpoints do not change). What `replace_moe` replaces is the forward of
 its `MOELayer` (`moe.deepspeed_moe`): instead of scattering tokens into an [E, capacity, H]
 buffer, two all-to-alls and a per-expert loop, the gate's routes go to `ditron_ep.ops.moe`
-(dispatch, grouped expert MLP, combine; autograd through all of it, deterministic).
+(dispatch, grouped expert MLP, combine; autograd through all of it, deterministic) — or, with
+`replace_moe(model, experts="modules")`, to our dispatch, then each expert module's own forward on
+its received rows (cuBLAS through nn.Linear for the usual experts; any expert module), then our
+weighted combine.
 
     import deepspeed
     from ditron_ep.integrations.deepspeed import replace_moe
@@ -14,12 +17,16 @@ buffer, two all-to-alls and a per-expert loop, the gate's routes go to `ditron_e
     replace_moe(model)                   # before or after deepspeed.initialize
     engine, *_ = deepspeed.initialize(model=model, ...)
 
-Supported experts (each one is checked against its own forward on random input when replaced,
-on every rank, in fp32; anything else raises DitronConfigError naming the module):
+experts="kernels" (default): ditron_ep's grouped GEMM kernels read every expert's weights. Supported
+experts (each one is checked against its own forward on random input when replaced, on every
+rank, in fp32; anything else raises DitronConfigError naming the module):
 * `nn.Sequential(Linear(H, I), act, Linear(I, H))` with act one of nn.GELU (exact or tanh),
   nn.ReLU, nn.SiLU, biases or not (DeepSpeed's examples);
 * a module whose only children are Linear `gate_proj`, `up_proj` (H -> I) and `down_proj`
   (I -> H), computing down(silu(gate(x)) * up(x)) (Llama / Mixtral style SwiGLU).
+experts="modules": any expert module (dropout, custom forward, other activations); it runs as
+DeepSpeed runs it, one call per local expert on that expert's rows (no capacity padding), so the
+expert GEMMs are torch's (cuBLAS) and the rest — gate routes, dispatch, combine — is ours.
 Not supported (raise): Tutel, tensor-parallel experts. Any gate setting is (DeepSpeed's own top-2
 gate's routes are computed here with the same values, `_top2_routes`; every other gate runs itself).
 
@@ -238,6 +245,8 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     tokens = x.reshape(-1, d_model)
     # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
     self.l_aux, indices, gates, self.exp_counts = _gate_routes(self.gate, tokens, used_token)
+    if self._ditron_experts == "modules":
+        return _modules_path(self, tokens, indices, gates).reshape(x.shape)
     w1, w2, b1, b2, self._ditron_in_place = _stacked(self._ditron_layers)
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
         self._ditron_slots = MoESlots(self.ep_group)
@@ -247,14 +256,44 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     return out.reshape(x.shape)
 
 
-def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
+def _modules_path(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """experts="modules": our dispatch (expert-major rows, each expert's in (source rank, token)
+    order), every local expert module on its rows, our combine weighted by the gates in k order
+    in fp32 (gradients to the rows and to the gates)."""
+    from ditron_ep.ops.ep.functional import BufferSlot
+
+    if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffer (ep_group is set by then)
+        self._ditron_slots = BufferSlot(self.ep_group)
+    slot = self._ditron_slots
+    recv, handle = slot.dispatch(tokens.contiguous(), indices.t().contiguous(),
+                                 num_experts=self.num_local_experts * self.ep_size)
+    outs = []
+    for expert, rows in zip(self.experts.deepspeed_experts, recv.split(handle.num_recv_per_expert.tolist())):
+        out = expert(rows)
+        outs.append(out[0] if isinstance(out, tuple) else out)  # as DeepSpeed's Experts takes it
+    y = torch.cat(outs) if outs else recv
+    if y.shape != recv.shape or y.dtype != recv.dtype:
+        raise DitronConfigError(f"replace_moe(experts='modules'): the experts returned {tuple(y.shape)} {y.dtype} for "
+                                f"their rows {tuple(recv.shape)} {recv.dtype}; an expert must map [rows, H] to "
+                                f"[rows, H] in the tokens' dtype")
+    return slot.combine(y, handle, gates.t().to(torch.float32).contiguous())
+
+
+def replace_moe(model: nn.Module, *, schedule: str = "overlap", experts: str = "kernels") -> int:
     """Give every `deepspeed.moe.layer.MoE` in `model` (the model itself included) ditron_ep's
     data path; returns how many were replaced. Experts' weights that each own their storage are
     moved into one buffer per layer (values and parameters unchanged), so every call reads them in
     place; under ZeRO they are read where its flat buffers put them. Collective only in the sense that every rank must
     make the same call (no communication here). Raises DitronConfigError, naming the layer, for
-    an unsupported expert or option; nothing is changed then."""
+    an unsupported expert or option; nothing is changed then.
+
+    experts: "kernels" (default): ditron_ep's grouped expert kernels (supported experts listed in
+    the module docstring; `schedule` picks the fused or staged layer). "modules": each expert
+    module's own forward on its received rows (any expert; the expert GEMMs are torch's)."""
     _deepspeed()  # installed, and a supported version
+    if experts not in ("kernels", "modules"):
+        raise DitronConfigError(f"experts must be 'kernels' (ditron_ep's grouped expert kernels) or 'modules' (each "
+                                f"expert module's own forward on its rows), got {experts!r}")
     from deepspeed.moe.layer import MoE
     from deepspeed.moe.sharded_moe import MOELayer
 
@@ -270,7 +309,7 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
         if layer.enable_expert_tensor_parallelism:
             raise DitronConfigError(f"{name}: tensor-parallel experts are not supported by replace_moe")
         activation, layers = None, []
-        for i, expert in enumerate(inner.experts.deepspeed_experts):
+        for i, expert in enumerate(inner.experts.deepspeed_experts if experts == "kernels" else ()):
             try:
                 act, linears = expert_layout(expert)
             except DitronConfigError as exc:
@@ -282,11 +321,11 @@ def replace_moe(model: nn.Module, *, schedule: str = "overlap") -> int:
             _verify(expert, act, f"{name}.deepspeed_moe.experts.deepspeed_experts.{i}")
         plans.append((inner, activation, layers))
     for inner, activation, layers in plans:
-        if len({lin.weight.shape for ls in layers for lin in ls[:-1]}) == 1:  # (gate and up alike)
+        if layers and len({lin.weight.shape for ls in layers for lin in ls[:-1]}) == 1:  # (gate and up alike)
             _colocate([lin.weight for ls in layers for lin in ls[:-1]])
             _colocate([ls[-1].weight for ls in layers])
         # the expert modules are fixed; their weights are read on every call (ZeRO may re-point them)
         inner._ditron_activation, inner._ditron_layers = activation, layers
-        inner._ditron_schedule, inner._ditron_slots = schedule, None
+        inner._ditron_schedule, inner._ditron_slots, inner._ditron_experts = schedule, None, experts
         inner.forward = _ditron_moe_forward.__get__(inner, type(inner))
     return len(plans)

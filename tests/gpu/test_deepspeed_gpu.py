@@ -1,7 +1,8 @@
 """`replace_moe` on DeepSpeed's MoE layer on CUDA ranks (bf16, NCCL), under torchrun
 (tests/gpu/run_gpu_suite.sh). DeepSpeed 0.19.8 must be installed (the test extra; on the lent GPU
 machines carried as wheels): output, l_aux, exp_counts and every gradient against DeepSpeed's own
-layer within bf16 tolerance, bitwise run to run, with capacity drops on; GELU and SwiGLU experts."""
+layer within bf16 tolerance, bitwise run to run, with capacity drops on; GELU and SwiGLU experts on
+the kernels, GELU experts as modules (experts="modules")."""
 from __future__ import annotations
 
 import os
@@ -51,8 +52,10 @@ def _run(block, x, gout):
     return [out.detach(), l_aux.detach(), counts.clone(), *grads]
 
 
-@pytest.mark.parametrize("kind,capacity_factor", [("gelu", 0.75), ("swiglu", 1.0)], ids=["gelu-drops", "swiglu"])
-def test_replace_moe_matches_deepspeed_in_bf16(dist_env, kind, capacity_factor):
+@pytest.mark.parametrize("kind,capacity_factor,experts", [("gelu", 0.75, "kernels"), ("swiglu", 1.0, "kernels"),
+                                                          ("gelu", 0.75, "modules")],
+                         ids=["gelu-drops", "swiglu", "gelu-drops-modules"])
+def test_replace_moe_matches_deepspeed_in_bf16(dist_env, kind, capacity_factor, experts):
     os.environ.setdefault("LOCAL_RANK", str(dist_env.local_rank))
     try:
         import deepspeed
@@ -67,7 +70,7 @@ def test_replace_moe_matches_deepspeed_in_bf16(dist_env, kind, capacity_factor):
     theirs = _block(dist_env.world, make(), capacity_factor, dist_env.device)
     ours = _block(dist_env.world, make(), capacity_factor, dist_env.device)
     problems = []
-    if replace_moe(ours) != 1:
+    if replace_moe(ours, experts=experts) != 1:
         problems.append("replace_moe replaced no layer")
     gen = torch.Generator().manual_seed(50 + dist_env.rank)
     x = torch.randn(T, H, generator=gen).to(dist_env.device, torch.bfloat16)

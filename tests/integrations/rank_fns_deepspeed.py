@@ -8,7 +8,8 @@ import torch.distributed as dist
 from torch import nn
 
 H, I = 32, 16
-ACTS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU, "silu": nn.SiLU}
+ACTS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "relu": nn.ReLU, "silu": nn.SiLU,
+        "tanh": nn.Tanh}  # tanh: experts="modules" only (the kernels have no tanh)
 
 
 class SwiGLUExpert(nn.Module):
@@ -56,9 +57,10 @@ def _layer(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_
 
 
 def compare_case(num_experts: int, ep_size: int, k: int, capacity_factor: float, drop_tokens: bool,
-                 activation: str, bias: bool, tokens: int, seed: int) -> dict:
-    """DeepSpeed's own layer and a replaced copy (same parameters) on the same input and upstream
-    gradient: output, l_aux, exp_counts and every gradient; the replaced layer twice (bitwise)."""
+                 activation: str, bias: bool, tokens: int, seed: int, experts: str = "kernels") -> dict:
+    """DeepSpeed's own layer and a replaced copy (same parameters; replace_moe(experts=experts)) on
+    the same input and upstream gradient: output, l_aux, exp_counts and every gradient; the
+    replaced layer twice (bitwise)."""
     _init_deepspeed()
     from ditron_ep.integrations.deepspeed import replace_moe
 
@@ -66,7 +68,7 @@ def compare_case(num_experts: int, ep_size: int, k: int, capacity_factor: float,
     ref, ours = (_layer(num_experts, ep_size, k, capacity_factor, drop_tokens, activation, bias, seed)
                  for _ in range(2))
     names = [n for n, _ in ref.named_parameters()]
-    replaced = replace_moe(ours)
+    replaced = replace_moe(ours, experts=experts)
     same_params = [n for n, _ in ours.named_parameters()] == names
     # checkpoints: DeepSpeed's state loads into the replaced layer and back, strictly
     ours.load_state_dict(ref.state_dict(), strict=True)

@@ -23,8 +23,11 @@ CASES_W2 = [
     (4, 2, 2, 0.5, True, "swiglu", True, 18, 5),       # drops, gated experts with biases
     (6, 2, 2, 1.0, False, "gelu_tanh", False, 14, 6),  # no drops (infinite capacity)
     (2, 2, 1, 1.0, True, "silu", True, 10, 7),
+    # experts="modules": each expert's own forward between our dispatch and combine
+    (4, 2, 2, 0.5, True, "swiglu", True, 18, 5, "modules"),     # drops, gated experts
+    (6, 2, 1, 1.0, False, "tanh", False, 14, 6, "modules"),     # an expert the kernels do not support
 ]
-CASES_W4 = [(4, 2, 2, 1.0, True, "gelu", True, 12, 8)]  # two expert-parallel groups of 2, data-parallel across
+CASES_W4 = [(4, 2, 2, 1.0, True, "gelu", True, 12, 8), (4, 2, 2, 1.0, True, "gelu", True, 12, 8, "modules")]  # two expert-parallel groups of 2, data-parallel across
 
 
 def _check(reports: list[dict], cases: list[tuple]) -> None:
@@ -105,6 +108,14 @@ def test_unsupported_experts_raise_naming_the_module(expert, message):
 
     with pytest.raises(DitronConfigError, match=message):
         _verify(expert, expert_layout(expert)[0], "layer.experts.0")
+
+
+def test_unknown_expert_path_raises():
+    from ditron_ep.integrations.deepspeed import replace_moe
+    from ditron_ep.runtime.errors import DitronConfigError
+
+    with pytest.raises(DitronConfigError, match="experts must be 'kernels'.*or 'modules'.*got 'cublas'"):
+        replace_moe(nn.Linear(2, 2), experts="cublas")
 
 
 def test_importing_ditron_ep_imports_no_framework():
