@@ -28,7 +28,8 @@ experts="modules": any expert module (dropout, custom forward, other activations
 DeepSpeed runs it, one call per local expert on that expert's rows (no capacity padding), so the
 expert GEMMs are torch's (cuBLAS) and the rest — gate routes, dispatch, combine — is ours.
 Not supported (raise): Tutel, tensor-parallel experts. Any gate setting is (DeepSpeed's own top-2
-gate's routes are computed here with the same values, `_top2_routes`; every other gate runs itself).
+gate's routes are computed here — the same routes, gates within fp32 rounding — by
+`ops.gate.top2_capacity_gate`; every other gate runs itself).
 
 Expert weights are read in place on every call (`_stacked`): weights that own their storage are
 moved into one buffer per layer when replaced, ZeRO's flat buffers are read where they are, and
@@ -179,60 +180,36 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
     return clone
 
 
-def _token_positions(mask: torch.Tensor) -> torch.Tensor:
-    """positions[s, e] = (tokens t <= s with mask[t, e] set) - 1: the running count down the tokens
-    of a [S, E] 0/1 mask, as DeepSpeed's gates compute with torch.cumsum(mask, dim=0). That scan
-    along the outer dimension of a few expert columns ran at 723 µs per call for S = 4,096, E = 16
-    on an H100 (bench/results/ds_trace_H100x2_20261127_s25_efba2fb.log: two per top-2 step); the
-    same sums taken along rows of the transposed mask are integers, so equal."""
-    return (mask.t().contiguous().cumsum(dim=1) - 1).t()
-
-
 def _top2_routes(gate, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """DeepSpeed 0.19.8's TopKGate forward for k = 2 with capacity drops and no noisy gating, sparse
-    routes: (l_aux, indices [2, S] int32 (-1: dropped by the capacity), gates [2, S], exp_counts),
-    the values `gate(tokens, None, True)` returns (tested against it, gradients included), with the
-    capacity positions from `_token_positions`. DeepSpeed's own gate runs every other configuration."""
+    routes, in `ops.gate.top2_capacity_gate`'s two kernels (DeepSpeed's ~40 torch ops kept the GPU
+    idle ~1.5 ms a step): (l_aux, topk_idx [S, 2] int32 (-1: dropped by the capacity),
+    topk_weights [S, 2] fp32, exp_counts) — the routes and counts `gate(tokens, None, True)` gives,
+    gates and gradients within fp32 rounding (tested against it)."""
     from deepspeed.moe.sharded_moe import _capacity, gumbel_rsample
 
+    from ditron_ep.ops.gate import top2_capacity_gate
+
     logits = nn.functional.linear(tokens.float(), weight=gate.wg.weight.float(), bias=None)
-    probs = torch.softmax(logits, dim=1)
-    num_experts = probs.shape[1]
-    first = torch.argmax(probs, dim=1)
-    mask1 = nn.functional.one_hot(first, num_classes=num_experts)
+    noise = None
     if gate.top2_2nd_expert_sampling:  # DeepSpeed's Gumbel draw: the same random numbers
-        logits += gumbel_rsample(logits.shape, device=logits.device)
-    second = torch.argmax(logits.masked_fill(mask1.bool(), float("-inf")), dim=1)
-    mask2 = nn.functional.one_hot(second, num_classes=num_experts)
-    # the load-balancing loss and the counts see every first (and second) choice, before drops
-    l_aux = torch.mean(torch.mean(probs, dim=0) * torch.mean(mask1.float(), dim=0)) * num_experts * num_experts
-    exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
+        noise = gumbel_rsample(logits.shape, device=logits.device)
     factor = gate.capacity_factor if gate.training else gate.eval_capacity_factor
-    capacity = _capacity(probs, torch.tensor(factor * 2), torch.tensor(gate.min_capacity))
-    # a token's place among its expert's first choices, and among its second choices after all
-    # first choices; routes placed at or past the capacity are dropped
-    place1 = _token_positions(mask1).gather(1, first[:, None])[:, 0]
-    place2 = (_token_positions(mask2) + torch.sum(mask1, dim=0, keepdim=True)).gather(1, second[:, None])[:, 0]
-    kept1, kept2 = place1 < capacity, place2 < capacity
-    g1 = torch.einsum("se,se->s", probs, (mask1 * kept1[:, None]).float())
-    g2 = torch.einsum("se,se->s", probs, (mask2 * kept2[:, None]).float())
-    denom = torch.clamp(g1 + g2, min=torch.finfo(g1.dtype).eps)
-    g1, g2 = g1 / denom, g2 / denom
-    indices = torch.stack([torch.where(kept1, first, -1), torch.where(kept2, second, -1)]).to(torch.int32)
-    return l_aux, indices, torch.stack([g1, g2]), exp_counts
+    capacity = int(_capacity(logits, torch.tensor(factor * 2), torch.tensor(gate.min_capacity)))  # CPU tensors
+    return top2_capacity_gate(logits, capacity, noise)
 
 
 def _gate_routes(gate, tokens: torch.Tensor, used_token: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """(l_aux, indices [k, S] int32 with -1 for a route the capacity dropped, gates [k, S], exp_counts)
-    of the layer's DeepSpeed gate: `_top2_routes` for DeepSpeed's own top-2 gate with drops and no
-    noise, else the gate itself."""
+    """(l_aux, topk_idx [S, k] int32 with -1 for a route the capacity dropped, topk_weights [S, k]
+    fp32, exp_counts) of the layer's DeepSpeed gate: `_top2_routes` for DeepSpeed's own top-2 gate
+    with drops and no noise, else the gate itself."""
     from deepspeed.moe.sharded_moe import TopKGate
 
     if (type(gate) is TopKGate and gate.k == 2 and gate.drop_tokens and gate.noisy_gate_policy is None
             and not gate.wall_clock_breakdown and used_token is None):
         return _top2_routes(gate, tokens)
     l_aux, _capacity, _num_experts, indices, _locations, gates, exp_counts = gate(tokens, used_token, True, False)
-    return l_aux, indices, gates, exp_counts
+    return l_aux, indices.t().contiguous(), gates.t().to(torch.float32).contiguous(), exp_counts
 
 
 def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -243,20 +220,19 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     used_token = inputs[1] if len(inputs) > 1 else None
     d_model = x.shape[-1]
     tokens = x.reshape(-1, d_model)
-    # sparse routes: indices / gates [k, S], -1 where the capacity dropped a route
-    self.l_aux, indices, gates, self.exp_counts = _gate_routes(self.gate, tokens, used_token)
+    # routes [S, k], -1 where the capacity dropped one
+    self.l_aux, topk_idx, topk_weights, self.exp_counts = _gate_routes(self.gate, tokens, used_token)
     if self._ditron_experts == "modules":
-        return _modules_path(self, tokens, indices, gates).reshape(x.shape)
+        return _modules_path(self, tokens, topk_idx, topk_weights).reshape(x.shape)
     w1, w2, b1, b2, self._ditron_in_place = _stacked(self._ditron_layers)
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
         self._ditron_slots = MoESlots(self.ep_group)
-    out = run_moe(self._ditron_slots, tokens.contiguous(), indices.t().contiguous(),
-                  gates.t().to(torch.float32).contiguous(), w1, w2, b1=b1, b2=b2, activation=self._ditron_activation,
+    out = run_moe(self._ditron_slots, tokens.contiguous(), topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=self._ditron_activation,
                   schedule=self._ditron_schedule)
     return out.reshape(x.shape)
 
 
-def _modules_path(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+def _modules_path(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """experts="modules": our dispatch (expert-major rows, each expert's in (source rank, token)
     order), every local expert module on its rows, our combine weighted by the gates in k order
     in fp32 (gradients to the rows and to the gates)."""
@@ -265,8 +241,7 @@ def _modules_path(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torc
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffer (ep_group is set by then)
         self._ditron_slots = BufferSlot(self.ep_group)
     slot = self._ditron_slots
-    recv, handle = slot.dispatch(tokens.contiguous(), indices.t().contiguous(),
-                                 num_experts=self.num_local_experts * self.ep_size)
+    recv, handle = slot.dispatch(tokens.contiguous(), topk_idx, num_experts=self.num_local_experts * self.ep_size)
     outs = []
     for expert, rows in zip(self.experts.deepspeed_experts, recv.split(handle.num_recv_per_expert.tolist())):
         out = expert(rows)
@@ -276,7 +251,7 @@ def _modules_path(self, tokens: torch.Tensor, indices: torch.Tensor, gates: torc
         raise DitronConfigError(f"replace_moe(experts='modules'): the experts returned {tuple(y.shape)} {y.dtype} for "
                                 f"their rows {tuple(recv.shape)} {recv.dtype}; an expert must map [rows, H] to "
                                 f"[rows, H] in the tokens' dtype")
-    return slot.combine(y, handle, gates.t().to(torch.float32).contiguous())
+    return slot.combine(y, handle, topk_weights)
 
 
 def replace_moe(model: nn.Module, *, schedule: str = "overlap", experts: str = "kernels") -> int:
