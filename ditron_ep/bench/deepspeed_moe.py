@@ -6,9 +6,11 @@ over the ranks (ep_size = world), top-k=2, capacity_factor 1.0 (drops on), no RT
 second-expert sampling (deterministic gates); the same gate and distinct experts on both
 layers. One iteration: out, l_aux = block(x); torch.autograd.grad(sum(out * grad_out) + l_aux,
 (x, every parameter)). Rows:
-  replace_moe, fwd+bwd       the block with ditron_ep's dispatch, experts and combine;
-  replace_moe(experts='modules'), fwd+bwd   ditron_ep's dispatch and combine around DeepSpeed's expert
-                             modules (one call per local expert on its rows: cuBLAS GEMMs);
+  replace_moe, fwd+bwd       the default, experts="modules": ditron_ep's gate kernels, dispatch and
+                             combine around DeepSpeed's expert modules (one call per local expert on
+                             its rows: cuBLAS GEMMs);
+  replace_moe(experts='kernels'), fwd+bwd   ditron_ep's gate kernels, dispatch, grouped expert
+                             kernels and combine;
   DeepSpeed MoE, fwd+bwd     DeepSpeed's own (gate, [E, capacity, H] buffer, two all-to-alls,
                              per-expert loop);
   gate-up / down: dense, one expert's W  torch.matmul of the busiest rank's routed rows against
@@ -35,7 +37,7 @@ from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_erro
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Shape
 
 OURS, THEIRS = "replace_moe, fwd+bwd", "DeepSpeed MoE, fwd+bwd"
-MODULES = "replace_moe(experts='modules'), fwd+bwd"
+KERNELS = "replace_moe(experts='kernels'), fwd+bwd"
 TOPK, CAPACITY_FACTOR = 2, 1.0
 FLOP_RULE = ("FLOPs = 3 x (2*rows*H*I + 2*rows*I*H): the experts' forward GEMMs and twice them in the backward, "
              "rows = the routed (token, k) rows the busiest rank's experts keep; TFLOP/s = those FLOPs / median "
@@ -92,14 +94,14 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     from ditron_ep.integrations.deepspeed import replace_moe
 
     s = ctx.shape
-    names = (OURS, MODULES, THEIRS, *DENSE, FLOOR)
+    names = (OURS, KERNELS, THEIRS, *DENSE, FLOOR)
     try:
         guarded(ctx, "deepspeed.init_distributed", lambda: _init_deepspeed(ctx))
         theirs = guarded(ctx, "DeepSpeed MoE block", lambda: _block(ctx, 17 + ctx.seed))
         ours = guarded(ctx, "DeepSpeed MoE block (to replace)", lambda: _block(ctx, 17 + ctx.seed))
         guarded(ctx, "replace_moe", lambda: replace_moe(ours))
-        modules = guarded(ctx, "DeepSpeed MoE block (modules)", lambda: _block(ctx, 17 + ctx.seed))
-        guarded(ctx, "replace_moe(experts='modules')", lambda: replace_moe(modules, experts="modules"))
+        kernels = guarded(ctx, "DeepSpeed MoE block (kernels)", lambda: _block(ctx, 17 + ctx.seed))
+        guarded(ctx, "replace_moe(experts='kernels')", lambda: replace_moe(kernels, experts="kernels"))
         gen = torch.Generator(device=ctx.device).manual_seed(ctx.seed * 1000 + ctx.rank)
         x = torch.randn(tokens, s.hidden, generator=gen, device=ctx.device).to(ctx.dtype)
         grad_out = torch.randn(tokens, s.hidden, generator=gen, device=ctx.device).to(ctx.dtype)
@@ -108,15 +110,15 @@ def _run(ctx: BenchContext, tokens: int) -> list[Measurement]:
     rows_max = _busiest_rows(ctx, theirs, x)
     flops = 3 * (2.0 * rows_max * s.hidden * s.inter * 2)  # plain MLP: two GEMMs of rows x H x I
     rtol = TOLERANCES[ctx.dtype][0]
-    steps = {OURS: _step(ours, x, grad_out), MODULES: _step(modules, x, grad_out), THEIRS: _step(theirs, x, grad_out)}
+    steps = {OURS: _step(ours, x, grad_out), KERNELS: _step(kernels, x, grad_out), THEIRS: _step(theirs, x, grad_out)}
     labels = ["out", "l_aux", "x", *[n for n, _ in ours.named_parameters()]]
     try:
         want = guarded(ctx, f"{THEIRS} (check)", steps[THEIRS])
-        checks = {name: _check(ctx, steps[name], name, want, labels, rtol) for name in (OURS, MODULES)}
+        checks = {name: _check(ctx, steps[name], name, want, labels, rtol) for name in (OURS, KERNELS)}
     except StageFailed as exc:
         return [Measurement(n, work=flops, ok=False, error=str(exc)) for n in names]
     del want
-    return [*(ctx.measure(name, steps[name], flops, *checks[name]) for name in (OURS, MODULES)),
+    return [*(ctx.measure(name, steps[name], flops, *checks[name]) for name in (OURS, KERNELS)),
             ctx.measure(THEIRS, steps[THEIRS], flops, "reference", True), *training_floor(ctx, rows_max, s.inter)]
 
 
@@ -148,7 +150,7 @@ def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
 
 
 def plan_deepspeed_moe(req: BenchRequest, tokens: int, options: Any, on_gpu: bool) -> tuple[Impl, ...]:
-    return (Impl(OURS, against=(THEIRS,)), Impl(MODULES, against=(THEIRS,)), Impl(THEIRS, "baseline"), *(Impl(n, "reference") for n in DENSE),
+    return (Impl(OURS, against=(THEIRS,)), Impl(KERNELS, against=(THEIRS,)), Impl(THEIRS, "baseline"), *(Impl(n, "reference") for n in DENSE),
             Impl(FLOOR, "reference", timed=False))
 
 

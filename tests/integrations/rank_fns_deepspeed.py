@@ -127,9 +127,10 @@ class TinyMoEModel(nn.Module):
         return self.out(y), l_aux
 
 
-def _training(zero_stage: int, steps: int, seed: int):
+def _training(zero_stage: int, steps: int, seed: int, experts: str = "kernels"):
     """(this rank's `steps` batches, engine(replaced) -> a TinyMoEModel under deepspeed.initialize
-    with SGD and ZeRO `zero_stage` (replaced: replace_moe first), train(engine, batches) -> losses)."""
+    with SGD and ZeRO `zero_stage` (replaced: replace_moe(experts=experts) first), train(engine,
+    batches) -> losses)."""
     deepspeed = _init_deepspeed()
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -145,7 +146,7 @@ def _training(zero_stage: int, steps: int, seed: int):
     def engine(replaced: bool):
         model = TinyMoEModel(2 * world, world, seed)
         if replaced:
-            assert replace_moe(model) == 1
+            assert replace_moe(model, experts=experts) == 1
         groups = split_params_into_different_moe_groups_for_optimizer(
             {"params": list(model.parameters()), "name": "params"})
         return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(groups, lr=0.1), config=config)[0]
@@ -163,15 +164,15 @@ def _training(zero_stage: int, steps: int, seed: int):
     return data, engine, train
 
 
-def engine_case(zero_stage: int, steps: int, seed: int) -> dict:
+def engine_case(zero_stage: int, steps: int, seed: int, experts: str = "kernels") -> dict:
     """`steps` SGD steps of TinyMoEModel under deepspeed.initialize (ZeRO `zero_stage`), with
-    DeepSpeed's own MoE and with replace_moe: this rank's losses of both runs."""
-    data, engine, train = _training(zero_stage, steps, seed)
+    DeepSpeed's own MoE and with replace_moe(experts=experts): this rank's losses of both runs."""
+    data, engine, train = _training(zero_stage, steps, seed, experts)
     runs = {"deepspeed": train(engine(False), data)}
     ours = engine(True)
     runs["ditron_ep"] = train(ours, data)
     # whether the experts' weights were read where ZeRO put them
-    runs["in_place"] = bool(ours.module.moe.deepspeed_moe._ditron_in_place)
+    runs["in_place"] = experts == "modules" or bool(ours.module.moe.deepspeed_moe._ditron_in_place)
     return runs
 
 

@@ -51,12 +51,13 @@ def test_expert_and_data_parallel_groups(emulated_cluster):
         _check(reports, CASES_W4)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_training_under_deepspeed_initialize_matches(emulated_cluster, zero_stage):
+@pytest.mark.parametrize("zero_stage, experts", [(0, "kernels"), (1, "kernels"), (2, "kernels"), (2, "modules")])
+def test_training_under_deepspeed_initialize_matches(emulated_cluster, zero_stage, experts):
     """6 SGD steps of a Linear -> MoE -> Linear model under deepspeed.initialize (ZeRO 0 / 1 / 2,
     CPU): the replaced layer's losses equal DeepSpeed's own within fp32 rounding, and the experts'
-    weights are read where they lie (replace_moe's buffer at stage 0, ZeRO's flat buffers after)."""
-    for rank, runs in enumerate(emulated_cluster(2).run(fns.engine_case, zero_stage, 6, 9)):
+    weights are read where they lie (kernels: replace_moe's buffer at stage 0, ZeRO's flat buffers
+    after; modules: the expert modules read their own)."""
+    for rank, runs in enumerate(emulated_cluster(2).run(fns.engine_case, zero_stage, 6, 9, experts)):
         for step, (ours, theirs) in enumerate(zip(runs["ditron_ep"], runs["deepspeed"])):
             assert abs(ours - theirs) <= 1e-5 * abs(theirs), (rank, step, runs)
         assert runs["in_place"], (rank, "the experts' weights were copied (stacked) on every call")
