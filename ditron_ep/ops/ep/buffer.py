@@ -721,7 +721,11 @@ class EPBuffer:
 
     def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
         """Dispatch `g` [T, H] along an existing handle (rows scaled by w): combine's backward."""
-        grad = torch.zeros((handle.rows_cap, self.hidden), dtype=g.dtype, device=g.device)
+        # default mode: the kernel writes every one of the handle's rows (a timeout raises at the end
+        # of the backward pass), so no memset of them (470 MB at T=4096, H=7168, top-8); graph mode:
+        # the rows past the received ones must be zero
+        grad = (torch.empty if handle.sync else torch.zeros)((handle.rows_cap, self.hidden), dtype=g.dtype,
+                                                              device=g.device)
         recv_w = torch.empty(handle.rows_cap, dtype=torch.float32, device=g.device) if w is not None else None
         recv_rows = torch.empty_like(handle.recv_rows)
         recv_tok = torch.empty_like(handle.recv_tok)

@@ -131,9 +131,29 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
     return report
 
 
+def _nan_empty(empty):
+    """torch.empty whose floating-point tensors come filled with NaN (a row a kernel leaves unwritten shows)."""
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+    return poisoned
+
+
 def gradient_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int = 0,
-                  sync: bool = True, block_hidden: int | None = None, hidden_slices: int | None = None) -> dict:
-    """d(sum(out * R)) / dx and / dw through dispatch -> per-expert scale -> combine, vs float64."""
+                  sync: bool = True, block_hidden: int | None = None, hidden_slices: int | None = None,
+                  poison: bool = False) -> dict:
+    """d(sum(out * R)) / dx and / dw through dispatch -> per-expert scale -> combine, vs float64;
+    poison: torch.empty fills floating-point tensors with NaN meanwhile."""
+    empty = torch.empty
+    if poison:
+        torch.empty = _nan_empty(empty)
+    try:
+        return _gradient_case(tokens, H, E, K, dtype, kind, seed, sync, block_hidden, hidden_slices)
+    finally:
+        torch.empty = empty
+
+
+def _gradient_case(tokens, H, E, K, dtype, kind, seed, sync, block_hidden, hidden_slices) -> dict:
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob=0.1)
     buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, block_hidden=block_hidden, hidden_slices=hidden_slices)
