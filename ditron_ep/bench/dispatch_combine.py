@@ -238,7 +238,7 @@ def dispatch_kernel_call(buf: EPBuffer, x: torch.Tensor, idx: torch.Tensor, w32:
     (layout, host read, allocations done here, once). Returns the call and a function returning the
     expert-major rows it received (token-major: through the row index)."""
     send, recv = buf._launch_layout(idx)
-    rows, tokens = buf._rows_and_tokens(recv, None)
+    rows, tokens, _ = buf._rows_and_tokens(recv, None)
     dev = buf.device
     recv_x = torch.empty((tokens if token_major else rows, buf.hidden), dtype=buf.dtype, device=dev)
     row_index = torch.empty(rows, dtype=torch.int32, device=dev) if token_major else None

@@ -243,7 +243,8 @@ def _modules_path(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     slot = self._ditron_slots
     recv, handle = slot.dispatch(tokens.contiguous(), topk_idx, num_experts=self.num_local_experts * self.ep_size)
     outs = []
-    for expert, rows in zip(self.experts.deepspeed_experts, recv.split(handle.num_recv_per_expert.tolist())):
+    counts = handle.recv_counts if handle.recv_counts is not None else handle.num_recv_per_expert.tolist()
+    for expert, rows in zip(self.experts.deepspeed_experts, recv.split(counts)):
         out = expert(rows)
         outs.append(out[0] if isinstance(out, tuple) else out)  # as DeepSpeed's Experts takes it
     y = torch.cat(outs) if outs else recv

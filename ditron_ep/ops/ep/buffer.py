@@ -76,6 +76,8 @@ class DispatchHandle:
     expert_offsets:      int32 [E_local + 1]  first row of each local expert; [-1] = total rows
                          (graph mode: capped at the rows the call kept, `rows_cap`)
     num_rows:            host int (default mode) or None (graph mode: see expert_offsets[-1])
+    recv_counts:         default mode: rows per local expert as host ints (read with num_rows:
+                         no further sync), else None
     recv_weights:        fp32 [rows] routing weight of every row, if weights were dispatched
     row_index:           layout="token_major" only: int32 [rows], the recv_x row (token) of each
                          expert-major row: recv_x[row_index[:rows]] is the expert-major layout
@@ -96,6 +98,7 @@ class DispatchHandle:
     token_rows: int | None = None          # token-major layout, default mode: rows of recv_x
     recv_scales: torch.Tensor | None = None  # FP8 dispatch: fp32 [recv_x rows, hidden / 128]
     weights_need_grad: bool = False        # the dispatched weights required grad (they get none through here)
+    recv_counts: tuple[int, ...] | None = None  # default mode: num_recv_per_expert as host ints (no sync)
 
     # Views, not the layout's own tensors: a caller that keeps one (autograd saving it included)
     # holds the layout's memory, which a replayed copy's reuse checks (layout_replay.CapturedLayout.idle)
@@ -555,14 +558,18 @@ class EPBuffer:
         launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
         return self._rows_and_tokens(recv, captured)[0]
 
-    def _rows_and_tokens(self, recv: RecvLayout, captured: CapturedLayout | None) -> tuple[int, int]:
-        """`_rows_from_status`, and the tokens received (the token-major layout's rows)."""
+    def _rows_and_tokens(self, recv: RecvLayout, captured: CapturedLayout | None
+                         ) -> tuple[int, int, tuple[int, ...]]:
+        """`_rows_from_status`, the tokens received (the token-major layout's rows) and the rows of
+        each local expert, all from the same read."""
         if captured is None:
             words = layout_status_words(self.heap, recv, self._pending_flags).tolist()
         else:
             captured.ready.synchronize()
             words = captured.status.tolist()
-        return raise_layout_status(words, self.heap, self._pending_flags, self), sum(words[-self.world_size:])
+        W, E = self.world_size, self.num_local_experts
+        return (raise_layout_status(words, self.heap, self._pending_flags, self), sum(words[-W:]),
+                tuple(words[-W - E:-W]))
 
     def _capture_layout(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
         """Capture a default-mode signature's layout launches (see `_layout`); lent: a copy handed
@@ -580,7 +587,7 @@ class EPBuffer:
             topk_idx=torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device),
             graph=torch.cuda.CUDAGraph() if cuda else None,
             arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
-            status=torch.empty(layout_status_numel(W), dtype=torch.int32, pin_memory=cuda),
+            status=torch.empty(layout_status_numel(W, self.num_local_experts), dtype=torch.int32, pin_memory=cuda),
             ready=torch.cuda.Event() if cuda else None,
             recv_rows=torch.empty(rows, dtype=torch.int32, device=self.device) if lent else None,
             recv_tok=torch.empty(rows[:2], dtype=torch.int32, device=self.device) if lent else None)
@@ -677,9 +684,9 @@ class EPBuffer:
         else:
             recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
             recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
-        capped = token_rows = None
+        capped = token_rows = recv_counts = None
         if sync:
-            num_rows, token_rows = self._rows_and_tokens(recv, captured)
+            num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured)
             rows_cap = num_rows
         else:
             rows_cap, num_rows = W * T * K, None
@@ -709,7 +716,7 @@ class EPBuffer:
         self._finish(sync, under_autograd)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
                                 num_rows, sync, capped, row_index, token_rows, recv_scales,
-                                w is not None and w.requires_grad and torch.is_grad_enabled())
+                                w is not None and w.requires_grad and torch.is_grad_enabled(), recv_counts)
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
@@ -831,14 +838,14 @@ def raise_pending_flags(pending_flags: torch.Tensor, owner, flags: int | None = 
 def layout_status_words(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor) -> torch.Tensor:
     """The words default mode reads on the host, as one device tensor (no sync): total rows,
     flags pending from graph-mode calls, the heap's error words, every rank's (flags, T) and
-    (call, fields), and last the tokens each source sends here."""
+    (call, fields), the rows of each local expert, and last the tokens each source sends here."""
     return torch.cat([recv.expert_off[-1:], pending_flags, heap.error_words, recv.src_info.reshape(-1),
-                      recv.records.reshape(-1), recv.tokens_from])
+                      recv.records.reshape(-1), recv.num_recv, recv.tokens_from])
 
 
-def layout_status_numel(world_size: int) -> int:
+def layout_status_numel(world_size: int, num_local_experts: int) -> int:
     """How many int32 words `layout_status_words` returns."""
-    return 2 + C.HOST_WORDS - C.ERR_FLAG + (5 + RECORD_FIELDS) * world_size
+    return 2 + C.HOST_WORDS - C.ERR_FLAG + (5 + RECORD_FIELDS) * world_size + num_local_experts
 
 
 def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: torch.Tensor, owner) -> int:

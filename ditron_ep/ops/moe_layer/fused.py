@@ -537,7 +537,8 @@ class FusedMoE:
 
     def _pinned_status(self) -> torch.Tensor:
         """A pinned host buffer for this layer's `layout_status_words` (their count is fixed)."""
-        return torch.empty(layout_status_numel(self.world_size), dtype=torch.int32, pin_memory=True)
+        return torch.empty(layout_status_numel(self.world_size, self.num_local_experts), dtype=torch.int32,
+                           pin_memory=True)
 
     def check(self) -> None:
         """Raise an error recorded by any launch, then problems recorded by sync=False calls (one

@@ -102,7 +102,7 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
     report["stamped"] = stamped_words_ok(buf, idxs, rank, W, E)
     report["rows"] = (recv_x.shape[0], len(order))
     report["dispatch_exact"] = recv_x.shape[0] == len(order) and torch.equal(recv_x, ref)
-    report["counts_ok"] = handle.num_recv_per_expert.tolist() == counts
+    report["counts_ok"] = handle.num_recv_per_expert.tolist() == counts and handle.recv_counts == tuple(counts)
     report["offsets_ok"] = handle.expert_offsets.tolist() == [sum(counts[:i]) for i in range(e_local + 1)]
     report["recv_weights_ok"] = torch.equal(handle.recv_weights, torch.tensor(
         [float(ws[s][t, k]) for s, t, k in order], dtype=torch.float32))
@@ -125,6 +125,7 @@ def dispatch_combine_case(tokens: list[int], H: int, E: int, K: int, dtype: torc
     report["rerun_bitwise"] = torch.equal(recv_x2, recv_x) and torch.equal(out2, out)
     report["out_bytes"] = out.contiguous().view(torch.uint8).flatten().tolist() if out.numel() else []
     recv_g, handle_g, n_g, _, out_g = run(False)
+    report["counts_ok"] &= handle_g.recv_counts is None  # graph mode: no host read
     report["graph_rows_cap"] = recv_g.shape[0]
     report["graph_bitwise"] = n_g == n and torch.equal(recv_g[:n], recv_x) and torch.equal(out_g, out)
     buf.free()

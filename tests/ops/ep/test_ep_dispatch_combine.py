@@ -26,7 +26,7 @@ def test_dispatch_combine(emulated_cluster, W, tokens, H, E, K, dtype, kind, dro
     reports = emulated_cluster(W).run(fns.dispatch_combine_case, tokens, H, E, K, dtype, kind, 1, drop)
     for rank, rep in enumerate(reports):
         assert rep["dispatch_exact"], f"rank {rank}: received rows differ from the reference permutation {rep['rows']}"
-        assert rep["counts_ok"] and rep["offsets_ok"], f"rank {rank}: per-expert counts/offsets wrong"
+        assert rep["counts_ok"] and rep["offsets_ok"], f"rank {rank}: per-expert counts/offsets (device or host) wrong"
         assert rep["recv_weights_ok"], f"rank {rank}: carried weights wrong"
         assert rep["combine_ok"], f"rank {rank}: combine off the float64 oracle by {rep['combine_max_abs']}"
         assert rep["rerun_bitwise"], f"rank {rank}: two runs differ"
