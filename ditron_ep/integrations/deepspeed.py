@@ -24,14 +24,15 @@ rank, in fp32; anything else raises DitronConfigError naming the module):
   nn.ReLU, nn.SiLU, biases or not (DeepSpeed's examples);
 * a module whose only children are Linear `gate_proj`, `up_proj` (H -> I) and `down_proj`
   (I -> H), computing down(silu(gate(x)) * up(x)) (Llama / Mixtral style SwiGLU).
-experts="modules" (default): any expert module (dropout, custom forward, other activations); it runs as
-DeepSpeed runs it, one call per local expert on that expert's rows (no capacity padding), so the
+experts="modules" (default): any expert module (dropout, custom forward, other activations), one
+call per local expert on that expert's rows — 2-D [rows, H], rows may be 0, no capacity padding
+(DeepSpeed's loop hands each expert a zero-padded [ep_size, capacity, H] chunk), so the
 expert GEMMs are torch's (cuBLAS) and the rest — gate routes, dispatch, combine — is ours.
 Not supported (raise): Tutel, tensor-parallel experts. Any gate setting is (DeepSpeed's own top-2
 gate's routes are computed here — the same routes, gates within fp32 rounding — by
 `ops.gate.top2_capacity_gate`; every other gate runs itself).
 
-Expert weights are read in place on every call (`_stacked`): weights that own their storage are
+experts="kernels": expert weights are read in place on every call (`_stacked`): weights that own their storage are
 moved into one buffer per layer when replaced, ZeRO's flat buffers are read where they are, and
 anything else is stacked (a copy with autograd); the kernels read nn.Linear's layout transposed.
 """
@@ -182,15 +183,16 @@ def _fp32_copy(module: nn.Module) -> nn.Module:
 
 def _top2_routes(gate, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """DeepSpeed 0.19.8's TopKGate forward for k = 2 with capacity drops and no noisy gating, sparse
-    routes, in `ops.gate.top2_capacity_gate`'s two kernels (DeepSpeed's ~40 torch ops kept the GPU
-    idle ~1.5 ms a step): (l_aux, topk_idx [S, 2] int32 (-1: dropped by the capacity),
+    routes, in `ops.gate.top2_capacity_gate` (one launch forward, one backward; DeepSpeed's ~40
+    torch ops kept the GPU idle ~1.7 ms a step): (l_aux, topk_idx [S, 2] int32 (-1: dropped by the capacity),
     topk_weights [S, 2] fp32, exp_counts) — the routes and counts `gate(tokens, None, True)` gives,
     gates and gradients within fp32 rounding (tested against it)."""
     from deepspeed.moe.sharded_moe import _capacity, gumbel_rsample
 
     from ditron_ep.ops.gate import top2_capacity_gate
 
-    logits = nn.functional.linear(tokens.float(), weight=gate.wg.weight.float(), bias=None)
+    # fp32 as DeepSpeed's gate computes them (.float() again: under autocast linear returns its dtype)
+    logits = nn.functional.linear(tokens.float(), weight=gate.wg.weight.float(), bias=None).float()
     noise = None
     if gate.top2_2nd_expert_sampling:  # DeepSpeed's Gumbel draw: the same random numbers
         noise = gumbel_rsample(logits.shape, device=logits.device)
@@ -244,22 +246,25 @@ def _modules_path(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     recv, handle = slot.dispatch(tokens.contiguous(), topk_idx, num_experts=self.num_local_experts * self.ep_size)
     outs = []
     counts = handle.recv_counts if handle.recv_counts is not None else handle.num_recv_per_expert.tolist()
-    for expert, rows in zip(self.experts.deepspeed_experts, recv.split(counts)):
-        out = expert(rows)
-        outs.append(out[0] if isinstance(out, tuple) else out)  # as DeepSpeed's Experts takes it
-    y = torch.cat(outs) if outs else recv
-    if y.shape != recv.shape or y.dtype != recv.dtype:
-        raise DitronConfigError(f"replace_moe(experts='modules'): the experts returned {tuple(y.shape)} {y.dtype} for "
-                                f"their rows {tuple(recv.shape)} {recv.dtype}; an expert must map [rows, H] to "
-                                f"[rows, H] in the tokens' dtype")
-    return slot.combine(y, handle, topk_weights)
+    try:
+        for expert, rows in zip(self.experts.deepspeed_experts, recv.split(counts)):
+            out = expert(rows)
+            outs.append(out[0] if isinstance(out, tuple) else out)  # as DeepSpeed's Experts takes it
+        y = torch.cat(outs) if outs else recv
+        if y.shape != recv.shape:
+            raise DitronConfigError(f"replace_moe(experts='modules'): the experts returned {tuple(y.shape)} for their "
+                                    f"rows {tuple(recv.shape)}; an expert must map [rows, H] to [rows, H]")
+    except Exception:
+        slot.buffer._refuse_combine()  # the peers are entering the combine: they raise instead of waiting
+        raise
+    return slot.combine(y.to(recv.dtype), handle, topk_weights)  # (autocast experts return its dtype)
 
 
 def replace_moe(model: nn.Module, *, experts: str = "modules", schedule: str = "overlap") -> int:
     """Give every `deepspeed.moe.layer.MoE` in `model` (the model itself included) ditron_ep's
-    data path; returns how many were replaced. Experts' weights that each own their storage are
-    moved into one buffer per layer (values and parameters unchanged), so every call reads them in
-    place; under ZeRO they are read where its flat buffers put them. Collective only in the sense that every rank must
+    data path; returns how many were replaced. experts="kernels" only: experts' weights that each
+    own their storage are moved into one buffer per layer (values and parameters unchanged), so
+    every call reads them in place; under ZeRO they are read where its flat buffers put them. Collective only in the sense that every rank must
     make the same call (no communication here). Raises DitronConfigError, naming the layer, for
     an unsupported expert or option; nothing is changed then.
 

@@ -1,6 +1,6 @@
-"""`top2_capacity_gate(logits, capacity)`: the top-2 gate with expert capacity in two kernel
-launches (forward) and one (backward), where DeepSpeed's TopKGate runs ~40 torch ops a call —
-host-bound at ~1.5 ms a step on an H100 for a 4096-token DeepSpeed block, the GPU idle meanwhile
+"""`top2_capacity_gate(logits, capacity)`: the top-2 gate with expert capacity in one kernel
+launch (forward, two passes over the tokens) and one (backward), where DeepSpeed's TopKGate runs
+~40 torch ops a call — host-bound at ~1.7 ms a step on an H100 for a 4096-token DeepSpeed block, the GPU idle meanwhile
 (bench/results/HISTORY.md, session 27).
 
 Semantics (DeepSpeed 0.19.8's `top2gating` with drop_tokens, sparse routes; `naive.py` is the
@@ -9,7 +9,8 @@ without the first); a route's place is its rank among the earlier tokens' routes
 expert, second choices after every first choice; routes placed at or past `capacity` are dropped;
 the kept gates are divided by their sum (clamped at fp32 eps); l_aux = mean_e(mean_s probs *
 mean_s first choices) * E * E; exp_counts = first + second choices per expert, before drops.
-Indices and counts equal DeepSpeed's; gates, l_aux and gradients agree to fp32 rounding (the
+Indices and counts equal DeepSpeed's (up to near-ties of the logits, which the kernel's exp may
+round differently from torch's); gates, l_aux and gradients agree to fp32 rounding (the
 softmax's exp and the sums' order differ from torch's), deterministic run to run.
 """
 from __future__ import annotations

@@ -74,6 +74,8 @@ def top2_gate_fwd_kernel(
         tl.store(place_ptr + o_s * 2 + 1, place2, mask=m_s)
         tl.store(gates_ptr + o_s * 2, p_first, mask=m_s)
         tl.store(gates_ptr + o_s * 2 + 1, p_second, mask=m_s)
+    # the second walk reads rows other threads of this program stored
+    tl.debug_barrier()
     for s0 in range(0, S, BLOCK_S):
         o_s = s0 + tl.arange(0, BLOCK_S)
         m_s = o_s < S
