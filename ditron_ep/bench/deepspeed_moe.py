@@ -150,8 +150,8 @@ def _busiest_rows(ctx: BenchContext, block: nn.Module, x: torch.Tensor) -> int:
 
 
 def plan_deepspeed_moe(req: BenchRequest, tokens: int, options: Any, on_gpu: bool) -> tuple[Impl, ...]:
-    return (Impl(OURS, against=(THEIRS,)), Impl(KERNELS, against=(THEIRS,)), Impl(THEIRS, "baseline"), *(Impl(n, "reference") for n in DENSE),
-            Impl(FLOOR, "reference", timed=False))
+    return (Impl(OURS, against=(THEIRS,)), Impl(KERNELS, against=(THEIRS,)), Impl(THEIRS, "baseline"),
+            *(Impl(n, "reference") for n in DENSE), Impl(FLOOR, "reference", timed=False))
 
 
 def validate(req: BenchRequest, options: Any, world_size: int) -> str | None:

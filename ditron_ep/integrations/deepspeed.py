@@ -32,9 +32,9 @@ Not supported (raise): Tutel, tensor-parallel experts. Any gate setting is (Deep
 gate's routes are computed here — the same routes, gates within fp32 rounding — by
 `ops.gate.top2_capacity_gate`; every other gate runs itself).
 
-experts="kernels": expert weights are read in place on every call (`_stacked`): weights that own their storage are
-moved into one buffer per layer when replaced, ZeRO's flat buffers are read where they are, and
-anything else is stacked (a copy with autograd); the kernels read nn.Linear's layout transposed.
+experts="kernels": expert weights are read in place on every call (`_stacked`): weights that own
+their storage are moved into one buffer per layer when replaced, ZeRO's flat buffers are read where
+they are, and anything else is stacked (a copy with autograd); the kernels read nn.Linear's layout transposed.
 """
 from __future__ import annotations
 
@@ -229,8 +229,8 @@ def _ditron_moe_forward(self, *inputs: torch.Tensor, **kwargs: Any) -> torch.Ten
     w1, w2, b1, b2, self._ditron_in_place = _stacked(self._ditron_layers)
     if getattr(self, "_ditron_slots", None) is None:  # the layer's own buffers (ep_group is set by then)
         self._ditron_slots = MoESlots(self.ep_group)
-    out = run_moe(self._ditron_slots, tokens.contiguous(), topk_idx, topk_weights, w1, w2, b1=b1, b2=b2, activation=self._ditron_activation,
-                  schedule=self._ditron_schedule)
+    out = run_moe(self._ditron_slots, tokens.contiguous(), topk_idx, topk_weights, w1, w2, b1=b1, b2=b2,
+                  activation=self._ditron_activation, schedule=self._ditron_schedule)
     return out.reshape(x.shape)
 
 
@@ -245,9 +245,8 @@ def _modules_path(self, tokens: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     slot = self._ditron_slots
     recv, handle = slot.dispatch(tokens.contiguous(), topk_idx, num_experts=self.num_local_experts * self.ep_size)
     outs = []
-    counts = handle.recv_counts if handle.recv_counts is not None else handle.num_recv_per_expert.tolist()
-    try:
-        for expert, rows in zip(self.experts.deepspeed_experts, recv.split(counts)):
+    try:  # (default mode: the rows per expert came with the dispatch's one host read)
+        for expert, rows in zip(self.experts.deepspeed_experts, recv.split(handle.recv_counts)):
             out = expert(rows)
             outs.append(out[0] if isinstance(out, tuple) else out)  # as DeepSpeed's Experts takes it
         y = torch.cat(outs) if outs else recv
@@ -264,8 +263,8 @@ def replace_moe(model: nn.Module, *, experts: str = "modules", schedule: str = "
     """Give every `deepspeed.moe.layer.MoE` in `model` (the model itself included) ditron_ep's
     data path; returns how many were replaced. experts="kernels" only: experts' weights that each
     own their storage are moved into one buffer per layer (values and parameters unchanged), so
-    every call reads them in place; under ZeRO they are read where its flat buffers put them. Collective only in the sense that every rank must
-    make the same call (no communication here). Raises DitronConfigError, naming the layer, for
+    every call reads them in place; under ZeRO they are read where its flat buffers put them.
+    Collective only in the sense that every rank must make the same call (no communication here). Raises DitronConfigError, naming the layer, for
     an unsupported expert or option; nothing is changed then.
 
     experts: "modules" (default): each expert module's own forward on its received rows (any

@@ -97,9 +97,8 @@ def _dispatcher_class():
             return recv_x, dispatched_weights(probs, self.handle, self.ep_group).to(probs.dtype)
 
         def dispatch_postprocess(self, hidden_states, probs):
-            counts = self.handle.recv_counts  # read with the dispatch's row count: no sync for the data kernel
-            tokens_per_expert = torch.tensor(counts, dtype=torch.int64) if counts is not None else \
-                self.handle.num_recv_per_expert.to(torch.int64).cpu()
+            # read with the dispatch's row count (default mode): no sync for the data kernel
+            tokens_per_expert = torch.tensor(self.handle.recv_counts, dtype=torch.int64)
             return hidden_states, tokens_per_expert, probs
 
         def combine_preprocess(self, hidden_states):

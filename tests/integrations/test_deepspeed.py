@@ -27,7 +27,8 @@ CASES_W2 = [
     (4, 2, 2, 0.5, True, "swiglu", True, 18, 5, "modules"),     # drops, gated experts
     (6, 2, 1, 1.0, False, "tanh", False, 14, 6, "modules"),     # an expert the kernels do not support
 ]
-CASES_W4 = [(4, 2, 2, 1.0, True, "gelu", True, 12, 8), (4, 2, 2, 1.0, True, "gelu", True, 12, 8, "modules")]  # two expert-parallel groups of 2, data-parallel across
+CASES_W4 = [(4, 2, 2, 1.0, True, "gelu", True, 12, 8),  # two expert-parallel groups of 2, data-parallel across
+            (4, 2, 2, 1.0, True, "gelu", True, 12, 8, "modules")]
 
 
 def _check(reports: list[dict], cases: list[tuple]) -> None:

@@ -1,6 +1,6 @@
 """`top2_capacity_gate(logits, capacity)`: the top-2 gate with expert capacity in one kernel
 launch (forward, two passes over the tokens) and one (backward), where DeepSpeed's TopKGate runs
-~40 torch ops a call — host-bound at ~1.7 ms a step on an H100 for a 4096-token DeepSpeed block, the GPU idle meanwhile
+~40 torch ops a call — host-bound, the GPU idle ~1.7 ms a step of a 4096-token DeepSpeed block
 (bench/results/HISTORY.md, session 27).
 
 Semantics (DeepSpeed 0.19.8's `top2gating` with drop_tokens, sparse routes; `naive.py` is the
@@ -58,9 +58,9 @@ class _Top2Gate(torch.autograd.Function):
         d_logits = torch.empty_like(logits)
         block_s, block_e = _blocks(E)
         block_s = min(block_s, 64)  # one program per block of rows: many programs
-        dummy = logits
         if S == 0:
             return d_logits, None, None
+        dummy = logits
         fast(top2_gate_bwd_kernel)[(triton.cdiv(S, block_s),)](
             logits, topk, dummy if d_gates is None else d_gates.contiguous(), first,
             dummy if d_l_aux is None else d_l_aux.reshape(1).contiguous(), d_logits, S, E,
@@ -82,8 +82,8 @@ def top2_capacity_gate(logits: torch.Tensor, capacity: int, noise: torch.Tensor 
         topk_weights: fp32 [S, 2]; exp_counts: int64 [E].
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
-        raise DitronConfigError(f"logits must be an fp32 [S, E] tensor, got "
-                                f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}")
+        got = f"{getattr(logits, 'dtype', type(logits).__name__)} {tuple(getattr(logits, 'shape', ()))}"
+        raise DitronConfigError(f"logits must be an fp32 [S, E] tensor, got {got}")
     if logits.shape[1] < 2:
         raise DitronConfigError(f"a top-2 gate needs at least 2 experts, got logits with {logits.shape[1]} columns")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
