@@ -18,7 +18,8 @@ Megatron's own dispatchers need CUDA (emulated CPU ranks time ours alone). Check
 every dispatcher's output and gradients against float64 (with the stand-in experts, out[t] =
 x[t] * the sum of its routed probabilities), max |diff| / max |ref| over every rank: output
 within the dtype's rtol (Megatron's dispatchers, which weigh and add rows in the token dtype,
-within twice it), gradients within twice it. The flex dispatcher needs DeepEP built with NVSHMEM.
+within twice it), gradients within twice it. On an intranode DeepEP build the flex dispatcher's
+buffer is sized as an NVSHMEM build sizes it on one node (`_flex_problem`).
 Needs megatron-core (`pip install 'ditron_ep[megatron]'`; 0.16.1 / 0.19.2).
 """
 from __future__ import annotations
@@ -65,8 +66,12 @@ def _dispatcher(ctx: BenchContext, impl: str):
 
 
 def _flex_problem() -> str | None:
-    """Why Megatron's flex dispatcher cannot run on this DeepEP (None: it may): it sizes DeepEP's
-    RDMA buffer even on one node, which a DeepEP built without NVSHMEM refuses."""
+    """Why Megatron's flex dispatcher cannot run on this DeepEP (None: it may). Megatron sizes
+    DeepEP's RDMA buffer even on one node (`fused_a2a.get_buffer`), which an intranode DeepEP build
+    (no NVSHMEM, as `../shared/anchors` builds it) refuses with an assertion; a build with NVSHMEM
+    answers 0 bytes for groups of at most 8 ranks (DeepEP's config.hpp, NUM_MAX_NVL_PEERS). On an
+    intranode build Megatron's `get_buffer` is therefore replaced by one that sizes the buffer the
+    way an NVSHMEM build would on one node: the same NVL bytes, no RDMA bytes."""
     why = deepep_absent()
     if why is not None:
         return why
@@ -75,10 +80,36 @@ def _flex_problem() -> str | None:
     try:
         deep_ep.Buffer.get_dispatch_config(2).get_rdma_buffer_size_hint(7168 * 2, 2)
     except Exception as exc:  # noqa: BLE001 - only DeepEP's NVSHMEM assertion is a verdict
-        if "NVSHMEM" in str(exc):
-            return ("Megatron's flex dispatcher sizes DeepEP's RDMA buffer (Config.get_rdma_buffer_size_hint), which "
-                    "needs DeepEP built with NVSHMEM; this DeepEP has none (an intranode build)")
+        if "NVSHMEM" not in str(exc):
+            return f"DeepEP's buffer sizing failed: {exc}"
+        _size_flex_buffer_intranode(deep_ep.Buffer)
     return None
+
+
+_NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS: groups up to this size run intranode
+
+
+def _size_flex_buffer_intranode(Buffer: Any) -> None:
+    """Point Megatron's `fused_a2a.get_buffer` at a one-node sizing (see `_flex_problem`)."""
+    from megatron.core.transformer.moe import fused_a2a
+
+    if getattr(fused_a2a.get_buffer, "_ditron_intranode", False):
+        return
+    buffers: dict = {}
+
+    def get_buffer(group, hidden_bytes: int):
+        if group.size() > _NVL_PEERS:
+            raise RuntimeError(f"an intranode DeepEP build serves groups of at most {_NVL_PEERS} ranks, "
+                               f"not {group.size()}: build DeepEP with NVSHMEM")
+        nvl = max(c.get_nvl_buffer_size_hint(hidden_bytes, group.size())
+                  for c in (Buffer.get_dispatch_config(group.size()), Buffer.get_combine_config(group.size())))
+        buf = buffers.get(id(group))
+        if buf is None or buf.num_nvl_bytes < nvl:
+            buf = buffers[id(group)] = Buffer(group, nvl, 0)
+        return buf
+
+    get_buffer._ditron_intranode = True
+    fused_a2a.get_buffer = get_buffer
 
 
 def _router_outputs(inp: Inputs, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
