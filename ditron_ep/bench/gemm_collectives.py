@@ -15,6 +15,8 @@ Rows of one (op, K, N):
                         tiles written into their owner's buffer, reduced as they land; bitwise vs "ours";
     ours overlap GEMM+AR  matmul_all_reduce(schedule="overlap"): the same with tiles owned round-robin,
                         each owner's sum written to every rank; bitwise vs "ours";
+    ours overlap, CUDA graph <op>  (GPUs) the overlapped call captured once and timed as graph
+                        replays: no host path (agreement, launch, error read); bitwise vs "ours";
     NCCL+cuBLAS <op>    all_gather_into_tensor + torch.mm / torch.mm + reduce_scatter_tensor /
                         torch.mm + all_reduce (gloo on emulated ranks);
     torch symm_mem <op> (GPUs, AG+GEMM and GEMM+RS) PyTorch's overlapped ops on symmetric memory,
@@ -113,11 +115,31 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
                                            details=details))
                 except StageFailed as exc:
                     out.append(Measurement(name("ours overlap", op, k, n), work=work, ok=False, error=str(exc)))
+                if ctx.on_cuda:
+                    out.append(_measure_graph(ctx, name("ours overlap, CUDA graph", op, k, n), over, got, work,
+                                              details))
             if ctx.on_cuda and op in SYMM_MEM_OPS:
                 out.append(_measure_symm_mem(ctx, op, a, b, want, work, details))
             out.append(ctx.measure(name("NCCL+cuBLAS", op, k, n), base, work, "reference", True, details=details))
             del a, b, alone_a
     return out
+
+
+def _measure_graph(ctx: BenchContext, impl: str, fn: Callable[[], torch.Tensor], want: torch.Tensor, work: float,
+                   details: dict) -> Measurement:
+    """`fn` (an overlapped op, already called eagerly: its heap exists) captured once in a CUDA
+    graph and timed as replays — the op without its host path (agreement, launch, error read),
+    as decode loops run it; checked bitwise against the sequential schedule's output."""
+    from ditron_ep.bench.timing import capture_graph
+
+    try:
+        graph, y = guarded(ctx, f"{impl} (capture)", lambda: capture_graph(fn))
+        guarded(ctx, f"{impl} (check)", graph.replay)
+    except StageFailed as exc:
+        return Measurement(impl, work=work, ok=False, error=str(exc))
+    same = torch.equal(y, want)
+    return ctx.measure(impl, graph.replay, work, "bitwise = ours" if same else "FAIL: differs from ours", same,
+                       details=details)
 
 
 def _measure_symm_mem(ctx: BenchContext, op: str, a: torch.Tensor, b: torch.Tensor, want: torch.Tensor, work: float,
@@ -154,6 +176,9 @@ def plan_gemm_collectives(req: BenchRequest, tokens: int, options: Mapping[str, 
         ours.append(Impl(name("ours", op, k, n), against=(*theirs, name("cuBLAS alone", op, k, n))))
         if op in OVERLAPPED:
             ours.append(Impl(name("ours overlap", op, k, n), against=(*theirs, name("cuBLAS alone", op, k, n))))
+            if on_gpu:
+                ours.append(Impl(name("ours overlap, CUDA graph", op, k, n),
+                                 against=(*theirs, name("cuBLAS alone", op, k, n))))
         base += [*(Impl(t, "baseline") for t in theirs), Impl(name("cuBLAS alone", op, k, n), "reference")]
     return (*ours, *base)
 

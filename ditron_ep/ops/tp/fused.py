@@ -26,6 +26,7 @@ import triton
 from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
+from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
 
@@ -47,10 +48,17 @@ class OverlapHeap:
         self.dtype: torch.dtype | None = None
 
     def ensure(self, rows: int, cols: int, dtype: torch.dtype, signals: int, device: torch.device) -> None:
-        """(Re)build the heap when this call does not fit (collective: every rank passes the same)."""
+        """(Re)build the heap when this call does not fit (collective: every rank passes the same).
+        Not under CUDA-graph capture: building a heap exchanges IPC handles and synchronises."""
         same = cols == self.cols and dtype == self.dtype
         if self.heap is not None and same and rows <= self.rows_cap and signals <= self.signals_cap:
             return
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise DitronConfigError(
+                f"an overlapped TP op captured in a CUDA graph needs its symmetric heap built first ({rows} rows x "
+                f"{cols} {str(dtype).removeprefix('torch.')} columns, {signals} signals this call; the group's heap "
+                f"{'does not exist yet' if self.heap is None else 'is smaller or of another width or dtype'}): "
+                "run the same op with the same shapes once eagerly (a warm-up) before capturing")
         if self.heap is not None:
             self.heap.free()
             self.heap = None
@@ -98,7 +106,7 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
         m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1), plan.comm_programs,
         CHUNK=plan.chunk_rows, BLOCK_C=min(triton.next_power_of_2(max(k, 16)), 4096 // elt),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
-    h.check_error()
+    check_unless_capturing(h)
     if return_gathered:
         return y, h.local_view("tp/land")[:world * m].clone()
     return y
@@ -148,13 +156,20 @@ def _reducing_launch(kernel, lower, heaps: dict, a: torch.Tensor, b: torch.Tenso
         a.contiguous(), b, y, h.ptr_table, h.signal_table, h.offset_of("tp/land"), state.sig_first,
         m, k, n, h.rank, world, h.wait_budget, b.stride(0), b.stride(1),
         BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION="ieee", **cfg.launch_options())
-    h.check_error()
+    check_unless_capturing(h)
     return y
 
 
 @functools.lru_cache(maxsize=128)
 def _reducing_plan(lower, world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan | GemmARPlan:
     return lower(world, m, k, n, dtype, device_type)
+
+
+def check_unless_capturing(h: SymmetricHeap) -> None:
+    """The launch's error slot read (a host sync), skipped under CUDA-graph capture: a replay's
+    bounded-wait error stays in the slot and is raised by the next eager call on this heap."""
+    if not (h.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        h.check_error()
 
 
 def free_heaps() -> None:
