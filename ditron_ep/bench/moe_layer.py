@@ -26,6 +26,12 @@ fused layers of `moe` sized for T (caches cleared first); everything under torch
                       received token, DeepEP's combine — the layer a DeepEP user builds;
   grouped GEMM alone  `grouped_mlp` on this rank's real received rows (one untimed dispatch
                       beforehand): the expert work inside the layer, no communication;
+  grouped_mm experts alone (with the DeepEP rows) the torch experts on the same rows: gate-up
+                      torch._grouped_mm, silu * up, down torch._grouped_mm, each weight in the
+                      faster layout of the references below;
+  DeepEP + grouped_mm, glue-free sum  DeepEP's layout + dispatch and its combine (each timed
+                      alone, `(layer)` rows) + grouped_mm experts alone: the bound any permutation
+                      glue around DeepEP and torch._grouped_mm stays above;
   references (--opt refs=1, the default): gate-up (rows @ W1, no activation) and down (h @ W2)
                       alone on the same rows, with torch._grouped_mm and W row-major or
                       column-major, and one dense torch.matmul of all rows against one expert's W
@@ -71,9 +77,10 @@ COPY = "memory copy"
 FLOOR = "floor: max(compute, memory)"
 GEMMS = ("gate-up", "down")
 DEEPEP_LAYER = "DeepEP + grouped_mm"
-# the DeepEP layer's parts timed alone; their sum with GEMM_ALONE is the glue-free bound any
+# the DeepEP layer's parts timed alone; their sum with GROUPED_MM_ALONE is the glue-free bound any
 # permutation glue around DeepEP and torch._grouped_mm stays above
 DEEPEP_STAGES = ("DeepEP layout+dispatch (layer)", "DeepEP combine (layer)")
+GROUPED_MM_ALONE = "grouped_mm experts alone"
 DEEPEP_SUM = "DeepEP + grouped_mm, glue-free sum"
 AGAINST = (TORCH_NATIVE, GEMM_ALONE)
 
@@ -367,9 +374,28 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
     out.append(ctx.measure(TORCH_NATIVE, lambda: torch_native_moe(inp.x, inp.idx, inp.w, w1, w2, grouped, ctx.group),
                            flops, note, True, details={"grouped_mm": grouped, "weight_layout": layout}))
     if deepep_layer_wanted(ctx):
-        out += measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped,
-                                    next(m for m in out if m.impl == GEMM_ALONE))
+        experts = measure_grouped_mm_experts(ctx, recv_x, off[1:], w1, w2, grouped, layout, flops, alone, rtol)
+        out.append(experts)
+        out += measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped, experts)
     return out
+
+
+def measure_grouped_mm_experts(ctx: BenchContext, recv_x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor,
+                               w2: torch.Tensor, grouped: bool, layout: str, flops: float,
+                               ours: Callable[[], torch.Tensor], rtol: float) -> Measurement:
+    """GROUPED_MM_ALONE: torch_experts (torch._grouped_mm gate-up, silu * up, torch._grouped_mm
+    down) on this rank's received rows with the faster weight layouts, checked against our grouped
+    GEMM's output on the same rows within rtol."""
+    if not grouped:
+        return Measurement(GROUPED_MM_ALONE, work=flops, ok=False, error="torch._grouped_mm does not run here")
+    fn = lambda: torch_experts(recv_x, offs, w1, w2, None)  # noqa: E731
+    try:
+        want = guarded(ctx, f"{GEMM_ALONE} (check)", ours)
+        rel = relative_errors(ctx, want, {GROUPED_MM_ALONE: guarded(ctx, f"{GROUPED_MM_ALONE} (check)", fn)})
+    except StageFailed as exc:
+        return Measurement(GROUPED_MM_ALONE, work=flops, ok=False, error=str(exc))
+    ok_text, ok = tolerance_check(rel[GROUPED_MM_ALONE], rtol)
+    return ctx.measure(GROUPED_MM_ALONE, fn, flops, f"{ok_text} [{layout}]", ok, details={"weight_layout": layout})
 
 
 def deepep_layer_wanted(ctx: BenchContext) -> bool:
@@ -381,7 +407,8 @@ def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: fl
                          rtol: float, grouped: bool, alone: Measurement) -> list[Measurement]:
     """The "DeepEP + grouped_mm" row (its output against torch-native's, then timed), its layout +
     dispatch and its combine timed alone, and the glue-free sum of those two and the experts
-    alone (`alone`: GEMM_ALONE, the same grouped GEMMs on the same rows) with the pipeline's glue."""
+    alone (`alone`: GROUPED_MM_ALONE, torch._grouped_mm's experts on the same rows) with the
+    pipeline's glue."""
     names = (DEEPEP_LAYER, *DEEPEP_STAGES, DEEPEP_SUM)
     if not grouped:
         return failed(names, "torch._grouped_mm does not run here", flops)
@@ -453,7 +480,8 @@ def plan_moe(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu:
     refs = [Impl(n, "reference") for g in GEMMS for n in ref_names(g)] + [
         Impl(COPY, "reference"), Impl(FLOOR, "reference", timed=False)] if options.get("refs", True) else []
     deepep = (Impl(DEEPEP_LAYER, "baseline"), *(Impl(n, "reference") for n in DEEPEP_STAGES),
-              Impl(DEEPEP_SUM, "baseline", timed=False)) if on_gpu and req.dtype == "bf16" else ()
+              Impl(GROUPED_MM_ALONE, "reference"), Impl(DEEPEP_SUM, "baseline", timed=False)) \
+        if on_gpu and req.dtype == "bf16" else ()
     against = AGAINST + ((DEEPEP_LAYER, DEEPEP_SUM) if deepep else ())
     return (*(Impl(n, against=against) for n in ours), Impl(TORCH_NATIVE, "baseline"), *deepep,
             Impl(GEMM_ALONE, "baseline"),
