@@ -31,6 +31,10 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       fixed cost of a cross-rank launch under the timing rule: host skew after the
                       barrier, graph launch, entry barrier, counts exchange); the token-major
                       dispatch and the rank-reduced combine (checked bitwise against eager calls).
+  HBM copy, peer copy (NVLink), floor: <mode>  (dispatch_combine) the bandwidths measured in the
+                      run and each mode's floor from the bytes it must move (bench/ep_floors.py),
+                      with the busiest rank's HBM and NVLink bytes; each row is also compared
+                      with its mode's floor (graph rows with their eager mode's).
 "dispatch" times the two dispatch rows against all_to_all_single, "combine" the two combine rows;
 "dispatch_combine" times every row of its modes against the exchange of the same direction
 (a2a dispatch, a2a combine, and both in one call for the round trip).
@@ -41,6 +45,8 @@ rtol (max |diff| / max |ref| over every rank); graph replays equal the eager cal
 """
 from __future__ import annotations
 
+import dataclasses
+
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -49,6 +55,7 @@ import torch
 
 from ditron_ep.bench.alltoall import AllToAll, gather_routing
 from ditron_ep.bench.deepep import DEEPEP_COMBINE, DEEPEP_DISPATCH, measure_deepep
+from ditron_ep.bench.ep_floors import floor_impls, floor_of, floor_rows
 from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, gather, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
@@ -456,6 +463,9 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
                                       {k: case.work(ctx, k) for k in ("dispatch", "combine")})
         if "graph" in modes and ctx.on_cuda:
             out += measure_graphs(ctx, case)
+        out += floor_rows(ctx, [tokens] * ctx.world, case.inp.tokens_sent, case.inp.pairs_sent,
+                          lambda kind: case.work(ctx, kind),
+                          fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options))
         return [*out, *(measure_a2a(ctx, case, name, kind) for name, kind in
                         ((A2A_DISPATCH, "dispatch"), (A2A_COMBINE, "combine"), (A2A_ROUND_TRIP, "roundtrip")))]
 
@@ -495,7 +505,11 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
                  Impl("graph: combine, 0 tokens"), Impl("graph: dispatch token_major", against=d),
                  Impl("graph: combine expert_rank", against=c)]
-    return _plan(*ours, baselines=(*d, *c, *rt, *deepep))
+    # each mode also against its floor (ep_floors: the bytes it must move at the measured bandwidths)
+    fp8 = fp8_applies(req.shape.hidden, req.dtype, on_gpu, options)
+    ours = [dataclasses.replace(i, against=(*i.against, f)) if i.against and (f := floor_of(i.name, fp8)) else i
+            for i in ours]
+    return (*_plan(*ours, baselines=(*d, *c, *rt, *deepep)), *floor_impls(fp8))
 
 
 def validate_ep(req: BenchRequest, options: Mapping[str, Any], world_size: int) -> str | None:

@@ -115,8 +115,9 @@ def build_rows(bench: Benchmark, req: BenchRequest, tokens: int, world: int,
     stats = {m.impl: summarize(m.times_us) for m in measured if m.times_us and m.error is None}
     medians = {i: s["median"] for i, s in stats.items()}
     medians.update({m.impl: m.value_us for m in measured if m.times_us is None and m.value_us and m.error is None})
+    named = {b for i in impls for b in i.against}   # a reference row (a floor, cuBLAS alone) named by an `against`
     base = {i.name: medians[i.name] for i in impls
-            if i.kind == "baseline" and i.name in medians and by_impl[i.name].ok}
+            if (i.kind == "baseline" or i.name in named) and i.name in medians and by_impl[i.name].ok}
     rate = gbps if bench.metric == "GB/s" else tflops
     s = req.shape
     rows = []
