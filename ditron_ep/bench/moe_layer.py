@@ -376,7 +376,7 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
     if deepep_layer_wanted(ctx):
         experts = measure_grouped_mm_experts(ctx, recv_x, off[1:], w1, w2, grouped, layout, flops, alone, rtol)
         out.append(experts)
-        out += measure_deepep_layer(ctx, inp, wts, flops, ref, rtol, grouped, experts)
+        out += measure_deepep_layer(ctx, inp, w1, w2, layout, flops, ref, rtol, grouped, experts)
     return out
 
 
@@ -403,7 +403,8 @@ def deepep_layer_wanted(ctx: BenchContext) -> bool:
     return ctx.on_cuda and ctx.dtype == torch.bfloat16
 
 
-def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float, ref: torch.Tensor | None,
+def measure_deepep_layer(ctx: BenchContext, inp: Inputs, w1: torch.Tensor, w2: torch.Tensor, layout: str,
+                         flops: float, ref: torch.Tensor | None,
                          rtol: float, grouped: bool, alone: Measurement) -> list[Measurement]:
     """The "DeepEP + grouped_mm" row (its output against torch-native's, then timed), its layout +
     dispatch and its combine timed alone, and the glue-free sum of those two and the experts
@@ -415,12 +416,13 @@ def measure_deepep_layer(ctx: BenchContext, inp: Inputs, wts: Weights, flops: fl
     layer = None
     try:
         layer = DeepEPMoE(ctx, ctx.shape.experts, ctx.shape.hidden)
-        call = lambda: layer(inp.x, inp.idx, inp.w, wts.w1, wts.w2)  # noqa: E731
+        call = lambda: layer(inp.x, inp.idx, inp.w, w1, w2)  # noqa: E731
         got = guarded(ctx, f"{DEEPEP_LAYER} (check)", call)
         rel = relative_errors(ctx, ref, {DEEPEP_LAYER: got})[DEEPEP_LAYER] if ref is not None else float("inf")
         del got
-        rows = [ctx.measure(DEEPEP_LAYER, call, flops, *tolerance_check(rel, rtol),
-                            details={"num_sms": max(SM_BUDGETS)})]
+        ok_text, ok = tolerance_check(rel, rtol)
+        rows = [ctx.measure(DEEPEP_LAYER, call, flops, f"{ok_text} [{layout}]", ok,
+                            details={"num_sms": max(SM_BUDGETS), "weight_layout": layout})]
         stages = guarded(ctx, "DeepEP stages (layer)", lambda: layer.stage_calls(inp.x, inp.idx, inp.w))
         rows += [ctx.measure(name, fn, None, "reference", True, details={"num_sms": max(SM_BUDGETS)})
                  for name, fn in zip(DEEPEP_STAGES, stages)]
