@@ -120,7 +120,8 @@ def test_json_schema(run: dict) -> None:
             assert r["p20_us"] <= r["median_us"] <= r["p80_us"]
         assert r["ok"] is True and r["error"] is None and isinstance(r["check"], str) and r["check"]
         if r["kind"] == "ours" and r["speedups"]:
-            assert r["baseline"] == next(iter(r["speedups"])) and set(r["speedups"]) <= set(b["baselines"])
+            assert r["baseline"] == next(iter(r["speedups"]))
+            assert set(r["speedups"]) <= set(b["baselines"]) | set(b["references"])  # references: floors
             assert r["speedup"] == r["speedups"][r["baseline"]] > 0
             assert r["speedup"] == pytest.approx(_rows(doc, r["bench"], r["tokens"])[r["baseline"]]["median_us"]
                                                  / r["median_us"])
@@ -136,8 +137,9 @@ def test_ep_entries_check_every_stage(run: dict) -> None:
         assert c["EPBuffer.combine"]["check"].startswith("ok: ") and c["all_to_all_single"]["check"] == "reference"
         assert dc["layout"]["check"] == "ok: received rows == the baseline's" and dc["layout"]["metric_value"] is None
         assert dc["dispatch kernel"]["check"] == "ok: bit-exact" and dc["combine kernel"]["check"].startswith("ok: ")
-        assert list(dc["EPBuffer.dispatch"]["speedups"]) == ["a2a dispatch"]
-        assert list(dc["EPBuffer.combine"]["speedups"]) == ["a2a combine"]
+        assert list(dc["EPBuffer.dispatch"]["speedups"]) == ["a2a dispatch", "floor: dispatch"]
+        assert list(dc["EPBuffer.combine"]["speedups"]) == ["a2a combine", "floor: combine"]
+        assert dc["floor: dispatch"]["median_us"] > 0 and "NVLink" in dc["floor: dispatch"]["check"]
         assert dc["layout"]["speedups"] == {} and not any(i.startswith("graph") for i in dc)  # graphs: GPUs only
         moved = {i: dc[i]["metric_value"] * dc[i]["median_us"] * 1e3 for i in dc if i.startswith("a2a")}  # bytes
         assert moved["a2a dispatch+combine"] == pytest.approx(moved["a2a dispatch"] + moved["a2a combine"])
