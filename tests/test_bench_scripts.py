@@ -42,13 +42,23 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     # FP8 dispatch rows: GPUs, bf16, hidden a multiple of 128 (the GPU default shape: H = 7168)
     fp8 = ["EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"]
     eager_gpu = eager[:5] + fp8 + eager[5:]
-    assert list(cpu) == eager + baselines and list(gpu) == eager_gpu + list(GRAPHS) + baselines + deepep
-    assert [gpu[g].against for g in GRAPHS] == [(), ("a2a dispatch",), ("a2a combine",), ("a2a dispatch+combine",),
-                                                (), (), ("a2a dispatch",), ("a2a combine",)]
-    assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch")
-    assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine")
-    assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines]
-    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager_gpu + baselines + deepep
+    # the measured bandwidths and each mode's floor (bench/ep_floors.py), derived
+    floors = ["floor: dispatch", "floor: dispatch token_major", "floor: combine", "floor: combine expert_rank",
+              "floor: combine expert_rank fp32"]
+    floors_gpu = floors[:2] + ["floor: dispatch fp8"] + floors[2:]
+    tail, tail_gpu = ["HBM copy", "peer copy (NVLink)", *floors], ["HBM copy", "peer copy (NVLink)", *floors_gpu]
+    assert list(cpu) == eager + baselines + tail
+    assert list(gpu) == eager_gpu + list(GRAPHS) + baselines + deepep + tail_gpu
+    assert not any(gpu[f].timed for f in floors_gpu) and cpu["HBM copy"].timed
+    assert [gpu[g].against for g in GRAPHS] == [
+        (), ("a2a dispatch", "floor: dispatch"), ("a2a combine", "floor: combine"), ("a2a dispatch+combine",), (), (),
+        ("a2a dispatch", "floor: dispatch token_major"), ("a2a combine", "floor: combine expert_rank")]
+    assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch", "floor: dispatch")
+    assert gpu["EPBuffer.dispatch fp8"].against == ("a2a dispatch", "floor: dispatch fp8")
+    assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine", "floor: combine expert_rank")
+    assert cpu["dispatch kernel"].against == ("a2a dispatch",)   # kernels alone: no floor
+    assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines, *tail_gpu]
+    assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager_gpu + baselines + deepep + tail_gpu
     assert [i.kind for i in plan("dispatch", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
     assert [i.kind for i in plan("combine", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
 
@@ -62,14 +72,14 @@ def test_moe_plans_layers_references_and_floor() -> None:
         "torch-native", "DeepEP + grouped_mm", "DeepEP + grouped_mm, glue-free sum", "grouped GEMM alone"]
     assert big["moe overlap"].against == ("torch-native", "grouped GEMM alone", "DeepEP + grouped_mm",
                                           "DeepEP + grouped_mm, glue-free sum")
-    # its parts timed alone (the experts: grouped GEMM alone), the sum derived from them
-    assert {"DeepEP layout+dispatch (layer)", "DeepEP combine (layer)"} <= {
+    # its parts timed alone (the experts: torch._grouped_mm's), the sum derived from them
+    assert {"DeepEP layout+dispatch (layer)", "DeepEP combine (layer)", "grouped_mm experts alone"} <= {
         n for n, i in big.items() if i.kind == "reference"} and not big["DeepEP + grouped_mm, glue-free sum"].timed
     assert "DeepEP + grouped_mm" not in plan("moe", at=4096)
     train = plan("moe_train", on_gpu=True)
     assert train["moe overlap, fwd+bwd"].against == ("torch-native, fwd+bwd", "DeepEP + grouped_mm, fwd+bwd")
     assert "DeepEP + grouped_mm, fwd+bwd" not in plan("moe_train")
-    refs = [n for n, i in big.items() if i.kind == "reference" and "DeepEP" not in n]
+    refs = [n for n, i in big.items() if i.kind == "reference" and "DeepEP" not in n and "grouped_mm" not in n]
     assert len(refs) == 8 and refs[-1].startswith("floor") and not big[refs[-1]].timed
     assert not [i for i in plan("moe", ("refs", "0")).values() if i.kind == "reference"]
     assert "FusedMoE sized for T=8192" in plan("moe", ("layer_tokens", "8192"), at=4096)
