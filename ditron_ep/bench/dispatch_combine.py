@@ -45,10 +45,9 @@ rtol (max |diff| / max |ref| over every rank); graph replays equal the eager cal
 """
 from __future__ import annotations
 
-import dataclasses
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -507,7 +506,7 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
                  Impl("graph: combine expert_rank", against=c)]
     # each mode also against its floor (ep_floors: the bytes it must move at the measured bandwidths)
     fp8 = fp8_applies(req.shape.hidden, req.dtype, on_gpu, options)
-    ours = [dataclasses.replace(i, against=(*i.against, f)) if i.against and (f := floor_of(i.name, fp8)) else i
+    ours = [replace(i, against=(*i.against, f)) if i.against and (f := floor_of(i.name, fp8)) else i
             for i in ours]
     return (*_plan(*ours, baselines=(*d, *c, *rt, *deepep)), *floor_impls(fp8))
 

@@ -6,7 +6,8 @@ any implementation needs for the bytes a mode must move, at bandwidths measured 
 
 Bandwidths: `HBM copy` — a device-to-device copy on each rank (bytes read + written / time);
 `peer copy` — every rank at once copying into the next rank's memory through its peer mapping
-(a symmetric heap's peer view; bytes / time, one direction — every rank also receives as much).
+(GPUs: torch symmetric memory's view of the peer's allocation, a copy-engine copy over NVLink;
+bytes / time, one direction — every rank also receives as much).
 
 Bytes of one call, per rank r, with T_r its tokens, tok[s][d] the tokens rank s sends to rank d
 (one per (token, destination rank)), pairs[s][d] its (token, k) pairs to rank d, and a row of
@@ -101,24 +102,42 @@ def rank_bytes(mode: FloorMode, tokens: list[int], tok: list[list[int]], pairs: 
     return hbm, max(out, inn)
 
 
-def measure_bandwidths(ctx: BenchContext) -> tuple[list[Measurement], float | None, float | None]:
-    """The HBM_COPY and PEER_COPY rows and their bandwidths in bytes/s (None where not measured)."""
+def _peer_target(ctx: BenchContext, n: int) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A uint8 [n] tensor in the next rank's memory that this rank writes, and what releases it
+    (collective). GPUs: a torch symmetric-memory allocation and the peer's view of it (CUDA IPC);
+    emulated ranks: a SymmetricHeap's host view of the peer's arena."""
+    nxt = (ctx.rank + 1) % ctx.world
+    if ctx.on_cuda:
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        group = ctx.group if ctx.group is not None else dist.group.WORLD
+        local = symm_mem.empty(n, dtype=torch.uint8, device=ctx.device)
+        handle = symm_mem.rendezvous(local, group)
+        # the tensor may start inside torch's pooled allocation, at an offset that differs per rank
+        offsets: list[int] = [0] * ctx.world
+        dist.all_gather_object(offsets, local.data_ptr() - int(handle.buffer_ptrs[ctx.rank]), group=group)
+        peer = handle.get_buffer(nxt, (n,), torch.uint8, storage_offset=offsets[nxt])
+        holder = [local, handle, peer]
+        return peer, holder.clear
     from ditron_ep.runtime import control as C
     from ditron_ep.runtime.heap import SymmetricHeap
 
+    heap = SymmetricHeap(ctx.group, size_bytes=C.align_up(C.CTRL_BYTES + 4) + C.align_up(n), num_signals=1)
+    heap.alloc("floor/peer", (n,), torch.uint8)
+    return heap.peer_view("floor/peer", nxt), heap.free
+
+
+def measure_bandwidths(ctx: BenchContext) -> tuple[list[Measurement], float | None, float | None]:
+    """The HBM_COPY and PEER_COPY rows and their bandwidths in bytes/s (None where not measured)."""
     n = (256 if ctx.on_cuda else 4) * 2**20
-    rows, bws = [], []
-    heap = None
     try:
-        src = guarded(ctx, "floor buffers", lambda: torch.ones(n, dtype=torch.uint8, device=ctx.device))
-        dst = torch.empty_like(src)
-        heap = guarded(ctx, "floor heap", lambda: SymmetricHeap(
-            ctx.group, size_bytes=C.align_up(C.CTRL_BYTES + 4) + C.align_up(n), num_signals=1,
-            device=ctx.device if ctx.on_cuda else None))
-        heap.alloc("floor/peer", (n,), torch.uint8)
-        peer = heap.peer_view("floor/peer", (heap.rank + 1) % heap.world_size)
+        src, dst = guarded(ctx, "floor buffers", lambda: (torch.ones(n, dtype=torch.uint8, device=ctx.device),
+                                                          torch.empty(n, dtype=torch.uint8, device=ctx.device)))
+        peer, release = guarded(ctx, "peer-copy buffer", lambda: _peer_target(ctx, n))
     except StageFailed as exc:
         return [*failed((HBM_COPY, PEER_COPY), str(exc))], None, None
+    rows, bws = [], []
     try:
         for name, fn, moved, what in ((HBM_COPY, lambda: dst.copy_(src), 2 * n, "read + written"),
                                       (PEER_COPY, lambda: peer.copy_(src), n, "to the next rank, every rank at once")):
@@ -131,8 +150,8 @@ def measure_bandwidths(ctx: BenchContext) -> tuple[list[Measurement], float | No
             rows.append(m)
             bws.append(bw)
     finally:
-        peer = None  # no view of the heap's memory outlives it
-        heap.free()
+        peer = None  # no view of the peer's memory outlives its release
+        release()
     return rows, bws[0], bws[1]
 
 

@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 from ditron_ep.bench.gemm_core import _parse_kn
 from ditron_ep.bench.moe_layer import LAYER_DTYPES
-from ditron_ep.bench.ranks import StageFailed, guarded, relative_errors
+from ditron_ep.bench.ranks import StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape, \
     tolerance_check
+from ditron_ep.bench.timing import capture_graph
 from ditron_ep.check.tolerances import TOLERANCES
 
 OPS = {"ag": "AG+GEMM", "rs": "GEMM+RS", "ar": "GEMM+AR"}
@@ -109,7 +110,8 @@ def run_gemm_collectives(ctx: BenchContext, tokens: int) -> list[Measurement]:
                 fn = {"ag": all_gather_matmul, "rs": matmul_reduce_scatter, "ar": matmul_all_reduce}[op]
                 over = lambda a=a, b=b, fn=fn: fn(a, b, group=grp, schedule="overlap")
                 try:
-                    same = torch.equal(guarded(ctx, f"{name('ours overlap', op, k, n)} (check)", over), got)
+                    same = all_ranks(ctx, torch.equal(guarded(ctx, f"{name('ours overlap', op, k, n)} (check)", over),
+                                                      got))
                     out.append(ctx.measure(name("ours overlap", op, k, n), over, work,
                                            "bitwise = ours" if same else "FAIL: differs from ours", same,
                                            details=details))
@@ -130,14 +132,12 @@ def _measure_graph(ctx: BenchContext, impl: str, fn: Callable[[], torch.Tensor],
     """`fn` (an overlapped op, already called eagerly: its heap exists) captured once in a CUDA
     graph and timed as replays — the op without its host path (agreement, launch, error read),
     as decode loops run it; checked bitwise against the sequential schedule's output."""
-    from ditron_ep.bench.timing import capture_graph
-
     try:
         graph, y = guarded(ctx, f"{impl} (capture)", lambda: capture_graph(fn))
         guarded(ctx, f"{impl} (check)", graph.replay)
     except StageFailed as exc:
         return Measurement(impl, work=work, ok=False, error=str(exc))
-    same = torch.equal(y, want)
+    same = all_ranks(ctx, torch.equal(y, want))
     return ctx.measure(impl, graph.replay, work, "bitwise = ours" if same else "FAIL: differs from ours", same,
                        details=details)
 

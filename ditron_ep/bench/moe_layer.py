@@ -374,23 +374,24 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
     out.append(ctx.measure(TORCH_NATIVE, lambda: torch_native_moe(inp.x, inp.idx, inp.w, w1, w2, grouped, ctx.group),
                            flops, note, True, details={"grouped_mm": grouped, "weight_layout": layout}))
     if deepep_layer_wanted(ctx):
-        experts = measure_grouped_mm_experts(ctx, recv_x, off[1:], w1, w2, grouped, layout, flops, alone, rtol)
+        experts = measure_grouped_mm_experts(ctx, recv_x, off[1:], wts, w1, w2, grouped, layout, flops, rtol)
         out.append(experts)
         out += measure_deepep_layer(ctx, inp, w1, w2, layout, flops, ref, rtol, grouped, experts)
     return out
 
 
-def measure_grouped_mm_experts(ctx: BenchContext, recv_x: torch.Tensor, offs: torch.Tensor, w1: torch.Tensor,
-                               w2: torch.Tensor, grouped: bool, layout: str, flops: float,
-                               ours: Callable[[], torch.Tensor], rtol: float) -> Measurement:
+def measure_grouped_mm_experts(ctx: BenchContext, recv_x: torch.Tensor, offs: torch.Tensor, wts: Weights,
+                               w1: torch.Tensor, w2: torch.Tensor, grouped: bool, layout: str, flops: float,
+                               rtol: float) -> Measurement:
     """GROUPED_MM_ALONE: torch_experts (torch._grouped_mm gate-up, silu * up, torch._grouped_mm
-    down) on this rank's received rows with the faster weight layouts, checked against our grouped
-    GEMM's output on the same rows within rtol."""
+    down) on this rank's received rows with the faster weight layouts (w1, w2), checked against
+    the same experts with row-major weights within rtol."""
     if not grouped:
         return Measurement(GROUPED_MM_ALONE, work=flops, ok=False, error="torch._grouped_mm does not run here")
     fn = lambda: torch_experts(recv_x, offs, w1, w2, None)  # noqa: E731
     try:
-        want = guarded(ctx, f"{GEMM_ALONE} (check)", ours)
+        want = guarded(ctx, f"{GROUPED_MM_ALONE} (row-major check)",
+                       lambda: torch_experts(recv_x, offs, wts.w1, wts.w2, None))
         rel = relative_errors(ctx, want, {GROUPED_MM_ALONE: guarded(ctx, f"{GROUPED_MM_ALONE} (check)", fn)})
     except StageFailed as exc:
         return Measurement(GROUPED_MM_ALONE, work=flops, ok=False, error=str(exc))

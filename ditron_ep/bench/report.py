@@ -18,8 +18,9 @@ JSON document (`build_document`, schema "ditron_ep.bench/2"):
                  (float|null: slowest rank per iteration; a derived figure has only median_us),
                  metric ("GB/s"|"TFLOP/s"), metric_value (float|null), baseline (str|null: the first
                  of the row's baselines), speedup (float|null: baseline median / this median, ours
-                 rows only), speedups ({baseline: float}), check (str), ok (bool), error
-                 (str|null), details (object: more figures of the row, per benchmark)
+                 rows only), speedups ({row: float}: its baselines and the reference rows it names),
+                 check (str), ok (bool), error (str|null), details (object: more figures of the row,
+                 per benchmark)
 """
 from __future__ import annotations
 

@@ -59,8 +59,9 @@ class BenchRequest:
 
 @dataclass(frozen=True)
 class Impl:
-    """One row of a config. `against` (ours only): the baselines its speedups are computed
-    against, the first being `speedup`'s; `timed=False`: a figure derived from other rows."""
+    """One row of a config. `against` (ours only): the rows its speedups are computed against —
+    baselines, or reference rows such as a floor — the first being `speedup`'s; `timed=False`: a
+    figure derived from other rows."""
     name: str
     kind: str = "ours"
     against: tuple[str, ...] = ()
