@@ -45,7 +45,6 @@ rtol (max |diff| / max |ref| over every rank); graph replays equal the eager cal
 """
 from __future__ import annotations
 
-
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping

@@ -32,8 +32,7 @@ from typing import Callable
 import torch
 
 from ditron_ep.bench.ranks import StageFailed, guarded
-from ditron_ep.bench.spec import BenchContext, Impl, Measurement, failed
-from ditron_ep.bench.timing import summarize
+from ditron_ep.bench.spec import BenchContext, Impl, Measurement, failed, measure_bandwidth
 
 HBM_COPY, PEER_COPY = "HBM copy", "peer copy (NVLink)"
 
@@ -95,7 +94,7 @@ def rank_bytes(mode: FloorMode, tokens: list[int], tok: list[list[int]], pairs: 
         out = sum(tok[r][d] for d in range(W) if d != r) * b
         inn = sum(tok[s][r] for s in range(W) if s != r) * b
     else:
-        row = float(hidden * elt)
+        row = _plain(hidden, elt)   # the expert rows read and the output written: the token dtype
         hbm = sum(pairs[s][r] for s in range(W)) * row + tokens[r] * row
         out = sum(crossing[d][r] for d in range(W) if d != r) * b    # r's expert results going home
         inn = sum(crossing[r][s] for s in range(W) if s != r) * b    # r's tokens' terms coming back
@@ -137,22 +136,15 @@ def measure_bandwidths(ctx: BenchContext) -> tuple[list[Measurement], float | No
         peer, release = guarded(ctx, "peer-copy buffer", lambda: _peer_target(ctx, n))
     except StageFailed as exc:
         return [*failed((HBM_COPY, PEER_COPY), str(exc))], None, None
-    rows, bws = [], []
+    mib = n // 2**20
     try:
-        for name, fn, moved, what in ((HBM_COPY, lambda: dst.copy_(src), 2 * n, "read + written"),
-                                      (PEER_COPY, lambda: peer.copy_(src), n, "to the next rank, every rank at once")):
-            m = ctx.measure(name, fn, None, "", True, details={"bytes": moved})
-            med = summarize(m.times_us)["median"] if m.times_us and m.error is None else None
-            bw = moved / (med * 1e-6) if med else None
-            if bw:
-                m.check = f"{bw / 1e9:,.1f} GB/s ({moved / 2**20:,.0f} MiB {what})"
-                m.details["bytes_per_s"] = bw
-            rows.append(m)
-            bws.append(bw)
+        hbm, hbm_bw = measure_bandwidth(ctx, HBM_COPY, lambda: dst.copy_(src), 2 * n, f"{mib} MiB read + written")
+        nvl, peer_bw = measure_bandwidth(ctx, PEER_COPY, lambda: peer.copy_(src), n,
+                                         f"{mib} MiB to the next rank, every rank at once")
     finally:
         peer = None  # no view of the peer's memory outlives its release
         release()
-    return rows, bws[0], bws[1]
+    return [hbm, nvl], hbm_bw, peer_bw
 
 
 def floor_rows(ctx: BenchContext, tokens: list[int], tok: list[list[int]], pairs: list[list[int]],

@@ -56,8 +56,9 @@ from ditron_ep.bench.deepep import SM_BUDGETS, DeepEPMoE
 from ditron_ep.bench.ep_inputs import Inputs, Weights, make_inputs, make_weights
 from ditron_ep.bench.ranks import Fatal, RankContext, StageFailed, all_ranks, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
-                                  bitwise_check, boolean, failed, positive_int, tolerance_check)
-from ditron_ep.bench.timing import capture_graph, summarize
+                                  bitwise_check, boolean, failed, measure_bandwidth, median_us, positive_int,
+                                  tolerance_check)
+from ditron_ep.bench.timing import capture_graph
 from ditron_ep.bench.torch_moe import torch_experts, torch_native_moe
 from ditron_ep.check.tolerances import TOLERANCES
 from ditron_ep.ops import clear_cache, clear_layers, dispatch, grouped_mlp, moe
@@ -137,10 +138,6 @@ def probe_grouped_mm(ctx: RankContext, recv_x: torch.Tensor, offs: torch.Tensor,
         return str(exc)
 
 
-def _median(m: Measurement) -> float | None:
-    return summarize(m.times_us)["median"] if (m.times_us and m.error is None) else None
-
-
 # ============================================================================ training entries' floor
 DENSE = ("gate-up: dense, one expert's W", "down: dense, one expert's W")
 TRAINING_FLOOR = "floor: 3 x forward GEMMs"
@@ -160,7 +157,7 @@ def training_floor(ctx: BenchContext, rows: int, width: int) -> list[Measurement
     gu_flops, dn_flops = 2.0 * rows * s.hidden * width, 2.0 * rows * s.inter * s.hidden
     gu = ctx.measure(DENSE[0], lambda: torch.matmul(a, w1), gu_flops, "reference", True)
     dn = ctx.measure(DENSE[1], lambda: torch.matmul(h, w2), dn_flops, "reference", True)
-    meds = [_median(m) for m in (gu, dn)]
+    meds = [median_us(m) for m in (gu, dn)]
     if None in meds:
         return [gu, dn, Measurement(TRAINING_FLOOR, ok=False, error="not derived: a dense reference failed")]
     return [gu, dn, Measurement(TRAINING_FLOOR, work=3 * (gu_flops + dn_flops), value_us=3 * sum(meds),
@@ -207,12 +204,12 @@ def measure_refs(ctx: BenchContext, recv_x: torch.Tensor, offs: torch.Tensor, ho
         for is_col, name in ((False, row_name), (True, col_name)):
             m = ctx.measure(name, grouped_fn(a, wts.layout(key, is_col)), flops[gemm], note, True)
             out.append(m)
-            if _median(m) is not None:
-                times[is_col] = _median(m)
+            if median_us(m) is not None:
+                times[is_col] = median_us(m)
         w0 = getattr(wts, key)[0]
         out.append(ctx.measure(dense_name, lambda a_=a, w_=w0: torch.matmul(a_, w_), flops[gemm], "reference", True))
         col[key] = bool(times) and min(times, key=times.get)
-        medians = [v for v in (*times.values(), _median(out[-1])) if v is not None]
+        medians = [v for v in (*times.values(), median_us(out[-1])) if v is not None]
         if medians:
             best[gemm] = min(medians)
     del h
@@ -233,14 +230,7 @@ def measure_copy(ctx: BenchContext) -> tuple[Measurement, float | None]:
         src, dst = guarded(ctx, "copy buffers", buffers)
     except StageFailed as exc:
         return Measurement(COPY, ok=False, error=str(exc)), None
-    m = ctx.measure(COPY, lambda: dst.copy_(src), None, "", True, details={"bytes": 2 * n})
-    med = _median(m)
-    if med is None:
-        return m, None
-    bandwidth = 2 * n / (med * 1e-6)
-    m.check = f"{bandwidth / 1e9:,.1f} GB/s ({mib} MiB read + written)"
-    m.details["bytes_per_s"] = bandwidth
-    return m, bandwidth
+    return measure_bandwidth(ctx, COPY, lambda: dst.copy_(src), 2 * n, f"{mib} MiB read + written")
 
 
 def floor(ctx: BenchContext, best: dict[str, float], bandwidth: float | None, rows_max: int,
@@ -440,18 +430,13 @@ def glue_free_sum(layer: Measurement, dispatch: Measurement, experts: Measuremen
     """DEEPEP_SUM: the medians of DeepEP's layout + dispatch, the experts and DeepEP's combine, each
     timed alone, added; its check names the parts and the pipeline's glue (the layer's median
     minus the sum)."""
-    parts = [_median(m) for m in (dispatch, experts, combine)]
+    parts = [median_us(m) for m in (dispatch, experts, combine)]
     if None in parts:
         return Measurement(DEEPEP_SUM, work=flops, ok=False, error="not derived: a part was not timed")
-    total, e2e = sum(parts), _median(layer)
+    total, e2e = sum(parts), median_us(layer)
     glue = f"; the pipeline's glue {e2e - total:,.0f} µs" if e2e is not None else ""
     return Measurement(DEEPEP_SUM, work=flops, value_us=total, ok=True, details={"parts_us": parts},
                        check=f"dispatch {parts[0]:,.0f} + experts {parts[1]:,.0f} + combine {parts[2]:,.0f} µs{glue}")
-
-
-def _median(m: Measurement) -> float | None:
-    """The median the table reports for a timed row (None: not timed)."""
-    return summarize(m.times_us)["median"] if m.times_us and m.error is None else None
 
 
 def measure_graph(ctx: BenchContext, inp: Inputs, wts: Weights, flops: float,

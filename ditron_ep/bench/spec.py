@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import torch
 
 from ditron_ep.bench.ranks import RankContext, StageFailed, guarded
-from ditron_ep.bench.timing import time_fn
+from ditron_ep.bench.timing import summarize, time_fn
 from ditron_ep.check import ROUTING_KINDS
 from ditron_ep.runtime import DitronConfigError
 
@@ -167,6 +167,25 @@ class Row:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def median_us(m: Measurement) -> float | None:
+    """The median the table reports for a timed row (None: not timed, or failed)."""
+    return summarize(m.times_us)["median"] if m.times_us and m.error is None else None
+
+
+def measure_bandwidth(ctx: "BenchContext", impl: str, fn: Callable[[], object], moved: int,
+                      label: str) -> tuple[Measurement, float | None]:
+    """`fn` (a copy moving `moved` bytes) timed as row `impl`; (the row, its bandwidth in bytes/s,
+    None if not timed), the row's check reading "<GB/s> GB/s (<label>)"."""
+    m = ctx.measure(impl, fn, None, "", True, details={"bytes": moved})
+    med = median_us(m)
+    if med is None:
+        return m, None
+    bandwidth = moved / (med * 1e-6)
+    m.check = f"{bandwidth / 1e9:,.1f} GB/s ({label})"
+    m.details["bytes_per_s"] = bandwidth
+    return m, bandwidth
 
 
 def tolerance_check(rel: float, rtol: float) -> tuple[str, bool]:
