@@ -68,6 +68,14 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 # ============================================================================ arguments
+def _gemm_shape(text: str) -> tuple[int, int, int]:
+    """ "2048x8192x8192" -> (2048, 8192, 8192): three positive ints."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected MxKxN with three positive ints, e.g. 2048x8192x8192, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -163,6 +171,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="ranks of the job the entry is for (E/W local experts; part of the cache key)")
     tune.add_argument("--activation", default="swiglu")
     tune.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    tune.add_argument("--tp-gemm", nargs="+", default=None, metavar="MxKxN", type=_gemm_shape,
+                      help="instead: the tensor-parallel ops' dense GEMM [M, K] @ [K, N] at each shape (M: the rows "
+                           "of the product, W*M per rank for AllGather+GEMM and GEMM+ReduceScatter); only tiles whose "
+                           "output is bitwise the shape rule's are kept")
     tune.add_argument("--reps", type=_positive_int, default=10, help="timed calls per candidate (median)")
     tune.add_argument("--cache", type=Path, default=None, metavar="PATH", help="the cache file to write")
     bench = sub.add_parser(
@@ -815,7 +827,8 @@ def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["R
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    """`tune`: tuner.tune_grouped_mlp at each token count on this process's GPU."""
+    """`tune`: tuner.tune_grouped_mlp at each token count (or tune_tp_gemm at each --tp-gemm shape) on this
+    process's GPU."""
     import torch
 
     if not torch.cuda.is_available():
@@ -829,6 +842,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_activation(args.activation)
     console = _console()
     cache = tuner.TuneCache(args.cache) if args.cache is not None else None
+    if args.tp_gemm:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        for m, k, n in args.tp_gemm:
+            chosen = tuner.tune_tp_gemm(m, k, n, dtype, reps=args.reps, cache=cache,
+                                        log=lambda line: console.print(f"  {escape(line)}", highlight=False))
+            console.print(f"TP GEMM {m}x{k}x{n}: {chosen}", highlight=False)
+        console.print(f"wrote {(cache or tuner.TuneCache()).path}", highlight=False)
+        return EXIT_OK
     dev = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     e_local = args.experts // args.world_size

@@ -181,7 +181,8 @@ def test_plan_cases() -> None:
     ([], "required"),
     (["tune", "--tokens", "0"], "must be a positive integer, got 0"),
     (["tune", "--dtype", "fp32"], "invalid choice: 'fp32'"),
-], ids=["world0", "world-text", "backend", "command", "no-command", "tune-tokens", "tune-dtype"])
+    (["tune", "--tp-gemm", "128x8192"], "expected MxKxN with three positive ints"),
+], ids=["world0", "world-text", "backend", "command", "no-command", "tune-tokens", "tune-dtype", "tune-tp-gemm"])
 def test_bad_arguments_exit_2(argv: list[str], message: str, capsys) -> None:
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err

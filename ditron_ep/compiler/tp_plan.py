@@ -6,8 +6,9 @@
   Device — the queue: copy tickets [0, n_copy) (chunk-major, then destination), GEMM tickets after
            them; comm_programs programs take the copies when > 0 (role split); signal family
            (source rank, chunk), one word each, stamped with the call number;
-  Core   — the GEMM tile (block sizes, warps, stages), which must be the sequential schedule's
-           (`gemm.matmul`'s): the plan's identity includes it, since it sets the result bits.
+  Core   — the GEMM tile (block sizes, warps, stages), the sequential schedule's (`gemm.matmul`'s,
+           `planned_tile`: the tuner's or the shape rule's; a tuned tile keeps the rule's rows
+           per tile and K step, so the bits): the plan's identity includes it and its source.
 `lower_ag_gemm` builds one and `verify_ag_gemm` checks it: structurally, and concretely for every
 rank by enumerating the queue with the kernel's own index formulas (every chunk of every source
 lands on every rank exactly once, from a copy ticket that comes before any GEMM ticket; every GEMM
@@ -49,8 +50,8 @@ import hashlib
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
 from ditron_ep.compiler.plan import PlanError, cdiv, is_nonnegative_int, is_positive_int
 
-__all__ = ["AGGemmPlan", "GemmARPlan", "GemmRSPlan", "lower_ag_gemm", "lower_gemm_ar", "lower_gemm_rs", "verify_ag_gemm",
-           "verify_gemm_ar", "verify_gemm_rs"]
+__all__ = ["AGGemmPlan", "GemmARPlan", "GemmRSPlan", "TILE_SOURCES", "lower_ag_gemm", "lower_gemm_ar", "lower_gemm_rs", "verify_ag_gemm",
+           "planned_tile", "sequential_tile", "verify_gemm_ar", "verify_gemm_rs"]
 
 
 class _Verified:
@@ -76,10 +77,15 @@ def _check_basics(plan, positive: tuple[str, ...], nonnegative: tuple[str, ...] 
     for name in nonnegative:
         if not is_nonnegative_int(getattr(plan, name)):
             raise PlanError(f"{kind}.{name} must be an int >= 0, got {getattr(plan, name)!r}")
-    want = sequential_tile(plan.dtype, plan.device_type, plan.gemm_rows, plan.n)
-    if plan.tile != want:
-        raise PlanError(f"core: the GEMM tile {plan.tile} is not the sequential schedule's {want}: the overlapped "
-                        f"kernel would not be bitwise equal to it")
+    rule = sequential_tile(plan.dtype, plan.device_type, plan.gemm_rows, plan.n)
+    if plan.tile_source not in TILE_SOURCES:
+        raise PlanError(f"core: tile_source must be one of {TILE_SOURCES}, got {plan.tile_source!r}")
+    if plan.tile_source == "rule" and plan.tile != rule:
+        raise PlanError(f"core: the GEMM tile {plan.tile} is not the shape rule's {rule}: the overlapped kernel "
+                        f"would not be bitwise equal to the sequential schedule")
+    if (plan.tile.block_m, plan.tile.block_k) != (rule.block_m, rule.block_k):
+        raise PlanError(f"core: the tuned GEMM tile {plan.tile} must keep the shape rule's rows per tile and K step "
+                        f"({rule}): they set the chunking and every output element's summation order")
 
 
 def _verified(plan, verify):
@@ -113,6 +119,7 @@ class AGGemmPlan(_Verified):
     chunk_rows: int            # Device: rows per copy task (one signal each)
     comm_programs: int         # Device: programs on the copy queue (0: no role split)
     tile: GemmTileConfig       # Core
+    tile_source: str = "rule"  # Core: "rule" (sequential_tile) or "tuned" (planned_tile)
     verified_digest: str = ""
 
     # ---- derived counts (the kernel computes the same)
@@ -164,7 +171,7 @@ class AGGemmPlan(_Verified):
             f"Device level: {self.n_copy} copy tickets ({self.n_chunks} chunks of {self.chunk_rows} rows x "
             f"{self.world_size} destinations) then {self.n_gemm} GEMM tickets; comm_programs={self.comm_programs}; "
             f"signals (source, chunk): {self.world_size * self.n_chunks}",
-            f"Core level: GEMM tile {self.tile} (the sequential schedule's)",
+            f"Core level: GEMM tile {self.tile} ({self.tile_source}; the sequential schedule's)",
         ])
 
 
@@ -196,12 +203,41 @@ def sequential_tile(dtype: str, device_type: str, rows: int, n: int) -> GemmTile
     return GemmTileConfig(bm, bn, tile.block_k, 8 if bm * bn >= 128 * 128 else 4, tile.num_stages)
 
 
+TILE_SOURCES = ("rule", "tuned")
+
+
+def planned_tile(dtype: str, device_type: str, rows: int, k: int, n: int) -> tuple[GemmTileConfig, str]:
+    """(tile, source) of the TP dense GEMM [rows, k] @ [k, n]: on NVIDIA the tuner's tile when this
+    machine's cache has one for the shape (compiler/tuner.py: searched with the rule's rows per
+    tile and K step, kept only if bitwise equal to the rule's output), else `sequential_tile`'s.
+    An entry whose rows per tile or K step is not the rule's at these rows (a neighbouring row
+    count in the same bucket) is not used."""
+    rule = sequential_tile(dtype, device_type, rows, n)
+    if device_type != "cuda":
+        return rule, "rule"
+    import torch
+
+    from ditron_ep.compiler.tuner import tuned_tp_tile
+
+    tuned = tuned_tp_tile(getattr(torch, dtype), rows=rows, k=k, n=n)
+    if tuned is not None and tuned != rule and (tuned.block_m, tuned.block_k) == (rule.block_m, rule.block_k):
+        return tuned, "tuned"
+    return rule, "rule"
+
+
+def _tile_of(dtype: str, device_type: str, rows: int, k: int, n: int,
+             tile: tuple[GemmTileConfig, str] | None) -> tuple[GemmTileConfig, str]:
+    return tile if tile is not None else planned_tile(dtype, device_type, rows, k, n)
+
+
 def lower_ag_gemm(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str, *,
-                  comm_programs: int = 0, chunk_rows: int | None = None) -> AGGemmPlan:
-    """The verified AllGather+GEMM plan: chunks of one GEMM row tile, the sequential tile."""
-    tile = sequential_tile(dtype, device_type, world_size * rows, n)
-    return _verified(AGGemmPlan(world_size, rows, k, n, dtype, device_type, chunk_rows or tile.block_m, comm_programs,
-                                tile), verify_ag_gemm)
+                  comm_programs: int = 0, chunk_rows: int | None = None,
+                  tile: tuple[GemmTileConfig, str] | None = None) -> AGGemmPlan:
+    """The verified AllGather+GEMM plan: chunks of one GEMM row tile; tile: (tile, source), default
+    `planned_tile` of the gathered product."""
+    cfg, source = _tile_of(dtype, device_type, world_size * rows, k, n, tile)
+    return _verified(AGGemmPlan(world_size, rows, k, n, dtype, device_type, chunk_rows or cfg.block_m, comm_programs,
+                                cfg, source), verify_ag_gemm)
 
 
 def verify_ag_gemm(plan: AGGemmPlan) -> None:
@@ -254,6 +290,7 @@ class GemmRSPlan(_Verified):
     dtype: str
     device_type: str
     tile: GemmTileConfig       # Core: the sequential schedule's
+    tile_source: str = "rule"  # Core: "rule" (sequential_tile) or "tuned" (planned_tile)
     verified_digest: str = ""
 
     @property
@@ -314,16 +351,17 @@ class GemmRSPlan(_Verified):
             "last), rows written into their shard owner's landing buffer at [source, row]",
             f"Device level: {self.n_gemm} GEMM tickets then the reduce tickets of the own shard; signals (source, "
             f"M-tile, N-tile): {self.num_signals}",
-            f"Core level: GEMM tile {self.tile} (the sequential schedule's); partials added in rank order in fp32, "
-            f"cast once",
+            f"Core level: GEMM tile {self.tile} ({self.tile_source}; the sequential schedule's); partials added in "
+            f"rank order in fp32, cast once",
         ])
 
 
-def lower_gemm_rs(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan:
-    """The verified GEMM+ReduceScatter plan (the sequential schedule's tile)."""
-    tile = sequential_tile(dtype, device_type, world_size * rows, n)
-    return _verified(GemmRSPlan(world_size, rows, k, n, dtype, device_type, tile),
-                     verify_gemm_rs)
+def lower_gemm_rs(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str, *,
+                  tile: tuple[GemmTileConfig, str] | None = None) -> GemmRSPlan:
+    """The verified GEMM+ReduceScatter plan; tile: (tile, source), the same on every rank (default
+    `planned_tile` of the product)."""
+    cfg, source = _tile_of(dtype, device_type, world_size * rows, k, n, tile)
+    return _verified(GemmRSPlan(world_size, rows, k, n, dtype, device_type, cfg, source), verify_gemm_rs)
 
 
 def verify_gemm_rs(plan: GemmRSPlan) -> None:
@@ -377,6 +415,7 @@ class GemmARPlan(_Verified):
     dtype: str
     device_type: str
     tile: GemmTileConfig
+    tile_source: str = "rule"  # Core: "rule" (sequential_tile) or "tuned" (planned_tile)
     verified_digest: str = ""
 
     @property
@@ -434,15 +473,17 @@ class GemmARPlan(_Verified):
             "the owner's sum goes to every rank",
             f"Device level: {self.n_tiles} GEMM tickets, the owned tiles' reduce tickets, {self.n_tiles} copy-out "
             f"tickets; signals (source, tile) and (tile): {self.num_signals}",
-            f"Core level: GEMM tile {self.tile} (the sequential schedule's); partials added in rank order in fp32, "
-            f"cast once",
+            f"Core level: GEMM tile {self.tile} ({self.tile_source}; the sequential schedule's); partials added in "
+            f"rank order in fp32, cast once",
         ])
 
 
-def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str) -> GemmARPlan:
-    """The verified GEMM+AllReduce plan (the sequential schedule's tile)."""
-    return _verified(GemmARPlan(world_size, rows, k, n, dtype, device_type, sequential_tile(dtype, device_type, rows, n)),
-                     verify_gemm_ar)
+def lower_gemm_ar(world_size: int, rows: int, k: int, n: int, dtype: str, device_type: str, *,
+                  tile: tuple[GemmTileConfig, str] | None = None) -> GemmARPlan:
+    """The verified GEMM+AllReduce plan; tile: (tile, source), the same on every rank (default
+    `planned_tile` of this rank's product)."""
+    cfg, source = _tile_of(dtype, device_type, rows, k, n, tile)
+    return _verified(GemmARPlan(world_size, rows, k, n, dtype, device_type, cfg, source), verify_gemm_ar)
 
 
 def verify_gemm_ar(plan: GemmARPlan) -> None:

@@ -1,4 +1,5 @@
-"""Autotuner over the plan's Core level: GEMM tile configs of the expert MLP's kernels.
+"""Autotuner over the plan's Core level: GEMM tile configs of the expert MLP's kernels and of the
+tensor-parallel ops' dense GEMM.
 
 A choice is searched on the GPU (`tune_grouped_mlp`: every candidate compiled, checked bitwise
 against the default's output where the path's bits do not depend on the tile, and timed; the
@@ -10,6 +11,12 @@ runs exactly what it ran before the tuner existed. The choice depends on nothing
 every rank that reads the same file makes the same choice; a tile that can change result bits
 is therefore part of the plan's identity (`planned_expert_gemms` records it in `CorePlan.expert_gemms`,
 with where it came from; `describe_choices` prints a call's choices).
+
+The dense GEMM of the TP ops (`gemm.matmul` and the overlapped kernels, compiler/tp_plan.py) is
+searched by `tune_tp_gemm` (op "tp_gemm", shape (rows bucket, K, N), world 1): only the tile's
+column width, warps and stages vary, and a candidate is kept only if its output is bitwise equal
+to the shape rule's tile (`tp_plan.sequential_tile`), whose rows per tile (the all-gather's chunk)
+and K step (each output element's summation order) it keeps.
 
 Shape buckets: rows rounded up to a power of two (>= 128: the row count moves with routing, the
 best tile does not move within a factor of two); H, I and the expert count exact (the weights).
@@ -30,9 +37,10 @@ import torch
 
 from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs
 
-__all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TuneCache", "TuneKey", "choice_text", "default_cache_path",
-           "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "planned_expert_gemms", "rows_bucket", "tune_grouped_mlp",
-           "tuned_choices"]
+__all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TP_GEMM_OP", "TuneCache", "TuneKey", "choice_text",
+           "default_cache_path", "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "planned_expert_gemms",
+           "rows_bucket", "tp_gemm_candidates", "tp_gemm_key", "tune_grouped_mlp", "tune_tp_gemm", "tuned_choices",
+           "tuned_tp_tile"]
 
 CACHE_ENV = "DITRON_TUNE_CACHE"
 CACHE_VERSION = 2  # 2: rows buckets are the nearest power of two (1: the next one up)
@@ -315,3 +323,90 @@ def tune_grouped_mlp(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Te
                   world_size=world_size)
     (cache or _cache()).put(key, chosen, best_ms)
     return chosen
+
+
+# ---------------------------------------------------------------- the TP ops' dense GEMM
+TP_GEMM_OP = "tp_gemm"
+
+
+def tp_gemm_key(dtype: torch.dtype, device: torch.device, *, rows: int, k: int, n: int) -> TuneKey:
+    """The key of the TP ops' dense GEMM [rows, k] @ [k, n]: world size 1 (a GEMM on one rank's
+    operands; which ranks share the tile is settled where it matters, tp/functional.py)."""
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return TuneKey(TP_GEMM_OP, (rows_bucket(rows), k, n), str(dtype).removeprefix("torch."), 1, name)
+
+
+def tuned_tp_tile(dtype: torch.dtype, *, rows: int, k: int, n: int,
+                  cache: TuneCache | None = None) -> GemmTileConfig | None:
+    """The tuned tile of the TP dense GEMM at this shape on this process's GPU, or None (a miss, or
+    no GPU: the shape rule applies)."""
+    if not torch.cuda.is_available():
+        return None
+    got = (cache or _cache()).get(tp_gemm_key(dtype, torch.device("cuda", torch.cuda.current_device()),
+                                              rows=rows, k=k, n=n))
+    return got["gemm"][1] if got and "gemm" in got else None
+
+
+SMEM_LIMIT = 220 * 1024  # bytes of shared memory a candidate's pipeline may take (H100/H200: 227 KiB)
+
+
+def tp_gemm_candidates(rule: GemmTileConfig, element_size: int) -> list[GemmTileConfig]:
+    """Tiles the TP GEMM search tries besides `rule`: the rule's rows per tile and K step (the
+    all-gather's chunk and the summation order), 64 / 128 / 256 columns, 8 warps, or 4 up to
+    128 x 128 outputs (one warpgroup's accumulator of a larger tile spills), 3-5 stages that fit
+    SMEM_LIMIT."""
+    out = []
+    for bn in (64, 128, 256):
+        for warps in (4, 8):
+            if warps == 4 and rule.block_m * bn > 128 * 128:
+                continue
+            for stages in (3, 4, 5):
+                if (rule.block_m + bn) * rule.block_k * element_size * stages > SMEM_LIMIT:
+                    continue
+                cfg = GemmTileConfig(rule.block_m, bn, rule.block_k, warps, stages)
+                if cfg != rule:
+                    out.append(cfg)
+    return out
+
+
+def tune_tp_gemm(rows: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, *, reps: int = 10,
+                 cache: TuneCache | None = None, log: Callable[[str], None] | None = None) -> GemmTileConfig:
+    """Search the TP dense GEMM's tile at [rows, k] @ [k, n] on this process's GPU and record the
+    fastest in the cache; returns it. b is read as an nn.Linear weight's transpose (the TP
+    modules' layout). The shape rule's tile (`tp_plan.sequential_tile`) is the reference: a
+    candidate whose output is not bitwise equal to it, or that fails to compile, is skipped and
+    logged, so a tuned tile never changes a result bit (nor the overlapped kernels' equality with
+    the sequential schedule)."""
+    from ditron_ep.compiler.tp_plan import sequential_tile
+    from ditron_ep.ops.tp.gemm import matmul_with_tile
+
+    if not torch.cuda.is_available():
+        raise ValueError("tune_tp_gemm times kernels on a CUDA GPU and none is visible")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(rows, k, generator=gen, device=dev).to(dtype)
+    b = (torch.randn(n, k, generator=gen, device=dev) / k ** 0.5).to(dtype).t()
+    rule = sequential_tile(str(dtype).removeprefix("torch."), "cuda", rows, n)
+    out = torch.empty((rows, n), dtype=dtype, device=dev)
+    ref = matmul_with_tile(a, b, rule)
+    best = (_median_ms(lambda: matmul_with_tile(a, b, rule, out=out), reps), rule)
+    if log:
+        log(f"{rule} (shape rule): {best[0]:.4f} ms")
+    for cfg in tp_gemm_candidates(rule, a.element_size()):
+        try:
+            out.fill_(float("nan"))
+            matmul_with_tile(a, b, cfg, out=out)
+            if not torch.equal(out, ref):
+                raise ValueError("output bits differ from the shape rule's tile")
+            ms = _median_ms(lambda: matmul_with_tile(a, b, cfg, out=out), reps)
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails is skipped, not fatal
+            if log:
+                log(f"{cfg}: skipped ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})")
+            continue
+        if log:
+            log(f"{cfg}: {ms:.4f} ms")
+        if ms < best[0]:
+            best = (ms, cfg)
+    (cache or _cache()).put(tp_gemm_key(dtype, dev, rows=rows, k=k, n=n), {"gemm": ("portable", best[1])},
+                            {"gemm": best[0]})
+    return best[1]

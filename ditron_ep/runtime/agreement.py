@@ -73,18 +73,22 @@ def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same:
 
 
 def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object],
-                device: torch.device) -> None:
+                device: torch.device, extra: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
     """`agree` for ops on the data path: every rank posts one fixed-size row of words — its problem
     flag and the `same` fields (field_word) — and reads every rank's (`_exchange_rows`); only when a
     row is flagged or differs does it fall back to `agree`, which builds the message and raises on
     every rank. `same` must have the same keys on every rank (a rank with a problem still passes
-    them, any values)."""
+    them, any values). `extra`: int words (the same count on every rank) that ride along without
+    having to agree; returns every rank's, in rank order, so that every rank can make the same
+    choice from them (e.g. a GEMM tile each rank looked up in its own tuner cache)."""
     require_member(group, what)
-    words = [1 if problem else 0, *(field_word(v) for v in same.values())]
+    n_same = 1 + len(same)
+    words = [1 if problem else 0, *(field_word(v) for v in same.values()), *extra]
     rows = _exchange_rows(group, words, device)
-    if any(r[0] for r in rows) or any(r[1:] != rows[0][1:] for r in rows):
+    if any(r[0] for r in rows) or any(r[1:n_same] != rows[0][1:n_same] for r in rows):
         agree(group, what, problem, None if problem else same)
         raise DitronConfigError(f"{what}: the ranks' arguments differ ({', '.join(same)})")  # agree raised already
+    return [tuple(r[n_same:]) for r in rows]
 
 
 # NCCL groups exchange agree_words' rows through the rendezvous store: a tensor all_gather there

@@ -12,7 +12,7 @@ import torch
 from ditron_ep.compiler.core_config import GemmTileConfig, default_gemm_configs
 from ditron_ep.compiler.plan import PlanError
 from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs,
-                                       sequential_tile, verify_ag_gemm, verify_gemm_ar, verify_gemm_rs)
+                                       planned_tile, sequential_tile, verify_ag_gemm, verify_gemm_ar, verify_gemm_rs)
 
 
 @pytest.mark.parametrize("world, rows, n, chunk", [(2, 21, 24, None), (3, 5, 13, None), (4, 37, 50, 8), (2, 1, 1, None),
@@ -52,7 +52,7 @@ def test_plans_the_verifier_must_reject(name, match):
 
 def test_a_tile_other_than_the_sequential_ones_is_rejected():
     good = lower_ag_gemm(2, 21, 40, 24, "float32", "cpu")
-    with pytest.raises(PlanError, match="not the sequential schedule's"):
+    with pytest.raises(PlanError, match="not the shape rule's"):
         verify_ag_gemm(dataclasses.replace(good, tile=GemmTileConfig(32, 32, 16, 4, 1)))
 
 
@@ -98,7 +98,7 @@ def test_gemm_rs_plans_the_verifier_must_reject(name, match):
     fields = {f.name: getattr(good, f.name) for f in dataclasses.fields(good) if f.name != "verified_digest"}
     with pytest.raises(PlanError, match=match):
         verify_gemm_rs(_broken_rs(name)(**fields))
-    with pytest.raises(PlanError, match="not the sequential schedule's"):
+    with pytest.raises(PlanError, match="not the shape rule's"):
         verify_gemm_rs(dataclasses.replace(good, tile=GemmTileConfig(32, 32, 16, 4, 1)))
 
 
@@ -168,5 +168,57 @@ def test_the_tile_rows_do_not_depend_on_n_and_the_interpreter_keeps_its_tile():
     assert sequential_tile("float32", "cpu", 4, 4) == default_gemm_configs(torch.float32, "cpu")[1]
     plan = lower_gemm_ar(2, 128, 8192, 8192, "bfloat16", "cuda")
     assert plan.verified and plan.tile == sequential_tile("bfloat16", "cuda", 128, 8192)
-    with pytest.raises(PlanError, match="not the sequential schedule's"):
+    with pytest.raises(PlanError, match="not the shape rule's"):
         verify_gemm_ar(dataclasses.replace(plan, tile=default_gemm_configs(torch.bfloat16, "cuda")[1]))
+
+
+def test_a_tuned_tile_is_planned_only_with_the_rules_rows_and_k_step(monkeypatch):
+    """planned_tile takes the tuner cache's tile on NVIDIA when it keeps the shape rule's rows per
+    tile and K step (the chunking and the summation order); the plans record the source and the
+    verifier accepts such a tile and rejects one that changes either."""
+    from ditron_ep.compiler import tuner
+
+    rule = sequential_tile("bfloat16", "cuda", 2048, 8192)
+    wide = dataclasses.replace(rule, block_n=128, num_stages=5)
+    entries = {}
+    monkeypatch.setattr(tuner, "tuned_tp_tile", lambda dtype, *, rows, k, n, cache=None: entries.get((rows, k, n)))
+    assert planned_tile("bfloat16", "cuda", 2048, 4096, 8192) == (rule, "rule")  # a miss
+    entries[(2048, 4096, 8192)] = wide
+    assert planned_tile("bfloat16", "cuda", 2048, 4096, 8192) == (wide, "tuned")
+    assert planned_tile("bfloat16", "cpu", 2048, 4096, 8192)[1] == "rule"  # the interpreter keeps its tile
+    entries[(48, 4096, 8192)] = wide  # tuned at 128 rows (the same bucket), but 48 rows tile by 64
+    assert planned_tile("bfloat16", "cuda", 48, 4096, 8192) == (sequential_tile("bfloat16", "cuda", 48, 8192), "rule")
+
+    for lower in (lower_gemm_rs, lower_gemm_ar):
+        plan = lower(2, 1024 if lower is lower_gemm_rs else 2048, 4096, 8192, "bfloat16", "cuda")
+        assert plan.verified and plan.tile == wide and plan.tile_source == "tuned", plan
+        assert f"GEMM tile {wide} (tuned" in plan.describe()
+        verify = verify_gemm_rs if lower is lower_gemm_rs else verify_gemm_ar
+        with pytest.raises(PlanError, match="rows per tile and K step"):
+            verify(dataclasses.replace(plan, tile=dataclasses.replace(wide, block_k=32)))
+        with pytest.raises(PlanError, match="not the shape rule's"):
+            verify(dataclasses.replace(plan, tile_source="rule"))
+        with pytest.raises(PlanError, match="tile_source must be one of"):
+            verify(dataclasses.replace(plan, tile_source="guessed"))
+    ag = lower_ag_gemm(2, 1024, 4096, 8192, "bfloat16", "cuda")
+    assert ag.tile == wide and ag.chunk_rows == rule.block_m and ag.verified
+
+
+def test_tp_gemm_candidates_keep_the_rule_rows_and_k_step_and_fit_shared_memory():
+    from ditron_ep.compiler import tuner
+
+    for rows, n in ((128, 8192), (2048, 8192), (48, 8192)):
+        rule = sequential_tile("bfloat16", "cuda", rows, n)
+        cands = tuner.tp_gemm_candidates(rule, 2)
+        assert cands and rule not in cands and len(set(cands)) == len(cands)
+        for c in cands:
+            assert (c.block_m, c.block_k) == (rule.block_m, rule.block_k)
+            assert (c.block_m + c.block_n) * c.block_k * 2 * c.num_stages <= tuner.SMEM_LIMIT
+            assert c.num_warps == 8 or c.block_m * c.block_n <= 128 * 128
+    # an entry round-trips through the cache file
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        cache = tuner.TuneCache(f"{d}/t.json")
+        key = tuner.TuneKey(tuner.TP_GEMM_OP, (tuner.rows_bucket(2000), 8192, 3584), "bfloat16", 1, "NVIDIA H100")
+        cache.put(key, {"gemm": ("portable", cands[0])}, {"gemm": 0.5})
+        assert tuner.TuneCache(f"{d}/t.json").get(key) == {"gemm": ("portable", cands[0])}

@@ -212,3 +212,47 @@ def test_tp_ops_captured_in_a_cuda_graph_replay_the_eager_bits(dist_env, schedul
                 problems.append(f"{op} replay {replay}: differs from the eager call")
         del graph
     assert not problems, problems
+
+
+def test_a_tuned_tile_keeps_the_bits_of_the_shape_rule(dist_env, monkeypatch):
+    """A tuner-cache entry (one shared file, as a job's ranks read; a tile other than the shape
+    rule's) drives `gemm.matmul` and the overlapped GEMM+RS / GEMM+AR: the sequential product is
+    bitwise the rule tile's, and each overlapped op bitwise its sequential schedule, twice."""
+    import os
+
+    from ditron_ep.compiler import tuner
+    from ditron_ep.compiler.tp_plan import planned_tile, sequential_tile
+    from ditron_ep.ops.tp.gemm import matmul, matmul_with_tile
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m, k, n = 200, 512, 384
+    path = f"/tmp/ditron_tp_tune_test_{os.getppid()}.json"  # torchrun's agent: the same on every rank
+    shapes = ((world * m, k, n), (m, k, n))  # GEMM+RS's product, GEMM+AR's
+    tiles = {}
+    for rows, kk, nn in shapes:
+        rule = sequential_tile("bfloat16", "cuda", rows, nn)
+        tiles[rows] = next(c for c in tuner.tp_gemm_candidates(rule, 2) if c.block_n != rule.block_n)
+    if rank == 0:
+        cache = tuner.TuneCache(path)
+        for rows, kk, nn in shapes:
+            cache.put(tuner.tp_gemm_key(torch.bfloat16, dev, rows=rows, k=kk, n=nn), {"gemm": ("portable", tiles[rows])})
+    dist.barrier()
+    monkeypatch.setenv(tuner.CACHE_ENV, path)
+    problems = []
+    g = torch.Generator(device=dev).manual_seed(rank + 13)
+    for (rows, kk, nn), op in zip(shapes, (matmul_reduce_scatter, matmul_all_reduce)):
+        if planned_tile("bfloat16", "cuda", rows, kk, nn) != (tiles[rows], "tuned"):
+            problems.append(f"{rows}x{kk}x{nn}: the cache entry was not planned")
+        a = torch.randn(rows, kk, generator=g, device=dev).to(torch.bfloat16)
+        b = (torch.randn(kk, nn, generator=g, device=dev) / kk ** 0.5).to(torch.bfloat16)
+        if not torch.equal(matmul(a, b), matmul_with_tile(a, b, sequential_tile("bfloat16", "cuda", rows, nn))):
+            problems.append(f"{rows}x{kk}x{nn}: the tuned tile {tiles[rows]} changed the product's bits")
+        gout = torch.randn(m, nn, generator=torch.Generator(device=dev).manual_seed(3), device=dev).to(torch.bfloat16)
+        _, differ, _ = _overlap_runs_vs_sequential(op, a, b, gout)
+        if differ:
+            problems.append(f"{op.__name__}: overlap differs from sequential in outputs {differ} with the tuned tile")
+    dist.barrier()
+    if rank == 0:
+        os.remove(path)
+    assert not problems, problems

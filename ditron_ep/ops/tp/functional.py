@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.tp_plan import planned_tile, sequential_tile
 from ditron_ep.ops.tp.gemm import matmul
 from ditron_ep.runtime.agreement import agree_words, require_member
 
@@ -135,40 +137,45 @@ def matmul_grads(ctx, a: torch.Tensor, b: torch.Tensor, dy: torch.Tensor) -> tup
 
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group, overlap):
+    def forward(ctx, a, b, group, overlap, tile):
         ctx.save_for_backward(a, b)
         ctx.group = group
         if overlap:
             from ditron_ep.ops.tp.fused import overlapped_matmul_reduce_scatter
 
-            return overlapped_matmul_reduce_scatter(a, b, group)
+            return overlapped_matmul_reduce_scatter(a, b, group, tile)
         return reduce_scatter_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         a, b = ctx.saved_tensors
-        return (*matmul_grads(ctx, a, b, all_gather_rows(dy, ctx.group)), None, None)
+        return (*matmul_grads(ctx, a, b, all_gather_rows(dy, ctx.group)), None, None, None)
 
 
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, group, overlap):
+    def forward(ctx, a, b, group, overlap, tile):
         ctx.save_for_backward(a, b)
         if overlap:
             from ditron_ep.ops.tp.fused import overlapped_matmul_all_reduce
 
-            return overlapped_matmul_all_reduce(a, b, group)
+            return overlapped_matmul_all_reduce(a, b, group, tile)
         return _all_reduce_rows(matmul(a, b, out_dtype=torch.float32), group, a.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        return (*matmul_grads(ctx, *ctx.saved_tensors, dy), None, None)
+        return (*matmul_grads(ctx, *ctx.saved_tensors, dy), None, None, None)
 
 
-def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...], schedule: str = "sequential") -> None:
+def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...], schedule: str = "sequential",
+           tile_rows: int | None = None) -> tuple[GemmTileConfig, str] | None:
     """Every rank's verdict and `fields` (of a, b: "rows", "K", "N", "dtype") compared in one small
     all_gather (agreement.agree_words); DitronConfigError on every rank if any rank has a problem
-    or a field differs."""
+    or a field differs. tile_rows (the overlapped GEMM+RS / GEMM+AR, whose output tiles are the
+    grid of their signals on every rank): the GEMM tile of a product of tile_rows rows, the same
+    on every rank — each rank's `planned_tile` rides along, and if any differs (tuner caches that
+    differ between hosts, GEMM+AR's per-rank K under different entries) every rank takes the
+    shape rule's (of rows and N, which agree). Same bits either way (tuner.tune_tp_gemm)."""
     def value(f: str) -> object:
         if problem is not None:
             return 0
@@ -176,7 +183,22 @@ def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...],
     device = a.device if isinstance(a, torch.Tensor) else torch.device("cpu")
     if dist.get_backend(group) == "nccl" and device.type != "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    agree_words(group, what, problem, {f: value(f) for f in fields}, device)
+    planned = None
+    if tile_rows is not None and problem is None:
+        dtype = str(a.dtype).removeprefix("torch.")
+        device_type = "hip" if device.type == "cuda" and torch.version.hip else device.type
+        planned = planned_tile(dtype, device_type, tile_rows, a.shape[1], b.shape[1])
+    words = agree_words(group, what, problem, {f: value(f) for f in fields}, device,
+                        extra=() if tile_rows is None else (tile_word(planned[0]) if planned else 0,))
+    if planned is None or len(set(words)) == 1:
+        return planned
+    return sequential_tile(dtype, device_type, tile_rows, b.shape[1]), "rule"
+
+
+def tile_word(cfg: GemmTileConfig) -> int:
+    """A GEMM tile as one int32 word for the agreement (log2 of each size, warps, stages)."""
+    return (cfg.block_m.bit_length() | cfg.block_n.bit_length() << 4 | cfg.block_k.bit_length() << 8
+            | cfg.num_warps.bit_length() << 12 | cfg.num_stages << 16)
 
 
 SCHEDULES = ("sequential", "overlap")
@@ -212,9 +234,10 @@ def matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, *, group: dist.Proce
         problem = f"a's rows ({a.shape[0]}) must be a multiple of the group's {world} ranks"
     if problem is None and schedule not in SCHEDULES:
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
-    _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype", "schedule"), schedule=schedule)
+    tile = _agree(group, "matmul_reduce_scatter", a, b, problem, ("rows", "K", "N", "dtype", "schedule"),
+                  schedule=schedule, tile_rows=a.shape[0] if schedule == "overlap" else None)
     # (an empty product takes the sequential path: every rank's shapes agree, so every rank does)
-    return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap" and a.numel() * b.numel() > 0)
+    return _MatmulReduceScatter.apply(a, b, group, schedule == "overlap" and a.numel() * b.numel() > 0, tile)
 
 
 def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGroup | None = None,
@@ -228,7 +251,8 @@ def matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, *, group: dist.ProcessGr
     if problem is None and schedule not in SCHEDULES:
         problem = f"schedule must be one of {SCHEDULES}, got {schedule!r}"
     # K: each rank's own shard
-    _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype", "schedule"), schedule=schedule)
+    tile = _agree(group, "matmul_all_reduce", a, b, problem, ("rows", "N", "dtype", "schedule"), schedule=schedule,
+                  tile_rows=a.shape[0] if schedule == "overlap" else None)
     # an empty result takes the sequential path on every rank (M and N agree; K = 0 on a rank is
     # a zero partial, which the kernel adds like any other)
-    return _MatmulAllReduce.apply(a, b, group, schedule == "overlap" and a.shape[0] * b.shape[1] > 0)
+    return _MatmulAllReduce.apply(a, b, group, schedule == "overlap" and a.shape[0] * b.shape[1] > 0, tile)

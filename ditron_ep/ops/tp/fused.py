@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ditron_ep.compiler.tp_plan import AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs,
+                                        planned_tile)
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
 from ditron_ep.runtime.errors import DitronConfigError
@@ -91,8 +93,12 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     n = b.shape[1]
     on_gpu = a.device.type == "cuda"
     device_type = "hip" if on_gpu and torch.version.hip else a.device.type
-    plan = _plan(world, m, k, n, str(a.dtype).removeprefix("torch."), device_type,
-                 (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs)
+    dtype = str(a.dtype).removeprefix("torch.")
+    # this rank's own tile: the chunks are one row tile of the rule's on every rank, the columns
+    # (its own N) are its own business
+    plan = _plan(world, m, k, n, dtype, device_type,
+                 (COMM_PROGRAMS if on_gpu else 0) if comm_programs is None else comm_programs,
+                 planned_tile(dtype, device_type, world * m, k, n))
     cfg = plan.tile
     state = per_group(_AG_HEAPS, group, OverlapHeap)
     n_chunks = triton.cdiv(m, plan.chunk_rows)
@@ -113,39 +119,44 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str, comm_programs: int) -> AGGemmPlan:
+def _plan(world: int, m: int, k: int, n: int, dtype: str, device_type: str, comm_programs: int,
+          tile: tuple[GemmTileConfig, str]) -> AGGemmPlan:
     """The verified plan of this call's shape (compiler/tp_plan.py): its chunk size, role split and
     GEMM tile drive the launch."""
-    return lower_ag_gemm(world, m, k, n, dtype, device_type, comm_programs=comm_programs)
+    return lower_ag_gemm(world, m, k, n, dtype, device_type, comm_programs=comm_programs, tile=tile)
 
 
-def overlapped_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def overlapped_matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+                                     tile: tuple[GemmTileConfig, str]) -> torch.Tensor:
     """This rank's rows of sum_ranks a @ b in one launch (arguments already checked and agreed on
-    every rank): gemm_rs_kernels.gemm_rs_kernel on a verified GemmRSPlan."""
+    every rank): gemm_rs_kernels.gemm_rs_kernel on a verified GemmRSPlan. tile: (tile, source),
+    the same on every rank (functional.agreed_tile): the tiles are the signals' grid."""
     from ditron_ep.ops.tp.gemm_rs_kernels import gemm_rs_kernel
 
     m = a.shape[0] // dist.get_world_size(group)
-    return _reducing_launch(gemm_rs_kernel, lower_gemm_rs, _RS_HEAPS, a, b, group, m, lambda world: world * m)
+    return _reducing_launch(gemm_rs_kernel, lower_gemm_rs, _RS_HEAPS, a, b, group, m, lambda world: world * m, tile)
 
 
-def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def overlapped_matmul_all_reduce(a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
+                                 tile: tuple[GemmTileConfig, str]) -> torch.Tensor:
     """sum_ranks a @ b on every rank in one launch (arguments already checked and agreed on every
-    rank): gemm_ar_kernels.gemm_ar_kernel on a verified GemmARPlan."""
+    rank): gemm_ar_kernels.gemm_ar_kernel on a verified GemmARPlan; tile as for GEMM+RS."""
     from ditron_ep.ops.tp.gemm_ar_kernels import gemm_ar_kernel
 
     m = a.shape[0]
-    return _reducing_launch(gemm_ar_kernel, lower_gemm_ar, _AR_HEAPS, a, b, group, m, lambda world: (world + 1) * m)
+    return _reducing_launch(gemm_ar_kernel, lower_gemm_ar, _AR_HEAPS, a, b, group, m, lambda world: (world + 1) * m,
+                            tile)
 
 
 def _reducing_launch(kernel, lower, heaps: dict, a: torch.Tensor, b: torch.Tensor, group: dist.ProcessGroup | None,
-                     m: int, landing_rows) -> torch.Tensor:
+                     m: int, landing_rows, tile: tuple[GemmTileConfig, str]) -> torch.Tensor:
     """y [m, N] of a reducing overlapped op (GEMM+RS, GEMM+AR): its verified plan, its group's heap
     (an fp32 landing buffer of landing_rows(W) rows and the plan's signals), one launch."""
     world = dist.get_world_size(group)
     k, n = a.shape[1], b.shape[1]
     on_gpu = a.device.type == "cuda"
     plan = _reducing_plan(lower, world, m, k, n, str(a.dtype).removeprefix("torch."),
-                          "hip" if on_gpu and torch.version.hip else a.device.type)
+                          "hip" if on_gpu and torch.version.hip else a.device.type, tile)
     cfg = plan.tile
     state = per_group(heaps, group, OverlapHeap)
     state.ensure(landing_rows(world), n, torch.float32, plan.num_signals, a.device)
@@ -161,8 +172,9 @@ def _reducing_launch(kernel, lower, heaps: dict, a: torch.Tensor, b: torch.Tenso
 
 
 @functools.lru_cache(maxsize=128)
-def _reducing_plan(lower, world: int, m: int, k: int, n: int, dtype: str, device_type: str) -> GemmRSPlan | GemmARPlan:
-    return lower(world, m, k, n, dtype, device_type)
+def _reducing_plan(lower, world: int, m: int, k: int, n: int, dtype: str, device_type: str,
+                   tile: tuple[GemmTileConfig, str]) -> GemmRSPlan | GemmARPlan:
+    return lower(world, m, k, n, dtype, device_type, tile=tile)
 
 
 def check_unless_capturing(h: SymmetricHeap) -> None:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ditron_ep.compiler.tp_plan import sequential_tile
+from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.tp_plan import planned_tile
 
-__all__ = ["matmul"]
+__all__ = ["matmul", "matmul_with_tile"]
 
 # (rows, device, block_m) -> (expert offsets [0, rows], its tile map): a dense GEMM is one expert
 # holding every row, so both are constants of the shape; building them per call cost ~100 µs of
@@ -36,19 +37,31 @@ def _one_expert(rows: int, device: torch.device, block_m: int) -> tuple[torch.Te
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """a [M, K] @ b [K, N] in fp32, cast once to out_dtype (default a's dtype). a and b must share
     dtype and device (the callers check); a is made contiguous, b is read with its strides. The
-    tile is `tp_plan.sequential_tile` of the shape (the overlapped kernels use the same one)."""
+    tile is `tp_plan.planned_tile` of the shape: the tuner's when this machine's cache has one
+    (bitwise the same result as the shape rule's), else the rule's; the overlapped kernels use
+    the same one."""
+    rows, k_dim = a.shape
+    n_dim = b.shape[1]
+    on_gpu = a.device.type == "cuda"
+    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    cfg, _ = planned_tile(str(a.dtype).removeprefix("torch."), device_type, rows, k_dim, n_dim)
+    return matmul_with_tile(a, b, cfg, out_dtype=out_dtype)
+
+
+def matmul_with_tile(a: torch.Tensor, b: torch.Tensor, cfg: GemmTileConfig, *, out_dtype: torch.dtype | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """`matmul` with the given tile (the tuner's candidates); into `out` [M, N] when given."""
     from ditron_ep.ops.moe_layer.grouped import _Launches
 
     rows, k_dim = a.shape
     n_dim = b.shape[1]
-    out = torch.empty((rows, n_dim), dtype=out_dtype or a.dtype, device=a.device)
+    if out is None:
+        out = torch.empty((rows, n_dim), dtype=out_dtype or a.dtype, device=a.device)
     if rows == 0 or n_dim == 0:
         return out
     if k_dim == 0:
         return out.zero_()
     on_gpu = a.device.type == "cuda"
-    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
-    cfg = sequential_tile(str(a.dtype).removeprefix("torch."), device_type, rows, n_dim)
     programs = torch.cuda.get_device_properties(a.device).multi_processor_count if on_gpu else 1
     run = _Launches({"down": ("portable", cfg)}, programs, "ieee", 1, 0)
     offsets, tiles = _one_expert(rows, a.device, cfg.block_m)

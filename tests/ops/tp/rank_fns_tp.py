@@ -340,3 +340,46 @@ def subgroup_case(m: int, k: int, n: int, seed: int, device: str | torch.device 
     errs["ar y"], errs["ar da"], errs["ar db"] = _rel(seq[0], full.detach()), _rel(seq[1], ad[gr].grad), \
         _rel(seq[2], bd[gr].grad)
     return {"errs": errs, "bitwise": {op: all(v) for op, v in same.items()}}
+
+
+def tuned_tile_agreement_case(m: int, k: int, n: int) -> dict:
+    """The overlapped GEMM+RS / GEMM+AR take one tile on every rank: each rank's `planned_tile` is
+    replaced by a stand-in for its tuner cache (both ranks "tuned" to one tile; then only rank 0);
+    returns the plan tile each call ran (a spy on fused._reducing_plan) and each result's error
+    against float64 torch."""
+    from ditron_ep.compiler.core_config import GemmTileConfig
+    from ditron_ep.compiler.tp_plan import sequential_tile
+    from ditron_ep.ops.tp import functional, fused
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(7 + rank)
+    rule = sequential_tile("float32", "cpu", world * m, n)
+    narrow = GemmTileConfig(rule.block_m, 16, rule.block_k, rule.num_warps, rule.num_stages)
+    used: list = []
+    real_plan = fused._reducing_plan
+
+    def spy(*args):
+        plan = real_plan(*args)
+        used.append((str(plan.tile), plan.tile_source, plan.verified))
+        return plan
+
+    fused._reducing_plan = spy
+    real_planned = functional.planned_tile
+    out = {}
+    try:
+        for case, tuned_on in (("all tuned", range(world)), ("rank 0 tuned", (0,))):
+            functional.planned_tile = lambda *a, _t=tuned_on: (narrow, "tuned") if rank in _t else real_planned(*a)
+            a_rs = torch.randn(world * m, k, generator=g)
+            b = torch.randn(k, n, generator=g)
+            y = matmul_reduce_scatter(a_rs, b, schedule="overlap")
+            want = matmul_reduce_scatter_ref(_gather_list(a_rs), _gather_list(b), rank)
+            a_ar = torch.randn(m, k, generator=g)
+            y_ar = matmul_all_reduce(a_ar, b, schedule="overlap")
+            want_ar = matmul_all_reduce_ref(_gather_list(a_ar), _gather_list(b))
+            out[case] = {"tiles": list(used), "err": max(_rel(y, want), _rel(y_ar, want_ar))}
+            used.clear()
+    finally:
+        fused._reducing_plan = real_plan
+        functional.planned_tile = real_planned
+    out["rule"], out["narrow"] = str(rule), str(narrow)
+    return out

@@ -89,3 +89,14 @@ def test_ops_on_subgroups_match_float64_and_overlap_equals_sequential(emulated_c
         bad = {name: e for name, e in rep["errs"].items() if not e <= TOL}
         assert not bad, (rank, bad)
         assert all(rep["bitwise"].values()), (rank, rep["bitwise"])
+
+
+def test_overlapped_reductions_take_one_tile_on_every_rank(emulated_cluster):
+    """A tuned tile (here a stand-in for each rank's tuner cache) drives the overlapped GEMM+RS and
+    GEMM+AR when every rank planned it; when the ranks' tiles differ, every rank takes the shape
+    rule's (the tiles are the signals' grid: different ones would never meet). Results stay
+    within float64 tolerance either way."""
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.tuned_tile_agreement_case, 5, 19, 40)):
+        assert rep["all tuned"]["tiles"] == [(rep["narrow"], "tuned", True)] * 2, (rank, rep)
+        assert rep["rank 0 tuned"]["tiles"] == [(rep["rule"], "rule", True)] * 2, (rank, rep)
+        assert rep["all tuned"]["err"] <= TOL and rep["rank 0 tuned"]["err"] <= TOL, (rank, rep)
