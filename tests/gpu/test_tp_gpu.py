@@ -230,25 +230,25 @@ def test_a_tuned_tile_keeps_the_bits_of_the_shape_rule(dist_env, monkeypatch):
     path = f"/tmp/ditron_tp_tune_test_{os.getppid()}.json"  # torchrun's agent: the same on every rank
     shapes = ((world * m, k, n), (m, k, n))  # GEMM+RS's product, GEMM+AR's
     tiles = {}
-    for rows, kk, nn in shapes:
-        rule = sequential_tile("bfloat16", "cuda", rows, nn)
+    for rows, kk, n_ in shapes:
+        rule = sequential_tile("bfloat16", "cuda", rows, n_)
         tiles[rows] = next(c for c in tuner.tp_gemm_candidates(rule, 2) if c.block_n != rule.block_n)
     if rank == 0:
         cache = tuner.TuneCache(path)
-        for rows, kk, nn in shapes:
-            cache.put(tuner.tp_gemm_key(torch.bfloat16, dev, rows=rows, k=kk, n=nn), {"gemm": ("portable", tiles[rows])})
+        for rows, kk, n_ in shapes:
+            cache.put(tuner.tp_gemm_key(torch.bfloat16, dev, rows=rows, k=kk, n=n_), {"gemm": ("portable", tiles[rows])})
     dist.barrier()
     monkeypatch.setenv(tuner.CACHE_ENV, path)
     problems = []
     g = torch.Generator(device=dev).manual_seed(rank + 13)
-    for (rows, kk, nn), op in zip(shapes, (matmul_reduce_scatter, matmul_all_reduce)):
-        if planned_tile("bfloat16", "cuda", rows, kk, nn) != (tiles[rows], "tuned"):
-            problems.append(f"{rows}x{kk}x{nn}: the cache entry was not planned")
+    for (rows, kk, n_), op in zip(shapes, (matmul_reduce_scatter, matmul_all_reduce)):
+        if planned_tile("bfloat16", "cuda", rows, kk, n_) != (tiles[rows], "tuned"):
+            problems.append(f"{rows}x{kk}x{n_}: the cache entry was not planned")
         a = torch.randn(rows, kk, generator=g, device=dev).to(torch.bfloat16)
-        b = (torch.randn(kk, nn, generator=g, device=dev) / kk ** 0.5).to(torch.bfloat16)
-        if not torch.equal(matmul(a, b), matmul_with_tile(a, b, sequential_tile("bfloat16", "cuda", rows, nn))):
-            problems.append(f"{rows}x{kk}x{nn}: the tuned tile {tiles[rows]} changed the product's bits")
-        gout = torch.randn(m, nn, generator=torch.Generator(device=dev).manual_seed(3), device=dev).to(torch.bfloat16)
+        b = (torch.randn(kk, n_, generator=g, device=dev) / kk ** 0.5).to(torch.bfloat16)
+        if not torch.equal(matmul(a, b), matmul_with_tile(a, b, sequential_tile("bfloat16", "cuda", rows, n_))):
+            problems.append(f"{rows}x{kk}x{n_}: the tuned tile {tiles[rows]} changed the product's bits")
+        gout = torch.randn(m, n_, generator=torch.Generator(device=dev).manual_seed(3), device=dev).to(torch.bfloat16)
         _, differ, _ = _overlap_runs_vs_sequential(op, a, b, gout)
         if differ:
             problems.append(f"{op.__name__}: overlap differs from sequential in outputs {differ} with the tuned tile")
