@@ -248,7 +248,7 @@ class EPBuffer:
             [("ep/send_x", (W, T, H), dtype), ("ep/send_meta", (W, T, 1 + 2 * K), torch.int32),
              ("ep/send_w", (W, T, K), torch.float32), ("ep/send_land", (W, T, H), torch.float32)]
             if transport == "put" else [])
-        # Wider row tiles and 8 warps keep more bytes in flight per program: the copy loops are
+        # Wider row tiles and more warps keep more bytes in flight per program: the copy loops are
         # latency-bound (a [16, 512] bf16 tile per step gave ~150 GB/s on 4xH200).
         self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
         self.n_slices, self.slice_cols = task_queue.hidden_slices(
@@ -287,7 +287,14 @@ class EPBuffer:
         # receives (dispatch) or plus `slices` reduces (combine).
         self._dispatch_lag = task_queue.default_lag(num_programs, 2 * W * self.n_slices)
         self._combine_lag = task_queue.default_lag(num_programs, (W + 1) * self.n_slices)
-        self.num_warps = num_warps if num_warps is not None else (8 if self.device.type == "cuda" else 4)
+        # 16 warps on NVIDIA: twice the threads per program keep twice the loads in flight, and the
+        # rank-reduced combine's fp32 row sums stop spilling. Same bits, on 2xH200 at T=4096 (graph
+        # replays): rank-reduced combine 470 -> 253 µs at every SM, 1,824 -> 870 at 24 programs;
+        # dispatch 293 -> 282 (801 -> 727 at 24); exact combine 756 -> 728 (1,707 -> 1,371)
+        # (bench/results/ep_sm_budget_graph_H200x2_20261128_s29.log). AMD keeps 8 (not measured).
+        if num_warps is None:
+            num_warps = 4 if self.device.type != "cuda" else 8 if torch.version.hip else 16
+        self.num_warps = num_warps
         self._block_w = triton.next_power_of_2(W)  # the copy kernels' BLOCK_W (reads every rank's src_info)
         # Graph-mode input problems (FLAG_* bits of any rank), raised by the next host-visible call.
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)

@@ -292,13 +292,13 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "mode_flags": "i32", "put_peers": "i32",
         "send_land_offset": "i64"}
 _MULT16 = ("H", "land_offset", "slice_cols")
-# bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 8 warps; the weighted rank-reduced
+# bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 16 warps; the weighted rank-reduced
 # sums 512 columns at a time (combine_sum_columns)
 _CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_W": 8}
 _CUDA_BF16_REDUCED = {**_CUDA_BF16, "RANK_REDUCED": True}
-_WARPS8 = {"num_warps": 8}
+_WARPS = {"num_warps": 16}  # EPBuffer's default on NVIDIA
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True}, label="bf16-K8",
-                multiples_of_16=_MULT16, options=_WARPS8)
+                multiples_of_16=_MULT16, options=_WARPS)
 # fp32 also with the arguments equal to 1 that Triton specialises into plain ints (one chunk, one
 # slice, lag 1; rank is never specialised)
 _ONES = ("n_chunks", "n_slices", "lag")
@@ -308,11 +308,11 @@ register_kernel(ep_combine_kernel, {**{n: v for n, v in _SIG.items() if n not in
                  "BLOCK_H": 128, "BLOCK_W": 2}, label="fp32-K3-unweighted", multiples_of_16=_MULT16)
 # the rank-reduced combine: bf16 partials (weighted) and fp32 partials (unweighted)
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": True, "BLOCK_HA": 512},
-                label="bf16-K8-rank-reduced", multiples_of_16=_MULT16, options=_WARPS8)
+                label="bf16-K8-rank-reduced", multiples_of_16=_MULT16, options=_WARPS)
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": False, "PARTIAL_FP32": True},
-                label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16, options=_WARPS8)
+                label="bf16-K8-rank-reduced-fp32", multiples_of_16=_MULT16, options=_WARPS)
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16_REDUCED, "K": 8, "HAS_WEIGHTS": False, "TOKEN_ROWS": True},
-                label="bf16-K8-token-rows", multiples_of_16=_MULT16, options=_WARPS8)
+                label="bf16-K8-token-rows", multiples_of_16=_MULT16, options=_WARPS)
 
 
 @triton.jit

@@ -313,12 +313,12 @@ _SIG = {"x_ptr": "*bf16", "w_ptr": "*fp32", "topk_ptr": "*i32", "pos_ptr": "*i32
         "n_slices": "i32", "slice_cols": "i32", "lag": "i32", "n_scales": "i32", "put_peers": "i32",
         "send_x_offset": "i64", "send_meta_offset": "i64", "send_w_offset": "i64"}
 _MULT16 = ("H", "stage_offset", "meta_offset", "wstage_offset", "sstage_offset", "slice_cols")  # real sizes; heap offsets
-# half-precision rows as EPBuffer launches them on CUDA: 1,024-column steps, 8 warps
+# half-precision rows as EPBuffer launches them on CUDA: 1,024-column steps, 16 warps
 _CUDA_HALF = {"K": 8, "HAS_WEIGHTS": True, "SCALE_ROWS": False, "BLOCK_S": 16, "BLOCK_H": 1024, "BLOCK_W": 8,
               "ENTRY_BARRIER": False}
-_WARPS8 = {"num_warps": 8}
+_WARPS = {"num_warps": 16}  # EPBuffer's default on NVIDIA
 # the forward dispatch (right after its layout: no entry barrier) ...
-register_kernel(ep_dispatch_kernel, _SIG, _CUDA_HALF, label="bf16-K8", multiples_of_16=_MULT16, options=_WARPS8)
+register_kernel(ep_dispatch_kernel, _SIG, _CUDA_HALF, label="bf16-K8", multiples_of_16=_MULT16, options=_WARPS)
 # ... and combine's backward (scaled rows, along an old handle: with the barrier), fp32 also with
 # the arguments equal to 1 that Triton specialises into plain ints (one chunk, one slice, lag 1; rank
 # is never specialised)
@@ -329,12 +329,12 @@ register_kernel(ep_dispatch_kernel, {**{n: v for n, v in _SIG.items() if n not i
                  "BLOCK_H": 128, "BLOCK_W": 2, "ENTRY_BARRIER": True}, label="fp32-K2-scaled", multiples_of_16=_MULT16)
 # the token-major layout
 register_kernel(ep_dispatch_kernel, _SIG, {**_CUDA_HALF, "TOKEN_MAJOR": True}, label="bf16-K8-token-major",
-                multiples_of_16=_MULT16, options=_WARPS8)
+                multiples_of_16=_MULT16, options=_WARPS)
 # FP8 dispatch: e4m3 rows with their scales, and dequantised on receipt to bf16 (token-major)
 register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp8e4nv", "recv_x_ptr": "*fp8e4nv"},
                 {**_CUDA_HALF, "HAS_SCALES": True}, label="fp8-K8-scales", multiples_of_16=_MULT16,
-                targets=("cuda:90",), options=_WARPS8)
+                targets=("cuda:90",), options=_WARPS)
 register_kernel(ep_dispatch_kernel, {**_SIG, "x_ptr": "*fp8e4nv"},
                 {**_CUDA_HALF, "TOKEN_MAJOR": True, "HAS_SCALES": True, "DEQUANT": True},
                 label="fp8-K8-dequant-token-major", multiples_of_16=_MULT16, targets=("cuda:90",),
-                options=_WARPS8)
+                options=_WARPS)
