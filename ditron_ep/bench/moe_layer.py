@@ -74,6 +74,7 @@ GEMM_ALONE = "grouped GEMM alone"
 GRAPH = "moe overlap, CUDA graph"
 NO_GRAPH_CACHE = "FusedMoE, graph cache off"
 NVSHMEM_LAYER = "FusedMoE, nvshmem heap"  # --opt nvshmem=true: the overlap layer on the nvshmem backend
+NVSHMEM_PUT_LAYER = "FusedMoE, nvshmem heap, put transport"  # ... and with NVSHMEM puts to every peer
 COPY = "memory copy"
 FLOOR = "floor: max(compute, memory)"
 GEMMS = ("gate-up", "down")
@@ -345,6 +346,7 @@ def _run_moe(ctx: BenchContext, tokens: int, inp: Inputs, wts: Weights, rows_max
         extra[NO_GRAPH_CACHE] = (tokens, {"graph_cache": 0})
         if ctx.options.get("nvshmem"):
             extra[NVSHMEM_LAYER] = (tokens, {"backend": "nvshmem"})
+            extra[NVSHMEM_PUT_LAYER] = (tokens, {"backend": "nvshmem", "transport": "put"})
     cap = layer_tokens(ctx.request, ctx.options)
     if tokens < cap:
         extra[sized(cap)] = (cap, {})
@@ -462,7 +464,7 @@ def layer_tokens(req: BenchRequest, options: Mapping[str, Any]) -> int:
 
 def plan_moe(req: BenchRequest, tokens: int, options: Mapping[str, Any], on_gpu: bool) -> tuple[Impl, ...]:
     ours = [f"moe {S}" for S in SCHEDULES] + ([GRAPH, NO_GRAPH_CACHE] if on_gpu else []) + (
-        [NVSHMEM_LAYER] if on_gpu and options.get("nvshmem") else [])
+        [NVSHMEM_LAYER, NVSHMEM_PUT_LAYER] if on_gpu and options.get("nvshmem") else [])
     if tokens < layer_tokens(req, options):
         ours.append(sized(layer_tokens(req, options)))
     refs = [Impl(n, "reference") for g in GEMMS for n in ref_names(g)] + [
@@ -488,8 +490,8 @@ MOE = Benchmark(
     plan=plan_moe, run=run_moe,
     options=(Option("refs", "time the GEMM references, the memory copy and the floor", boolean, True),
              Option("copy_mib", "MiB of the memory copy (default 1024 on GPUs, 4 on CPU)", positive_int),
-             Option("nvshmem", "also time the overlap layer on the nvshmem heap backend (GPUs; nvshmem4py)", boolean,
-                    False),
+             Option("nvshmem", "also time the overlap layer on the nvshmem heap backend, with pointer stores and "
+                               "with the put transport (GPUs; nvshmem4py)", boolean, False),
              Option("layer_tokens", "capacity of the overlap layer that also serves every smaller T (default: the "
                                     "largest --tokens)", positive_int)),
     dtypes=LAYER_DTYPES, routings=LAYER_ROUTINGS)

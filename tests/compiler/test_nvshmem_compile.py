@@ -1,9 +1,10 @@
 """The put transport's kernels compile for sm_90 with NVSHMEM's device library linked (CPU, no GPU).
 
-The put path only runs on GPUs (tests/gpu/test_nvshmem_gpu.py); this compiles the dispatch's and
-both combine modes' PUTS specialisations against `libnvshmem_device.bc` (the nvidia-nvshmem-cu13
-wheel, a test dependency) in a TRITON_INTERPRET=0 subprocess, as the portability check does, and
-checks each module carries the NVSHMEM device state `nvshmemx_cumodule_init` fills in. They are not
+The put path only runs on GPUs (tests/gpu/test_nvshmem_gpu.py); this compiles the PUTS
+specialisations of the dispatch, both combine modes and the fused MoE megakernel against
+`libnvshmem_device.bc` (the nvidia-nvshmem-cu13 wheel, a test dependency) in a TRITON_INTERPRET=0
+subprocess, as the portability check does, and checks each module carries the NVSHMEM device
+state `nvshmemx_cumodule_init` fills in. They are not
 in the portability registry: that compiles for AMD too, and NVSHMEM is NVIDIA-only.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ _SCRIPT = textwrap.dedent('''
     from triton.compiler import ASTSource
     import ditron_ep  # noqa: F401
     from ditron_ep.ops.ep import combine_kernels as cb, dispatch_kernels as dk
+    from ditron_ep.ops.moe_layer import fused_kernels as fk
 
     def source(fn, sig, cx):
         signature, cx = {}, dict(cx)
@@ -38,6 +40,7 @@ _SCRIPT = textwrap.dedent('''
         "dispatch": (dk.ep_dispatch_kernel, dk._SIG, {**common, "SCALE_ROWS": False, "ENTRY_BARRIER": False}),
         "combine": (cb.ep_combine_kernel, cb._SIG, {**common, "BLOCK_T": 16}),
         "combine rank-reduced": (cb.ep_combine_kernel, cb._SIG, {**common, "BLOCK_T": 16, "RANK_REDUCED": True}),
+        "fused layer": (fk.moe_fused_kernel, fk._SIG, {**fk._CONST, "TRACE": False, "PUTS": True}),
     }
     out = {}
     for name, (fn, sig, cx) in cases.items():
@@ -71,4 +74,4 @@ def test_put_transport_kernels_compile_for_sm90_with_nvshmem():
     run = subprocess.run([sys.executable, "-c", _SCRIPT, lib], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    assert results == {"dispatch": True, "combine": True, "combine rank-reduced": True}, results
+    assert results == {"dispatch": True, "combine": True, "combine rank-reduced": True, "fused layer": True}, results

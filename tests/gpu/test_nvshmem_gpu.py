@@ -153,8 +153,9 @@ _COMBINES = {"exact": {}, "rank-reduced": {"topk_sum": "expert_rank"},
 def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
     """EPBuffer dispatch + combine (both layouts, the three combine modes, with their backward) on
     the nvshmem backend, with pointer stores and with the put transport forced for every peer (whole
-    rows, and column slices: per-row puts), and FusedMoE on the nvshmem backend, give the torch
-    backend's bits (ragged counts, an empty rank, skewed routing)."""
+    rows, and column slices: per-row puts), and FusedMoE on the nvshmem backend, with pointer stores
+    and with the put transport, give the torch backend's bits (ragged counts, an empty rank, skewed
+    routing)."""
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
     E, H, K, I = 8 * world, 1000, 8, 512
     bufs = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch"),
@@ -165,6 +166,8 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
     sliced = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch", hidden_slices=4,
                                 block_hidden=256), "nvshmem put, 4 slices": bufs["nvshmem put, 4 slices"]}
     layers = {b: FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
+    layers["nvshmem put"] = FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend="nvshmem",
+                                     transport="put")
     g = torch.Generator().manual_seed(5 + rank)
     w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
     w2 = (torch.randn(4, I, 1024, generator=g) / 23).to(torch.bfloat16).to(dev)
@@ -189,8 +192,9 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
         x_l = torch.randn(T, 1024, generator=g).to(torch.bfloat16).to(dev)
         idx_l, w_l = make_routing(T, 4 * world, 4, kind, generator=g, drop_prob=0.05, num_ranks=world)
         outs = {b: layer(x_l, idx_l.to(dev), w_l.to(dev), w1, w2) for b, layer in layers.items()}
-        if not torch.equal(outs["torch"], outs["nvshmem"]):
-            problems.append(f"{kind} {tokens}: the fused layer differs between the torch and nvshmem backends")
+        for b in ("nvshmem", "nvshmem put"):
+            if not torch.equal(outs["torch"], outs[b]):
+                problems.append(f"{kind} {tokens}: the fused layer on {b} differs from the torch backend")
     dist.barrier()
     for obj in (*bufs.values(), sliced["torch"], *layers.values()):
         obj.free()

@@ -30,6 +30,7 @@ from ditron_ep.ops.ep.layout_kernels import build_send_layout, exchange_layout, 
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
+from ditron_ep.language.nvshmem import nvshmem_launcher
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import agree
@@ -37,6 +38,7 @@ from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
+from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, put_peer_mask, put_signal_words
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem
 
@@ -175,6 +177,12 @@ class FusedMoE:
     same bits, for about 100 µs of host time (input copies, the replays, the output clone, the
     status read) instead of 350-650 µs. Each costs graph memory of about
     2*T*H activations plus the layout buffers; 0 launches every call directly.
+    transport (runtime/transport.py, as in `EPBuffer`): "auto" / "pointer" store through peer
+    pointers; "put" (backend "nvshmem") moves the dispatch's tokens and the down GEMM's rows to
+    every peer by NVSHMEM put-with-signal instead — a chunk staged in a symmetric send area and
+    put as one block; a row put whole, with its (token, k) counter's add, once its row tile's last
+    column tile is done — with the same bits. The layout exchange and the call barriers use peer
+    pointers on every transport.
     Every call reuses the layer's heap, signals and captured graphs, so calls run in the order of
     the CUDA stream they are issued on: issue them on one stream (or order the streams yourself).
     """
@@ -183,12 +191,20 @@ class FusedMoE:
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                  schedule: str = "overlap", activation: str = "swiglu", backend: str = "auto",
                  wait_budget: int | None = None, check_errors: bool = False, graph_cache: int = 4,
-                 plan: MoEPlan | None = None, **plan_overrides) -> None:
+                 transport: str = "auto", plan: MoEPlan | None = None, **plan_overrides) -> None:
         if not dist.is_initialized():
             raise DitronConfigError("FusedMoE needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
         problem = None
         try:
+            if transport not in TRANSPORTS:
+                raise DitronConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+            if transport == "put" and backend != "nvshmem":
+                raise DitronConfigError(f"transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem', got "
+                                        f"backend={backend!r}; or use transport='pointer'")
+            if transport == "put" and world > MAX_PUT_WORLD:
+                raise DitronConfigError(f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks; this group "
+                                        f"has {world}. Use transport='pointer'")
             self.activation = check_activation(activation)
             self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
                                                 dtype, schedule, backend, plan, plan_overrides)
@@ -199,7 +215,7 @@ class FusedMoE:
         agree(group, "FusedMoE", problem, same={
             "num_experts": num_experts, "hidden": hidden, "ffn_hidden": ffn_hidden,
             "max_tokens_per_rank": max_tokens_per_rank, "topk": topk, "dtype": dtype, "schedule": schedule,
-            "activation": activation})
+            "activation": activation, "transport": transport})
         self.num_experts, self.hidden, self.ffn_hidden, self.topk, self.dtype = num_experts, hidden, ffn_hidden, topk, dtype
         self.check_errors = bool(check_errors)
         self.group = group
@@ -207,8 +223,20 @@ class FusedMoE:
         dev = self.plan.device
         landing = layout_landing_shape(world, self.num_local_experts)
         layout_bytes = triton.cdiv(math.prod(landing) * 4, 256) * 256
-        self.heap = SymmetricHeap(group, backend=backend, size_bytes=dev.heap_bytes + 256 + layout_bytes + 4 * world,
-                                  num_signals=dev.num_signals + world, wait_budget=wait_budget)
+        # the put transport's send areas (tokens and metadata by destination, down rows by GEMM row)
+        # and its uint64 flag and land signals (plus a local counter per row tile), after the plan's
+        puts = transport == "put"
+        rows = next(b.shape[0] for b in dev.buffers if b.name == "gemm/rows")
+        K, H, T = topk, hidden, max_tokens_per_rank
+        put_specs = [("moe/send_x", (world, T, H), dtype), ("moe/send_meta", (world, T, 1 + 2 * K), torch.int32),
+                     ("moe/send_land", (rows, H), dtype)] if puts else []
+        put_bytes = sum(triton.cdiv(math.prod(sh) * torch.empty((), dtype=dt).element_size(), 256) * 256
+                        for _, sh, dt in put_specs)
+        n_flags, n_land = world * self.plan.routing.n_chunks, T * K
+        put_signals = (2 * n_flags + 1) + (2 * n_land + 1) + dev.n_row_tiles_max if puts else 0
+        self.heap = SymmetricHeap(group, backend=backend,
+                                  size_bytes=dev.heap_bytes + 256 + layout_bytes + 4 * world + put_bytes + 4 * put_signals,
+                                  num_signals=dev.num_signals + world + put_signals, wait_budget=wait_budget)
         for fam in dev.signals:  # plan order: the heap hands out the same words
             if self.heap.alloc_signals(fam.name, fam.count) != fam.first:
                 raise DitronConfigError(f"signal family {fam.name!r} does not land where the plan put it")
@@ -218,6 +246,14 @@ class FusedMoE:
             if self.heap.offset_of(b.name) - self.heap.data_offset != b.offset - dev.data_offset:
                 raise DitronConfigError(f"buffer {b.name!r} does not land where the plan put it")
         self.heap.alloc("moe/layout", landing, torch.int32)
+        self.transport = transport
+        self._put_peers = put_peer_mask(self.heap, transport)
+        for name, sh, dt in put_specs:
+            self.heap.alloc(name, sh, dt)
+        if puts:
+            self._put_flag = put_signal_words(self.heap, "moe/put_flag", n_flags)
+            self._put_land = put_signal_words(self.heap, "moe/put_land", n_land)
+            self._put_tiles = self.heap.alloc_signals("moe/put_tiles", dev.n_row_tiles_max)
         self.device = self.heap.device
         self._pending_flags = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Local counters the kernel expects at zero ("reset: layout launch" in the plan).
@@ -227,6 +263,8 @@ class FusedMoE:
                 self._zero_ranges[-1] = (self._zero_ranges[-1][0], f.first + f.count)
             else:
                 self._zero_ranges.append((f.first, f.first + f.count))
+        if puts:  # local counters the kernel resets itself; zeroed per call too, like the plan's
+            self._zero_ranges.append((self._put_tiles, self._put_tiles + dev.n_row_tiles_max))
         self._clock = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.last_trace: torch.Tensor | None = None
         self.last_timer: torch.Tensor | None = None
@@ -261,8 +299,10 @@ class FusedMoE:
             dev.comm_programs, dev.recv_lag, dev.gemm_group_rows, h.ptr_table, h.signal_table,
             *(h.offset_of(n) for n in ("dispatch/x", "dispatch/meta", "gemm/tiles", "gemm/rows", "gemm/h",
                                        "combine/land")),
-            dev.signal("dispatch_flag").first, dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
-            dev.signal("land").first,
+            # the put transport's flag and land families are uint64 words of their own (PUTS)
+            self._put_flag if self._put_peers else dev.signal("dispatch_flag").first,
+            dev.signal("rows_ready").first, dev.signal("gate_up_done").first,
+            self._put_land if self._put_peers else dev.signal("land").first,
             word("stage_done.dispatch_send"), word("stage_done.dispatch_recv"), word("stage_done.gemm_gate_up"),
             word("stage_done.gemm_down"), word("stage_barrier.dispatch_recv"), word("stage_barrier.gemm_down"))
         self._shape_args = (  # H .. NT
@@ -277,7 +317,11 @@ class FusedMoE:
             REVERSE_RING=dev.source_order == "reverse_ring", BLOCK_W=triton.next_power_of_2(self.world_size),
             INPUT_PRECISION="ieee" if (interp or self.dtype == torch.float32) else "tf32",
             ACT=activation_code(self.activation),
-            num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages)
+            num_warps=core.gate_up.num_warps, num_stages=core.gate_up.num_stages, PUTS=bool(self._put_peers))
+        self._put_args = (self._put_peers, *(h.offset_of(n) if self._put_peers else 0 for n in
+                                             ("moe/send_x", "moe/send_meta", "moe/send_land")),
+                          self._put_tiles if self._put_peers else 0)
+        self._launcher = nvshmem_launcher if self._put_peers else fast
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None, *,
@@ -389,12 +433,12 @@ class FusedMoE:
         timer = TIMER_NONE if not trace or self.device.type != "cuda" else (
             TIMER_HIP if torch.version.hip else TIMER_CUDA)
         timer_buf = torch.zeros((nt + 1, 2), dtype=torch.int64, device=self.device) if timer else self._timer_dummy
-        fast(moe_fused_kernel)[(dev.num_programs,)](
+        self._launcher(moe_fused_kernel)[(dev.num_programs,)](
             x, send.topk_idx, send.pos, weights, send.send_idx, send.tokens_to,
             recv.expert_off, recv.src_off, recv.tokens_from, recv.tile_start, w1, w2,
             b1 if b1 is not None else w1, b2 if b2 is not None else w2, out, trace_buf, timer_buf,
             self._clock, recv.src_info, int(refuse_flagged), *self._plan_args, x.shape[0], *self._shape_args,
-            self.heap.wait_budget, *_strides3(w1), *_strides3(w2), TRACE=trace, DEVICE_TIMER=timer,
+            self.heap.wait_budget, *_strides3(w1), *_strides3(w2), *self._put_args, TRACE=trace, DEVICE_TIMER=timer,
             HAS_B1=b1 is not None, HAS_B2=b2 is not None, **self._constexprs)
         if trace:
             self.last_trace = trace_buf

@@ -48,6 +48,7 @@ import triton.language as tl
 from triton.language.extra.cuda import globaltimer as _cuda_globaltimer
 from triton.language.extra.hip import memrealtime as _hip_memrealtime
 
+from ditron_ep.language.nvshmem import SIGNAL_ADD, put_signal_word, putmem_signal_nbi_block, quiet, signal_after_puts
 from ditron_ep.language.primitives import (
     call_begin,
     call_end,
@@ -63,7 +64,7 @@ from ditron_ep.language.primitives import (
 from ditron_ep.language.registry import register_device_function, register_kernel
 from ditron_ep.language.task_queue import interleaved_task
 from ditron_ep.ops.ep.combine_kernels import reduce_landed
-from ditron_ep.ops.ep.dispatch_kernels import stage_token_chunk
+from ditron_ep.ops.ep.dispatch_kernels import put_token_chunk, stage_token_chunk
 from ditron_ep.ops.moe_layer.grouped_gemm_kernels import down_acc, grouped_tile, up_tile
 from ditron_ep.runtime.heap import register_stage
 
@@ -154,6 +155,39 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, call
                 notify(heap_ptr(sig_table_ptr, p, 0, tl.int32) + cross_first + rank, call_no)
 
 
+@register_device_function
+@triton.jit
+def _put_down_rows(acc, put_m, o_n, table_ptr, sig_table_ptr, p_sig, p_rows_all, rank, i_m, row0, n_rows, H,
+                   K: tl.constexpr, n_t2, land_off, send_land_off, sig_land, sig_put_tiles, put_peers, DT: tl.constexpr,
+                   BM: tl.constexpr):
+    """The put transport's down-tile output: the rows put_m of this [BM, BN2] tile (columns o_n) go
+    into this rank's send area at their GEMM rows; the program finishing a row tile's last column
+    tile (a local counter) puts each of its put rows whole (H columns, one block-scoped put) to
+    land[token, k] on the token's rank with a SIGNAL_ADD of n_t2 on that (token, k)'s counter,
+    delivered after the row — what the n_t2 column tiles' +1s say in the pointer path, so the
+    combine stage waits alike. The same bytes land as with pointer stores."""
+    ELT: tl.constexpr = DT.primitive_bitwidth // 8
+    p_send = heap_ptr(table_ptr, rank, send_land_off, DT)
+    o_m = tl.arange(0, BM)
+    tl.store(p_send + (row0 + o_m).to(tl.int64)[:, None] * H + o_n[None, :], acc.to(DT),
+             mask=put_m[:, None] & (o_n < H)[None, :])
+    tl.debug_barrier()
+    done = tl.atomic_add(p_sig + sig_put_tiles + i_m, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if done == n_t2 - 1:  # every column tile of these rows is in the send area
+        own = tl.load(table_ptr + rank)  # symmetric addresses: this rank's base + offset
+        for j in range(0, n_rows):
+            p_r = p_rows_all + (row0 + j).to(tl.int64) * 4
+            i_src = tl.load(p_r + 1)
+            if ((put_peers >> i_src) & 1) != 0:
+                i_tk = tl.load(p_r + 2).to(tl.int64) * K + tl.load(p_r + 3)
+                sig, add = put_signal_word(sig_table_ptr, rank, sig_land + i_tk * 2, n_t2)
+                putmem_signal_nbi_block(own + land_off + i_tk * H * ELT,
+                                        own + send_land_off + tl.cast(row0 + j, tl.int64) * H * ELT,
+                                        tl.cast(H, tl.int64) * ELT, sig, add, SIGNAL_ADD, i_src)
+        tl.store(p_sig + sig_put_tiles + i_m, 0)  # for the next call (no other program adds to it now)
+
+
 # refuse_flagged is 1 in default mode and 0 in graph mode: specialised (Triton makes an argument
 # equal to 1 a constant), switching modes compiled the whole megakernel again (~7 s on an H200).
 # gemm_group (1 for row_major) likewise: every tile order runs one binary. T likewise (it only
@@ -163,7 +197,7 @@ def _stage_done(sig_table_ptr, rank, world, done_word, n_this, cross_first, call
 # own, so ranks on one host could not share the Triton cache, and a rank compiling a variant its
 # peers did not need kept them waiting at the call barrier (a put-transport GPU test timed out so
 # on 2xH200: 49 compiles on one rank, 46 on the other, ~7-10 s each).
-@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group", "T", "rank"])
+@triton.jit(do_not_specialize=["refuse_flagged", "gemm_group", "T", "rank", "put_peers"])
 def moe_fused_kernel(
     x_ptr,            # (T, H) tokens of this rank
     topk_ptr,         # int32 (T, K) expert ids, -1 = dropped
@@ -195,12 +229,18 @@ def moe_fused_kernel(
     T, H, I, rank, world, E_local, MAXT, n_chunks, n_rt, n_t1, n_t2,
     F1, F2, F3, F4, NT, budget,
     s1e, s1k, s1n, s2e, s2k, s2n,  # the expert weights' strides (elements)
+    put_peers,        # bit d set: reach rank d by NVSHMEM put-with-signal (runtime/transport.py; PUTS only)
+    send_x_off, send_meta_off,  # bytes: this rank's symmetric send areas (W, MAXT, H) / (W, MAXT, 1 + 2K) (PUTS)
+    send_land_off,    # bytes: this rank's symmetric (GEMM rows, H) down outputs before their put (PUTS)
+    sig_put_tiles,    # local counters (row tile): down column tiles done of rows that go by put (PUTS)
     K: tl.constexpr, BLOCK_K: tl.constexpr, BM: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
     BN2: tl.constexpr, BK2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr, SEQUENTIAL: tl.constexpr, REVERSE_RING: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, TRACE: tl.constexpr, BLOCK_W: tl.constexpr, DEVICE_TIMER: tl.constexpr = 0,
     ACT: tl.constexpr = 0, HAS_B1: tl.constexpr = False, HAS_B2: tl.constexpr = False,  # experts.py
+    PUTS: tl.constexpr = False,  # the put transport is compiled in: the flag and land signals are uint64 words
 ):
+    SIG_STRIDE: tl.constexpr = 2 if PUTS else 1  # int32 words per signal of the flag and land families
     if TRACE:  # row NT of the timer: program 0's entry and its exit from call_begin
         if tl.program_id(0) == 0:
             _stamp_timer(timer_ptr + NT * 2, DEVICE_TIMER)
@@ -281,11 +321,24 @@ def moe_fused_kernel(
                 n = tl.load(tokens_to_ptr + i_d)
                 o_j = i_c * BLOCK_S + o_s
                 m_j = o_j < n
-                stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, i_d, rank, o_j, m_j,
-                                  xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, w_ptr, 0, 0, K, False, BLOCK_H)
                 # every ticketed chunk (below the call's n_call) is stamped, empty ones too: the
                 # receiver waits exactly once for each
-                notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + sig_flag + rank * n_chunks + i_c, call_no)
+                i_flag = sig_flag + (rank * n_chunks + i_c) * SIG_STRIDE
+                by_put = False
+                if PUTS:
+                    by_put = ((put_peers >> i_d) & 1) != 0
+                if by_put:
+                    if i_c * BLOCK_S < n:  # staged into the send areas, put, then the signal
+                        put_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, sig_table_ptr, i_d,
+                                        rank, i_c, n, xs_off, meta_off, 0, send_x_off, send_meta_off, 0, 0, H, True,
+                                        H, E_local, MAXT, i_flag, call_no, K, False, BLOCK_S, BLOCK_H)
+                    else:
+                        signal_after_puts(sig_table_ptr, rank, i_d, i_flag, call_no)
+                else:
+                    stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, i_d, i_d, rank, o_j,
+                                      m_j, xs_off, meta_off, 0, 0, H, True, H, E_local, MAXT, w_ptr, 0, 0, K, False,
+                                      BLOCK_H)
+                    notify(heap_ptr(sig_table_ptr, i_d, 0, tl.int32) + i_flag, call_no)
                 if SEQUENTIAL:
                     _stage_done(sig_table_ptr, rank, world, done_send, F1c, 0, call_no, False)
             elif t < F2:
@@ -300,7 +353,7 @@ def moe_fused_kernel(
                     i_s = (rank - i_pos + world) % world
                 else:
                     i_s = (rank + i_pos) % world
-                i_sig = sig_flag + i_s * n_chunks + i_c
+                i_sig = sig_flag + (i_s * n_chunks + i_c) * SIG_STRIDE
                 ok = ok & wait(p_sig + i_sig, call_no, my_ctrl, rank, STAGE_MOE_RECV, i_sig, budget)
                 n = tl.load(tokens_from_ptr + i_s)
                 o_j = i_c * BLOCK_S + o_s
@@ -354,11 +407,21 @@ def moe_fused_kernel(
                         # [BM] row pointers on each row's token rank (masked rows: i_src = 0, a real rank)
                         p_land = heap_ptr(table_ptr, i_src, land_off, DT) + i_tk * H
                         o_n = i_n * BN2 + tl.arange(0, BN2)
+                        m_ptr = m_m
+                        if PUTS:  # rows to put peers wait in the send area for their row's last column tile
+                            put_m = m_m & (((put_peers >> i_src) & 1) != 0)
+                            m_ptr = m_m & (((put_peers >> i_src) & 1) == 0)
                         # the previous tile's rows had this tile's compute time to land: publish them
                         _publish_landed(pend_cnt, pend_m)
-                        tl.store(p_land[:, None] + o_n[None, :], acc.to(DT), mask=m_m[:, None] & (o_n < H)[None, :])
-                        pend_cnt = tl.load(sig_table_ptr + i_src, mask=m_m, other=0) + sig_land * 4 + i_tk * 4
-                        pend_m = m_m
+                        tl.store(p_land[:, None] + o_n[None, :], acc.to(DT), mask=m_ptr[:, None] & (o_n < H)[None, :])
+                        pend_cnt = (tl.load(sig_table_ptr + i_src, mask=m_m, other=0)
+                                    + (sig_land + i_tk * SIG_STRIDE) * 4)
+                        pend_m = m_ptr
+                        if PUTS:
+                            if tl.max(put_m.to(tl.int32), axis=0) > 0:
+                                _put_down_rows(acc, put_m, o_n, table_ptr, sig_table_ptr, p_sig, p_rows_all, rank,
+                                               i_m, row0, n_rows, H, K, n_t2, land_off, send_land_off, sig_land,
+                                               sig_put_tiles, put_peers, DT, BM)
                 if SEQUENTIAL:
                     _stage_done(sig_table_ptr, rank, world, done_down, L2, bar_down, call_no, True)
             else:
@@ -384,8 +447,8 @@ def moe_fused_kernel(
                 b_e = tl.load(topk_ptr + o_tk, mask=m_tk, other=-1)
                 valid = m_tk & (b_e >= 0)
                 if tl.max(m_t.to(tl.int32), axis=0) > 0:
-                    ok = ok & wait_all(p_sig + sig_land + o_tk, n_t2 + 0 * b_e, valid & ok, my_ctrl, rank,
-                                       STAGE_MOE_LAND, sig_land + q * BLOCK_T * K, budget)
+                    ok = ok & wait_all(p_sig + sig_land + o_tk * SIG_STRIDE, n_t2 + 0 * b_e, valid & ok, my_ctrl,
+                                       rank, STAGE_MOE_LAND, sig_land + q * BLOCK_T * K * SIG_STRIDE, budget)
                     if ok:
                         reduce_landed(p_land_own, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo,
                                       tl.minimum(h_lo + per * BLOCK_H, H), H, K, True, BLOCK_T, BLOCK_H)
@@ -395,7 +458,7 @@ def moe_fused_kernel(
                         # past its wait, so a reset never strands a slice still waiting (the waits
                         # ask for >= n_t2).
                         tl.debug_barrier()
-                        p_cnt = p_sig + sig_land + o_tk
+                        p_cnt = p_sig + sig_land + o_tk * SIG_STRIDE
                         seen = tl.atomic_add(p_cnt, 1 + 0 * b_e, mask=valid, sem="relaxed", scope="gpu")
                         tl.store(p_cnt, tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int32),
                                  mask=valid & (seen == n_t2 + n_sl - 1))
@@ -405,6 +468,8 @@ def moe_fused_kernel(
                 _stamp_timer(timer_ptr + t * 2 + 1, DEVICE_TIMER)
         t, on_comm = next_task_split(my_ctrl, on_comm, split_at)
     _publish_landed(pend_cnt, pend_m)
+    if PUTS:
+        quiet()  # this program's puts delivered (and their sources free) before the call ends
     call_end(table_ptr, rank, call_no, OPENS=False)
 
 
@@ -419,7 +484,8 @@ _SIG = {"x_ptr": "*bf16", "topk_ptr": "*i32", "pos_ptr": "*i32", "w_ptr": "*fp32
         **{n: "i32" for n in ("sig_flag", "sig_rows", "sig_gu", "sig_land", "done_send", "done_recv", "done_gu",
                               "done_down", "bar_recv", "bar_down", "T", "H", "I", "rank", "world", "E_local",
                               "MAXT", "n_chunks", "n_rt", "n_t1", "n_t2", "F1", "F2", "F3", "F4", "NT", "budget",
-                              "s1e", "s1k", "s2e", "s2k")}}
+                              "s1e", "s1k", "s2e", "s2k", "put_peers", "sig_put_tiles")},
+        "send_x_off": "i64", "send_meta_off": "i64", "send_land_off": "i64"}
 _CONST = {"s1n": 1, "s2n": 1, "K": 8, "BLOCK_K": 8, "BLOCK_W": 8, "BM": 64, "BN1": 64, "BK1": 64, "BN2": 64, "BK2": 64, "BLOCK_S": 16,
           "BLOCK_H": 1024, "BLOCK_T": 16, "SEQUENTIAL": False, "REVERSE_RING": False,
           "INPUT_PRECISION": "tf32", "TRACE": True}

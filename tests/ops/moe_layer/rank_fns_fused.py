@@ -249,6 +249,9 @@ def fused_refusals() -> dict:
     # a bad override on one rank only: every rank raises (none is left waiting in the heap set-up)
     catch("one_rank_bad", lambda: FusedMoE(None, E, H, I, T, K, torch.float32,
                                            chunk_rows=3 if dist.get_rank() == 1 else 4))
+    # the put transport needs the nvshmem backend; an unknown transport is named
+    catch("put_on_emulated", lambda: FusedMoE(None, E, H, I, T, K, torch.float32, transport="put"))
+    catch("transport_name", lambda: FusedMoE(None, E, H, I, T, K, torch.float32, transport="rdma"))
     layer = FusedMoE(None, E, H, I, T, K, torch.float32, plan=good)
     x, idx, w = torch.randn(T, H), torch.zeros(T, K, dtype=torch.long), torch.full((T, K), 0.5)
     w1, w2 = torch.randn(E // W, H, 2 * I), torch.randn(E // W, I, H)

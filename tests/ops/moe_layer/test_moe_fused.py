@@ -48,6 +48,8 @@ def test_fused_refuses_unverified_plans_and_bad_input(emulated_cluster):
         assert "verif" in res["unverified"], res["unverified"]
         assert "another shape" in res["other_shape"], res["other_shape"]
         assert "power of two" in res["one_rank_bad"] and "on rank(s) 1" in res["one_rank_bad"], res["one_rank_bad"]
+        assert "transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem'" in res["put_on_emulated"], res
+        assert "transport must be one of auto, pointer, put, got 'rdma'" in res["transport_name"], res
         for key in ("x_shape", "w1_shape", "dtype", "idx_dtype"):
             assert res[key].startswith("DitronConfigError"), f"rank {rank} {key}: {res[key]}"
         assert res["bad_expert"].startswith("RoutingError") and "ranks 0" in res["bad_expert"], res["bad_expert"]
