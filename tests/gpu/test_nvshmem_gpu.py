@@ -150,14 +150,17 @@ _COMBINES = {"exact": {}, "rank-reduced": {"topk_sum": "expert_rank"},
              "rank-reduced fp32": {"topk_sum": "expert_rank", "partial_dtype": torch.float32}}
 
 
-def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
+# (seed, routing, tokens of even / odd ranks): ragged counts, an empty rank, skewed routing
+_CASES = ((1, "uniform", (311, 0)), (2, "zipf", (250, 123)), (3, "uniform", (59, 191)))
+
+
+def test_ep_on_nvshmem_equal_torch_backend(dist_env):
     """EPBuffer dispatch + combine (both layouts, the three combine modes, with their backward) on
     the nvshmem backend, with pointer stores and with the put transport forced for every peer (whole
-    rows, and column slices: per-row puts), and FusedMoE on the nvshmem backend, with pointer stores
-    and with the put transport, give the torch backend's bits (ragged counts, an empty rank, skewed
-    routing)."""
+    rows, and column slices: per-row puts), give the torch backend's bits (ragged counts, an empty
+    rank, skewed routing)."""
     rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
-    E, H, K, I = 8 * world, 1000, 8, 512
+    E, H, K = 8 * world, 1000, 8
     bufs = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch"),
             "nvshmem": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem"),
             "nvshmem put": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="nvshmem", transport="put"),
@@ -165,14 +168,8 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
                                               hidden_slices=4, block_hidden=256)}
     sliced = {"torch": EPBuffer(None, E, H, 320, K, torch.bfloat16, backend="torch", hidden_slices=4,
                                 block_hidden=256), "nvshmem put, 4 slices": bufs["nvshmem put, 4 slices"]}
-    layers = {b: FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend=b) for b in ("torch", "nvshmem")}
-    layers["nvshmem put"] = FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend="nvshmem",
-                                     transport="put")
-    g = torch.Generator().manual_seed(5 + rank)
-    w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
-    w2 = (torch.randn(4, I, 1024, generator=g) / 23).to(torch.bfloat16).to(dev)
     problems = []
-    for seed, kind, tokens in ((1, "uniform", (311, 0)), (2, "zipf", (250, 123)), (3, "uniform", (59, 191))):
+    for seed, kind, tokens in _CASES:
         T = tokens[rank % 2]
         g = torch.Generator().manual_seed(1000 * seed + rank)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
@@ -189,13 +186,37 @@ def test_ep_and_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
                             if (a is None) != (ref is None) or a is not None and not torch.equal(a, ref):
                                 problems.append(f"{kind} {tokens} {layout} {mode}: {what} on {b} differs from the "
                                                 f"torch backend")
-        x_l = torch.randn(T, 1024, generator=g).to(torch.bfloat16).to(dev)
-        idx_l, w_l = make_routing(T, 4 * world, 4, kind, generator=g, drop_prob=0.05, num_ranks=world)
-        outs = {b: layer(x_l, idx_l.to(dev), w_l.to(dev), w1, w2) for b, layer in layers.items()}
-        for b in ("nvshmem", "nvshmem put"):
-            if not torch.equal(outs["torch"], outs[b]):
-                problems.append(f"{kind} {tokens}: the fused layer on {b} differs from the torch backend")
     dist.barrier()
-    for obj in (*bufs.values(), sliced["torch"], *layers.values()):
+    for obj in (*bufs.values(), sliced["torch"]):
         obj.free()
+    assert not problems, problems
+
+
+def test_fused_layer_on_nvshmem_equal_torch_backend(dist_env):
+    """FusedMoE on the nvshmem backend, with pointer stores and with the put transport forced for
+    every peer, gives the torch backend's bits (ragged counts, an empty rank, skewed routing), in
+    both schedules."""
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    I = 512
+    problems = []
+    g = torch.Generator().manual_seed(5 + rank)
+    w1 = (torch.randn(4, 1024, 2 * I, generator=g) / 32).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(4, I, 1024, generator=g) / 23).to(torch.bfloat16).to(dev)
+    for schedule in ("overlap", "sequential"):
+        layers = {b: FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend=b, schedule=schedule)
+                  for b in ("torch", "nvshmem")}
+        layers["nvshmem put"] = FusedMoE(None, 4 * world, 1024, I, 320, 4, torch.bfloat16, backend="nvshmem",
+                                         transport="put", schedule=schedule)
+        for seed, kind, tokens in _CASES:
+            T = tokens[rank % 2]
+            g = torch.Generator().manual_seed(2000 * seed + rank)
+            x_l = torch.randn(T, 1024, generator=g).to(torch.bfloat16).to(dev)
+            idx_l, w_l = make_routing(T, 4 * world, 4, kind, generator=g, drop_prob=0.05, num_ranks=world)
+            outs = {b: layer(x_l, idx_l.to(dev), w_l.to(dev), w1, w2) for b, layer in layers.items()}
+            for b in ("nvshmem", "nvshmem put"):
+                if not torch.equal(outs["torch"], outs[b]):
+                    problems.append(f"{schedule} {kind} {tokens}: the fused layer on {b} differs from torch's")
+        dist.barrier()
+        for layer in layers.values():
+            layer.free()
     assert not problems, problems
