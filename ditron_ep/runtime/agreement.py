@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.runtime import control as C
+from ditron_ep.runtime.call_graphs import capturing
 from ditron_ep.runtime.errors import DitronConfigError, DitronOutOfStepError
 
 R = TypeVar("R")
@@ -110,7 +111,7 @@ def _exchange_rows(group: dist.ProcessGroup | None, words: list[int], device: to
     """Every rank's `words` (a list of ints, the same length on every rank), in rank order."""
     via = AGREE_TRANSPORT if AGREE_TRANSPORT != "auto" else "store" if (
         "nccl" in str(dist.get_backend(group)) and dist.get_world_size() <= STORE_MAX_WORLD) else "tensor"
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         # under CUDA-graph capture (collective: every rank captures the call) the tensor exchange's
         # read-back cannot run; the store's is host-only. The agreement runs once, at capture.
         via = "store"

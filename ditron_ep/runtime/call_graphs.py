@@ -29,7 +29,14 @@ import torch
 from ditron_ep.compiler.plan import is_nonnegative_int
 from ditron_ep.runtime.errors import DitronError
 
-__all__ = ["CallGraphCache", "graph_capture"]
+__all__ = ["CallGraphCache", "capturing", "graph_capture"]
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether this call is being captured into a CUDA graph (the current stream of a CUDA
+    `device` is capturing): host reads, allocations that must persist and first compiles cannot
+    happen now. False on the CPU."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 Captured = TypeVar("Captured")
 

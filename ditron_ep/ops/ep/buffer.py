@@ -30,7 +30,7 @@ from ditron_ep.ops.ep.layout_kernels import (
 from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays, layout_arena_words
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
-from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
+from ditron_ep.runtime.call_graphs import CallGraphCache, capturing, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -480,7 +480,7 @@ class EPBuffer:
         alike. FLAG_REBUILD reads the records back and raises here (RebuildNeeded on every rank
         when they all ask for the same buffer, else the error). Not inside a CUDA graph capture
         (the raise ends the capture, and nothing ran)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(self.device):
             return
         recv = self._launch_layout(torch.empty((0, self.topk), dtype=torch.int32, device=self.device), flags=flags,
                                    fields=record_fields(fields, self.device), tokens=tokens)[1]
@@ -491,7 +491,7 @@ class EPBuffer:
         """This rank rejected its arguments to a combine its peers are entering: take part in the
         call's barrier, flagged (primitives.flagged_call_kernel). Not while a CUDA graph is
         captured (the raise ends the capture, and nothing ran)."""
-        if not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing(self.device):
             flagged_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget,
                                       C.FLAG_REFUSED)
 
@@ -558,7 +558,7 @@ class EPBuffer:
 
     def _can_capture(self) -> bool:
         """CUDA graphs need a GPU, and a call inside the caller's own capture launches directly."""
-        return self.device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+        return self.device.type == "cuda" and not capturing(self.device)
 
     def _rows_from_status(self, recv: RecvLayout, captured: CapturedLayout | None) -> int:
         """Default mode's one host read (of the replay's pinned status, or of the directly

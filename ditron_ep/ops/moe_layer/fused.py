@@ -34,7 +34,7 @@ from ditron_ep.language.nvshmem import nvshmem_launcher
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import agree
-from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
+from ditron_ep.runtime.call_graphs import CallGraphCache, capturing, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -364,7 +364,7 @@ class FusedMoE:
 
     def _forward(self, x, topk_idx, topk_weights, experts, sync, trace) -> torch.Tensor:
         """forward on validated inputs; experts = (w1, w2, b1, b2)."""
-        if sync and not trace and x.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        if sync and not trace and x.device.type == "cuda" and not capturing(x.device):
             key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, self.heap.wait_budget,
                    *((t.data_ptr(), t.stride()) if t is not None else None for t in experts))  # launches bake both in
             captured = self._graphs.lookup_or_give_up(
@@ -394,7 +394,7 @@ class FusedMoE:
         in its record. Every rank's megakernel then runs no task (no token moves) and every rank
         raises alike; FLAG_REBUILD reads the records back and raises here (EPBuffer.join_flagged).
         Not inside a CUDA graph capture (the raise ends the capture, and nothing ran)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(self.device):
             return
         K = self.topk
         recv = self._launch_layout(torch.empty((0, K), dtype=torch.int32, device=self.device),

@@ -42,6 +42,7 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
 )
 from ditron_ep.ops.moe_layer import hopper_path
 from ditron_ep.ops.moe_layer.hopper_path import PATHS, default_hopper_configs, path_problem
+from ditron_ep.runtime.call_graphs import capturing
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.input_checks import grad_needed
@@ -151,7 +152,7 @@ def grouped_mlp(
         expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
     params = (x, w1, w2, b1, b2)
     needs_grad = grad_needed(*params)
-    if needs_grad and row_index is not None and x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if needs_grad and row_index is not None and capturing(x.device):
         raise ValueError(_ROW_INDEX_CAPTURE)
     if needs_grad and out is not None:
         raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
@@ -517,7 +518,7 @@ def gathered_rows(x: torch.Tensor, row_index: torch.Tensor | None, expert_offset
     row 0 and their zero gradients go nowhere, -1)."""
     if row_index is None:
         return x, None
-    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(x.device):
         raise ValueError(_ROW_INDEX_CAPTURE)
     n_x = x.shape[0]
     live = torch.arange(row_index.shape[0], device=x.device) < expert_offsets[-1]

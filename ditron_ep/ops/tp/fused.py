@@ -28,6 +28,7 @@ from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lowe
                                         planned_tile)
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
+from ditron_ep.runtime.call_graphs import capturing
 from ditron_ep.runtime.errors import DitronConfigError
 from ditron_ep.runtime.fast_launch import fast
 from ditron_ep.runtime.heap import SymmetricHeap
@@ -55,7 +56,7 @@ class OverlapHeap:
         same = cols == self.cols and dtype == self.dtype
         if self.heap is not None and same and rows <= self.rows_cap and signals <= self.signals_cap:
             return
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             raise DitronConfigError(
                 f"an overlapped TP op captured in a CUDA graph needs its symmetric heap built first ({rows} rows x "
                 f"{cols} {str(dtype).removeprefix('torch.')} columns, {signals} signals this call; the group's heap "
@@ -180,7 +181,7 @@ def _reducing_plan(lower, world: int, m: int, k: int, n: int, dtype: str, device
 def check_unless_capturing(h: SymmetricHeap) -> None:
     """The launch's error slot read (a host sync), skipped under CUDA-graph capture: a replay's
     bounded-wait error stays in the slot and is raised by the next eager call on this heap."""
-    if not (h.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    if not capturing(h.device):
         h.check_error()
 
 
