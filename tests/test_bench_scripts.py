@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ditron_ep.bench.dispatch_combine import GRAPHS
+from ditron_ep.bench.dispatch_combine import GRAPH_FP8, GRAPHS
 from ditron_ep.bench.grouped_gemm import DOWN_CONFIGS, GATE_UP_CONFIGS, INTERPRETER_CONFIGS
 from ditron_ep.bench.moe_timeline import parse_variant
 from ditron_ep.bench.registry import BENCHMARKS
@@ -48,16 +48,18 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     floors_gpu = floors[:2] + ["floor: dispatch fp8"] + floors[2:]
     tail, tail_gpu = ["HBM copy", "peer copy (NVLink)", *floors], ["HBM copy", "peer copy (NVLink)", *floors_gpu]
     assert list(cpu) == eager + baselines + tail
-    assert list(gpu) == eager_gpu + list(GRAPHS) + baselines + deepep + tail_gpu
+    graphs = [*GRAPHS, GRAPH_FP8]  # the FP8 dispatch's graph where its eager rows run
+    assert list(gpu) == eager_gpu + graphs + baselines + deepep + tail_gpu
     assert not any(gpu[f].timed for f in floors_gpu) and cpu["HBM copy"].timed
-    assert [gpu[g].against for g in GRAPHS] == [
+    assert [gpu[g].against for g in graphs] == [
         (), ("a2a dispatch", "floor: dispatch"), ("a2a combine", "floor: combine"), ("a2a dispatch+combine",), (), (),
-        ("a2a dispatch", "floor: dispatch token_major"), ("a2a combine", "floor: combine expert_rank")]
+        ("a2a dispatch", "floor: dispatch token_major"), ("a2a combine", "floor: combine expert_rank"),
+        ("a2a combine", "floor: combine expert_rank fp32"), ("a2a dispatch", "floor: dispatch fp8")]
     assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch", "floor: dispatch")
     assert gpu["EPBuffer.dispatch fp8"].against == ("a2a dispatch", "floor: dispatch fp8")
     assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine", "floor: combine expert_rank")
     assert cpu["dispatch kernel"].against == ("a2a dispatch",)   # kernels alone: no floor
-    assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*GRAPHS, *baselines, *tail_gpu]
+    assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*graphs, *baselines, *tail_gpu]
     assert list(plan("dispatch_combine", ("mode", "eager"), on_gpu=True)) == eager_gpu + baselines + deepep + tail_gpu
     assert [i.kind for i in plan("dispatch", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]
     assert [i.kind for i in plan("combine", on_gpu=True).values()] == ["ours"] * 4 + ["baseline"]

@@ -30,7 +30,8 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       dispatch+combine; and dispatch / combine with 0 tokens on every rank (the
                       fixed cost of a cross-rank launch under the timing rule: host skew after the
                       barrier, graph launch, entry barrier, counts exchange); the token-major
-                      dispatch and the rank-reduced combine (checked bitwise against eager calls).
+                      dispatch, the rank-reduced combine (dtype and fp32 partials) and, where the
+                      FP8 rows run, the FP8 dispatch (checked bitwise against eager calls).
   HBM copy, peer copy (NVLink), floor: <mode>  (dispatch_combine) the bandwidths measured in the
                       run and each mode's floor from the bytes it must move (bench/ep_floors.py),
                       with the busiest rank's HBM and NVLink bytes; each row is also compared
@@ -97,7 +98,8 @@ TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
 FP8_DISPATCH, FP8_DEQUANT = "EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens", "graph: dispatch token_major",
-          "graph: combine expert_rank")
+          "graph: combine expert_rank", "graph: combine expert_rank fp32")
+GRAPH_FP8 = "graph: dispatch fp8"  # on the FP8 buffer (measure_fp8)
 
 
 # ============================================================================ one T: inputs, baseline, buffer
@@ -149,16 +151,19 @@ def fp8_applies(hidden: int, dtype: str, on_gpu: bool, options: Mapping[str, Any
     return on_gpu and dtype == "bf16" and hidden % 128 == 0 and options.get("transport") != "put"
 
 
-def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measurement]:
-    """FP8_DISPATCH and FP8_DEQUANT on an FP8 EPBuffer of the same shape: the received rows,
-    dequantised, against the baseline's bf16 rows (e4m3's rounding: relative error <= 0.07)."""
+def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int, eager: bool = True,
+                graph: bool = False) -> list[Measurement]:
+    """FP8_DISPATCH and FP8_DEQUANT (eager) on an FP8 EPBuffer of the same shape: the received rows,
+    dequantised, against the baseline's bf16 rows (e4m3's rounding: relative error <= 0.07); with
+    `graph`, GRAPH_FP8: the FP8 dispatch as CUDA-graph replays, bitwise the eager call's rows and scales."""
     inp = case.inp
     work, details = case.work(ctx, "dispatch")
     want = case.want(ctx, "dispatch").to(torch.float32)
+    names = (*((FP8_DISPATCH, FP8_DEQUANT) if eager else ()), *((GRAPH_FP8,) if graph else ()))
     try:
         buf = guarded(ctx, "FP8 EPBuffer", lambda: make_buffer(ctx, tokens, torch.float8_e4m3fn))
     except StageFailed as exc:
-        return failed((FP8_DISPATCH, FP8_DEQUANT), str(exc), work)
+        return failed(names, str(exc), work)
     q, sc = quantize_fp8(inp.x)
 
     def fp8() -> tuple[torch.Tensor, object]:
@@ -177,7 +182,7 @@ def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measuremen
 
     out = []
     try:
-        for impl, fn, rows in ((FP8_DISPATCH, fp8, fp8_rows), (FP8_DEQUANT, dequant, dequant_rows)):
+        for impl, fn, rows in ((FP8_DISPATCH, fp8, fp8_rows), (FP8_DEQUANT, dequant, dequant_rows)) if eager else ():
             try:
                 got = guarded(ctx, f"{impl} (check)", rows, buf)
                 err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() if want.numel() else 0.0
@@ -188,9 +193,38 @@ def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int) -> list[Measuremen
                                                                            "4 bytes per 128 columns of scales"}))
             except StageFailed as exc:
                 out.append(Measurement(impl, None, work, "", False, error=str(exc)))
+        if graph:
+            out.append(measure_fp8_graph(ctx, buf, lambda sync: buf.dispatch(q, inp.idx, inp.w, x_scales=sc, sync=sync),
+                                         work, details))
     finally:
         buf.free()
     return out
+
+
+def measure_fp8_graph(ctx: BenchContext, buf: EPBuffer, call: Callable[[bool], Any], work: Any,
+                      details: dict) -> Measurement:
+    """GRAPH_FP8: call(sync=False) captured once, replayed; its rows and scales bitwise the eager call's."""
+    def build() -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
+        r, h = call(True)
+        call(False)   # compiles the graph-mode variant outside the capture
+        torch.cuda.synchronize(ctx.device)
+        return capture_graph(lambda: call(False)), (r, h.recv_scales)
+
+    def replay_matches(graph: Any, result: Any, want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        graph.replay()
+        r, h = result
+        n = want[0].shape[0]
+        return (int(h.expert_offsets[-1]) == n and torch.equal(r[:n], want[0])
+                and torch.equal(h.recv_scales[:n], want[1]))
+
+    try:
+        (graph, result), want = guarded(ctx, f"{GRAPH_FP8} capture", build, buf)
+        ok = all_ranks(ctx, bool(guarded(ctx, f"{GRAPH_FP8} (check)", lambda: replay_matches(graph, result, want),
+                                         buf)))
+    except StageFailed as exc:
+        return Measurement(GRAPH_FP8, None, work, "", False, error=str(exc))
+    text = "ok: bitwise == eager" if ok else "FAIL: differs from the eager call"
+    return ctx.measure(GRAPH_FP8, graph.replay, work, text, ok, buf, details)
 
 
 @contextmanager
@@ -378,11 +412,14 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         eager["token_major"] = tok
         r3, h3 = buf.dispatch(x, idx, w, sync=False)
         eager["expert_rank"] = buf.combine(r3, h3, topk_sum="expert_rank")
+        eager["expert_rank_fp32"] = buf.combine(r3, h3, topk_sum="expert_rank", partial_dtype=torch.float32)
         buf.dispatch(x, idx, w, sync=False, layout="token_major")   # compiles the graph-mode variant
         torch.cuda.synchronize(ctx.device)
         graphs["graph: dispatch token_major"] = capture_graph(
             lambda: buf.dispatch(x, idx, w, sync=False, layout="token_major"))
         graphs["graph: combine expert_rank"] = capture_graph(lambda: buf.combine(recv_g, h_g, topk_sum="expert_rank"))
+        graphs["graph: combine expert_rank fp32"] = capture_graph(
+            lambda: buf.combine(recv_g, h_g, topk_sum="expert_rank", partial_dtype=torch.float32))
 
     def dispatched(out: Any, want: torch.Tensor) -> bool:
         recv, handle = out
@@ -406,6 +443,8 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         "graph: dispatch token_major": ("dispatch", bitwise, lambda out: torch.equal(
             out[0][:eager["token_major"].shape[0]], eager["token_major"])),
         "graph: combine expert_rank": ("combine", bitwise, lambda out: torch.equal(out, eager["expert_rank"])),
+        "graph: combine expert_rank fp32": ("combine", bitwise,
+                                            lambda out: torch.equal(out, eager["expert_rank_fp32"])),
     }
     try:
         guarded(ctx, "graph capture", build, buf)
@@ -416,7 +455,7 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         for name in GRAPHS:
             kind, texts, passes = checks[name]
             work, details = case.work(ctx, kind) if kind else (None, {})
-            if name in ("graph: combine", "graph: combine expert_rank") and not done["graph: dispatch"].ok:
+            if name.startswith("graph: combine") and "0 tokens" not in name and not done["graph: dispatch"].ok:
                 # The combine graph reads the dispatch graph's outputs: only valid after a good replay.
                 done[name] = Measurement(name, work=work, ok=False,
                                          error="not run: the dispatch graph it reads from failed")
@@ -454,13 +493,15 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
         if "eager" in modes:
             out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
             if fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options):
-                out += measure_fp8(ctx, case, tokens)
+                out += measure_fp8(ctx, case, tokens, graph="graph" in modes and ctx.on_cuda)
             out += measure_combine(ctx, case)[0]
             if ctx.on_cuda:
                 out += measure_deepep(ctx, case.inp, ctx.shape.experts, ctx.shape.hidden,
                                       {k: case.work(ctx, k) for k in ("dispatch", "combine")})
         if "graph" in modes and ctx.on_cuda:
             out += measure_graphs(ctx, case)
+            if "eager" not in modes and fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options):
+                out += measure_fp8(ctx, case, tokens, eager=False, graph=True)
         out += floor_rows(ctx, [tokens] * ctx.world, case.inp.tokens_sent, case.inp.pairs_sent,
                           lambda kind: case.work(ctx, kind),
                           fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options))
@@ -502,7 +543,8 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
         ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
                  Impl("graph: combine, 0 tokens"), Impl("graph: dispatch token_major", against=d),
-                 Impl("graph: combine expert_rank", against=c)]
+                 Impl("graph: combine expert_rank", against=c), Impl("graph: combine expert_rank fp32", against=c),
+                 *((Impl(GRAPH_FP8, against=d),) if fp8_applies(req.shape.hidden, req.dtype, on_gpu, options) else ())]
     # each mode also against its floor (ep_floors: the bytes it must move at the measured bandwidths)
     fp8 = fp8_applies(req.shape.hidden, req.dtype, on_gpu, options)
     ours = [replace(i, against=(*i.against, f)) if i.against and (f := floor_of(i.name, fp8)) else i

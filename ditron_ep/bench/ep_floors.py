@@ -79,7 +79,9 @@ def floor_of(row: str, fp8: bool = True) -> str | None:
     base = row.removeprefix("graph: ")
     base = {"dispatch": "EPBuffer.dispatch", "combine": "EPBuffer.combine",
             "dispatch token_major": "EPBuffer.dispatch token_major",
-            "combine expert_rank": "EPBuffer.combine expert_rank"}.get(base, base) if row.startswith("graph: ") else base
+            "combine expert_rank": "EPBuffer.combine expert_rank",
+            "combine expert_rank fp32": "EPBuffer.combine expert_rank fp32",
+            "dispatch fp8": "EPBuffer.dispatch fp8"}.get(base, base) if row.startswith("graph: ") else base
     return next((m.row for m in floor_modes(fp8) if m.of == base), None)
 
 

@@ -34,6 +34,8 @@ def test_each_timed_row_has_its_modes_floor():
     assert floor_of("EPBuffer.dispatch") == "floor: dispatch"
     assert floor_of("graph: dispatch token_major") == "floor: dispatch token_major"
     assert floor_of("graph: combine expert_rank") == "floor: combine expert_rank"
+    assert floor_of("graph: combine expert_rank fp32") == "floor: combine expert_rank fp32"
+    assert floor_of("graph: dispatch fp8") == "floor: dispatch fp8"
     assert floor_of("EPBuffer.dispatch fp8", fp8=False) is None
     assert floor_of("layout") is None
 
