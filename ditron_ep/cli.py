@@ -160,7 +160,9 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                     "wgrad) at a layer's per-rank shape on this process's GPU, and record the fastest in the tuner "
                     "cache ($DITRON_TUNE_CACHE, default ~/.cache/ditron_ep/tuned_gemms.json; --cache). "
                     "grouped_mlp(path='auto'), the staged schedule and every backward then use them on machines "
-                    "that read the same file (docs/gemm.md). One entry per token count: rows = T * topk.")
+                    "that read the same file (docs/gemm.md). One entry per token count: rows = T * topk. "
+                    "--tp-gemm: the TP ops' dense GEMM tiles instead; --ep (under torchrun): the EP copy "
+                    "kernels' tiling at an SM budget.")
     tune.add_argument("--tokens", type=_positive_int, nargs="+", default=[4096], metavar="T",
                       help="tokens per rank, one entry each (default 4096)")
     tune.add_argument("--hidden", type=_positive_int, default=7168, metavar="H")
@@ -175,6 +177,12 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
                       help="instead: the tensor-parallel ops' dense GEMM [M, K] @ [K, N] at each shape (M: the rows "
                            "of the product, W*M per rank for AllGather+GEMM and GEMM+ReduceScatter); only tiles whose "
                            "output is bitwise the shape rule's are kept")
+    tune.add_argument("--ep", action="store_true",
+                      help="instead: the EP dispatch/combine copy tiling (rows per chunk, columns per step, warps) "
+                           "of an EPBuffer of --tokens, --hidden, --experts, --topk at --num-programs, on every rank "
+                           "of a torchrun job together (its world size is the key's)")
+    tune.add_argument("--num-programs", type=_positive_int, default=None, metavar="P",
+                      help="--ep: the SM budget of the copy kernels (default: every SM)")
     tune.add_argument("--reps", type=_positive_int, default=10, help="timed calls per candidate (median)")
     tune.add_argument("--cache", type=Path, default=None, metavar="PATH", help="the cache file to write")
     bench = sub.add_parser(
@@ -826,9 +834,34 @@ def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["R
     return exit_status(rows)
 
 
+def _tune_ep(args: argparse.Namespace, cache, console) -> int:
+    """`tune --ep`: tuner.tune_ep_copy at each --tokens on the ranks torchrun launched (NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    from ditron_ep.compiler import tuner
+
+    if not _under_torchrun():
+        raise DitronConfigError("tune --ep times dispatch and combine across the job's ranks: launch it with "
+                                "torchrun --nproc-per-node <GPUs> -m ditron_ep tune --ep ...")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    with _process_group("torch"):
+        rank = dist.get_rank()
+        say = (lambda line: console.print(f"  {escape(line)}", highlight=False)) if rank == 0 else None
+        for t in args.tokens:
+            chosen = tuner.tune_ep_copy(None, args.experts, args.hidden, t, args.topk, dtype,
+                                        num_programs=args.num_programs, reps=args.reps, cache=cache, log=say)
+            if rank == 0:
+                console.print(f"EP copy T={t} (W={dist.get_world_size()}, programs "
+                              f"{args.num_programs or 'all'}): {chosen}", highlight=False)
+    if rank == 0:
+        console.print(f"wrote {(cache or tuner.TuneCache()).path} (on every rank)", highlight=False)
+    return EXIT_OK
+
+
 def cmd_tune(args: argparse.Namespace) -> int:
     """`tune`: tuner.tune_grouped_mlp at each token count (or tune_tp_gemm at each --tp-gemm shape) on this
-    process's GPU."""
+    process's GPU; --ep: tuner.tune_ep_copy on the torchrun job's ranks."""
     import torch
 
     if not torch.cuda.is_available():
@@ -842,6 +875,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_activation(args.activation)
     console = _console()
     cache = tuner.TuneCache(args.cache) if args.cache is not None else None
+    if args.ep:
+        return _tune_ep(args, cache, console)
     if args.tp_gemm:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         for m, k, n in args.tp_gemm:

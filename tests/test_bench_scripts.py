@@ -113,7 +113,7 @@ def test_moe_timeline_variants() -> None:
 
 def test_options_parse_with_defaults() -> None:
     dc = BENCHMARKS["dispatch_combine"]
-    assert dc.parse_options(()) == {"mode": ("eager", "graph"), "num_programs": None, "block_rows": 16,
+    assert dc.parse_options(()) == {"mode": ("eager", "graph"), "num_programs": None, "block_rows": None,
                                     "block_hidden": None, "hidden_slices": None, "graph_cache": 4,
                                     "check_errors": True, "buffer_tokens": None, "heap": "torch",
                                     "transport": "pointer"}

@@ -75,7 +75,7 @@ WORK_RULE = ("bytes = tokens each rank receives from other ranks (one copy per (
 
 EP_OPTIONS = (
     Option("num_programs", "programs (SMs) of every EP kernel (default: all SMs)", positive_int),
-    Option("block_rows", "EPBuffer block_rows: tokens per chunk", positive_int, 16),
+    Option("block_rows", "EPBuffer block_rows: tokens per chunk (default: the tuner's entry, else 16)", positive_int),
     Option("block_hidden", "EPBuffer block_hidden: columns per copy step (default: the buffer's)", positive_int),
     Option("hidden_slices", "EPBuffer hidden_slices: column slices per chunk (default: the buffer's)",
            positive_int),
@@ -138,7 +138,7 @@ def make_buffer(ctx: BenchContext, tokens: int, dispatch_dtype: torch.dtype | No
     """The EPBuffer of one config, from the request's shape and the EP options."""
     s, o = ctx.shape, ctx.options
     return EPBuffer(ctx.group, s.experts, s.hidden, o.get("buffer_tokens") or tokens, s.topk, ctx.dtype,
-                    num_programs=o.get("num_programs"), block_rows=o.get("block_rows", 16),
+                    num_programs=o.get("num_programs"), block_rows=o.get("block_rows"),
                     block_hidden=o.get("block_hidden"), hidden_slices=o.get("hidden_slices"),
                     check_errors=o.get("check_errors", True), graph_cache=o.get("graph_cache", 4),
                     dispatch_dtype=dispatch_dtype, backend=o.get("heap", "torch") if ctx.on_cuda else "auto",

@@ -18,6 +18,12 @@ column width, warps and stages vary, and a candidate is kept only if its output 
 to the shape rule's tile (`tp_plan.sequential_tile`), whose rows per tile (the all-gather's chunk)
 and K step (each output element's summation order) it keeps.
 
+The EP copy kernels (dispatch and combine) are searched by `tune_ep_copy` (op "ep_copy", shape
+(tokens bucket, H, K, programs), the job's world size): rows per chunk, columns per copy step and
+warps (`EPCopyConfig`), on every rank together (the slowest rank's time decides, so every rank
+chooses alike); none changes a result bit (checked). `EPBuffer` takes the entry when its caller
+leaves all three unset and every rank found the same one.
+
 Shape buckets: rows rounded up to a power of two (>= 128: the row count moves with routing, the
 best tile does not move within a factor of two); H, I and the expert count exact (the weights).
 """
@@ -27,6 +33,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -37,10 +44,10 @@ import torch
 
 from ditron_ep.compiler.core_config import EXPERT_GEMMS, GemmTileConfig, default_expert_configs
 
-__all__ = ["CACHE_ENV", "CACHE_VERSION", "KERNELS", "TP_GEMM_OP", "TuneCache", "TuneKey", "choice_text",
-           "default_cache_path", "describe_choices", "hopper_candidates", "mlp_key", "parse_choice", "planned_expert_gemms",
-           "rows_bucket", "tp_gemm_candidates", "tp_gemm_key", "tune_grouped_mlp", "tune_tp_gemm", "tuned_choices",
-           "tuned_tp_tile"]
+__all__ = ["CACHE_ENV", "CACHE_VERSION", "EP_COPY_OP", "EPCopyConfig", "KERNELS", "TP_GEMM_OP", "TuneCache", "TuneKey",
+           "choice_text", "default_cache_path", "describe_choices", "ep_copy_key", "hopper_candidates", "mlp_key",
+           "parse_choice", "planned_expert_gemms", "rows_bucket", "tp_gemm_candidates", "tp_gemm_key", "tune_ep_copy",
+           "tune_grouped_mlp", "tune_tp_gemm", "tuned_choices", "tuned_ep_copy", "tuned_tp_tile"]
 
 CACHE_ENV = "DITRON_TUNE_CACHE"
 CACHE_VERSION = 2  # 2: rows buckets are the nearest power of two (1: the next one up)
@@ -168,10 +175,23 @@ class TuneCache:
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"{self.path}: entry {key.text()!r} is malformed ({exc}); delete it or re-tune") from None
 
+    def get_text(self, key: TuneKey) -> dict[str, str] | None:
+        """The raw choice strings of `key` (kernel -> text), or None (a miss)."""
+        entry = self.entries().get(key.text())
+        if entry is None:
+            return None
+        if not isinstance(entry, dict) or not isinstance(entry.get("choices"), dict):
+            raise ValueError(f"{self.path}: entry {key.text()!r} is malformed; delete it or re-tune")
+        return dict(entry["choices"])
+
     def put(self, key: TuneKey, choices: dict[str, Choice], ms: dict[str, float] | None = None) -> None:
         """Record `choices` for `key` and write the file."""
+        self.put_text(key, {k: choice_text(v) for k, v in choices.items()}, ms)
+
+    def put_text(self, key: TuneKey, choices: dict[str, str], ms: dict[str, float] | None = None) -> None:
+        """Record raw choice strings (kernel -> text) for `key` and write the file."""
         entries = dict(self.entries())
-        entries[key.text()] = {"choices": {k: choice_text(v) for k, v in choices.items()},
+        entries[key.text()] = {"choices": dict(choices),
                                "ms": {k: round(v, 5) for k, v in (ms or {}).items()},
                                "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -410,3 +430,166 @@ def tune_tp_gemm(rows: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16,
     (cache or _cache()).put(tp_gemm_key(dtype, dev, rows=rows, k=k, n=n), {"gemm": ("portable", best[1])},
                             {"gemm": best[0]})
     return best[1]
+
+
+# ---------------------------------------------------------------- the EP copy kernels
+EP_COPY_OP = "ep_copy"
+
+
+@dataclasses.dataclass(frozen=True)
+class EPCopyConfig:
+    """The EP copy kernels' tiling: tokens per signalled chunk, columns per copy step, warps."""
+
+    block_rows: int
+    block_hidden: int
+    num_warps: int
+
+    def __str__(self) -> str:
+        return f"rows{self.block_rows}-cols{self.block_hidden}-w{self.num_warps}"
+
+    @classmethod
+    def parse(cls, text: str) -> EPCopyConfig:
+        m = re.fullmatch(r"rows(\d+)-cols(\d+)-w(\d+)", text.strip())
+        if m is None:
+            raise ValueError(f"EP copy config {text!r}: expected rows<R>-cols<C>-w<warps>, e.g. rows16-cols1024-w16")
+        return cls(*(int(g) for g in m.groups()))
+
+    def word(self) -> int:
+        """One int for the ranks' agreement (0 stands for "none"): log2 sizes and warps."""
+        return self.block_rows.bit_length() | self.block_hidden.bit_length() << 5 | self.num_warps.bit_length() << 10
+
+
+def ep_copy_key(dtype: torch.dtype, device_name: str, *, max_tokens: int, hidden: int, topk: int, world_size: int,
+                num_programs: int) -> TuneKey:
+    """The key of the EP copy kernels for a buffer of this shape, SM budget and job size."""
+    return TuneKey(EP_COPY_OP, (rows_bucket(max_tokens), hidden, topk, num_programs),
+                   str(dtype).removeprefix("torch."), world_size, device_name)
+
+
+def tuned_ep_copy(key: TuneKey, cache: TuneCache | None = None) -> EPCopyConfig | None:
+    """The tuned EP copy config of `key`, or None (a miss: EPBuffer's defaults apply)."""
+    got = (cache or _cache()).get_text(key)
+    if not got or "copy" not in got:
+        return None
+    try:
+        return EPCopyConfig.parse(got["copy"])
+    except ValueError as exc:
+        raise ValueError(f"{(cache or _cache()).path}: entry {key.text()!r}: {exc}; delete it or re-tune") from None
+
+
+# rows per chunk, columns per step and warps around the defaults (16, 2,048 bytes, 16 warps on
+# NVIDIA): at 24 of 132 SMs, 32 rows and 16 warps took the dispatch 801 -> 686 µs on 2xH200
+# (bench/results/ep_sm_budget_graph_H200x2_20261128_s29.log)
+EP_COPY_CANDIDATES = tuple(EPCopyConfig(r, h, w) for r in (16, 32) for w in (8, 16) for h in (512, 1024, 2048))
+
+
+def tune_ep_copy(group, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype = torch.bfloat16,
+                 *, num_programs: int | None = None, candidates: tuple[EPCopyConfig, ...] | None = None,
+                 reps: int = 10, cache: TuneCache | None = None,
+                 log: Callable[[str], None] | None = None) -> EPCopyConfig:
+    """Collective (every rank of `group`): search the EP copy config of a buffer of this shape on
+    this machine and record the fastest in every rank's cache; returns it (the same on every rank).
+
+    Each candidate builds an EPBuffer and runs a round of dispatch, exact combine and rank-reduced
+    combine on uniform top-k routing; a candidate whose received rows or outputs differ from the
+    first candidate's (bit for bit, on any rank) or that fails on any rank is skipped. Timed: the
+    round as CUDA-graph replays on GPUs (no host time: the configs differ in the kernels only),
+    else as eager calls; each rank's median, the slowest rank's decides."""
+    import torch.distributed as dist
+
+    from ditron_ep.ops.ep.buffer import EPBuffer
+
+    cands = list(candidates or EP_COPY_CANDIDATES)
+    rank = dist.get_rank(group)
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+    def slowest(value: float) -> float:  # every rank's value, the largest (collective)
+        t = torch.tensor([value], dtype=torch.float64, device=on)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.item()
+
+    ref: list[torch.Tensor] | None = None
+    best: tuple[float, EPCopyConfig] | None = None
+    key = None
+    for cfg in cands:
+        buf = None
+        same = False
+        try:  # EPBuffer raises alike on every rank (its agreement); a kernel fails alike too
+            buf = EPBuffer(group, num_experts, hidden, max_tokens, topk, dtype, num_programs=num_programs,
+                           block_rows=cfg.block_rows, block_hidden=cfg.block_hidden, num_warps=cfg.num_warps,
+                           graph_cache=0)
+            gen = torch.Generator().manual_seed(1234 + rank)
+            x = torch.randn(max_tokens, hidden, generator=gen).to(dtype).to(buf.device)
+            w, idx = torch.rand(max_tokens, num_experts, generator=gen).topk(topk, dim=1)
+            idx, w = idx.to(buf.device), (w / w.sum(1, keepdim=True)).to(buf.device)
+            r, h = buf.dispatch(x, idx, w)
+            got = [r, buf.combine(r, h, w), buf.combine(r, h, topk_sum="expert_rank")]
+            same = ref is None or all(torch.equal(a, b) for a, b in zip(got, ref))
+        except Exception as exc:  # noqa: BLE001 - a candidate that fails is skipped, not fatal
+            if log:
+                log(f"{cfg}: failed on rank {rank} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})")
+        good = slowest(0.0 if same else 1.0) == 0.0   # every rank checked it (the ranks time together)
+        ms = slowest(_ep_round_ms(buf, x, idx, w, reps, group)) if good else float("inf")
+        if good and ref is None:
+            ref = [t.clone() for t in got]
+        if good and key is None:
+            key = ep_copy_key(dtype, _key_device(buf.device), max_tokens=max_tokens, hidden=hidden, topk=topk,
+                              world_size=dist.get_world_size(group), num_programs=buf.num_programs)
+        if buf is not None and not buf.freed:
+            buf.free()
+        if log:
+            log(f"{cfg}: {ms:.4f} ms" if good else f"{cfg}: skipped (its bits differ from the first candidate's, "
+                                                   f"or it failed)")
+        if good and (best is None or ms < best[0]):
+            best = (ms, cfg)
+    if best is None or key is None:
+        raise ValueError("tune_ep_copy: every candidate failed or differed; nothing recorded")
+    (cache or _cache()).put_text(key, {"copy": str(best[1])}, {"copy": best[0]})
+    return best[1]
+
+
+def _key_device(device: torch.device) -> str:
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else device.type
+
+
+def _ep_round_ms(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reps: int, group) -> float:
+    """This rank's median ms of a dispatch + exact combine + rank-reduced combine round (the
+    caller takes the slowest rank's): CUDA-graph replays on GPUs, eager calls elsewhere."""
+    import statistics as stats
+
+    import torch.distributed as dist
+
+    def graph_round():
+        r, h = buf.dispatch(x, idx, w, sync=False)
+        buf.combine(r, h, w)
+        buf.combine(r, h, topk_sum="expert_rank")
+
+    times = []
+    if buf.device.type == "cuda":
+        graph_round()  # compiles the graph-mode variants outside the capture
+        torch.cuda.synchronize(buf.device)
+        dist.barrier(group)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graph_round()
+        for _ in range(reps):
+            dist.barrier(group)
+            torch.cuda.synchronize(buf.device)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        del graph
+    else:
+        for _ in range(reps):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            r, h = buf.dispatch(x, idx, w)
+            buf.combine(r, h, w)
+            buf.combine(r, h, topk_sum="expert_rank")
+            times.append((time.perf_counter() - t0) * 1e3)
+    return stats.median(times)

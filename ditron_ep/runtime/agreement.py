@@ -54,10 +54,11 @@ def require_member(group: dist.ProcessGroup | None, what: str) -> None:
 
 
 def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object] | None = None,
-          value: int = 0) -> int:
+          value: int = 0, every_value: bool = False) -> int | list[int]:
     """Collective (every rank of `group`): raise DitronConfigError on every rank if any rank has
     a `problem` (naming the ranks when only some have one), or if `same` (name -> value) differs
-    between ranks (naming each rank's); else return the largest `value` over the ranks."""
+    between ranks (naming each rank's); else return the largest `value` over the ranks (with
+    every_value, every rank's, in rank order)."""
     require_member(group, what)
     posts: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(posts, (problem, same, value), group=group)
@@ -70,7 +71,7 @@ def agree(group: dist.ProcessGroup | None, what: str, problem: str | None, same:
     differ = differing(dict(enumerate(s for _, s, _ in posts)))
     if differ:
         raise DitronConfigError(f"{what}: every rank must pass the same {differ}")
-    return max(v for _, _, v in posts)
+    return [v for _, _, v in posts] if every_value else max(v for _, _, v in posts)
 
 
 def agree_words(group: dist.ProcessGroup | None, what: str, problem: str | None, same: dict[str, object],

@@ -1073,3 +1073,38 @@ def test_token_major_dispatch(dist_env, buf_a):
     except Exception as err:  # recorded: every rank takes the same path
         problems.append(f"{type(err).__name__}: {err}")
     assert not problems, f"rank {rank}:\n" + _fail(problems)
+
+
+def test_tuned_copy_tiling_on_gpus(dist_env):
+    """tune_ep_copy on CUDA ranks (CUDA-graph timing; two candidates, one shared cache file):
+    one choice on every rank, and an EPBuffer with the tiling unset takes it, with the default
+    buffer's bits."""
+    from ditron_ep.compiler import tuner
+
+    rank, dev = dist.get_rank(), torch.device("cuda", torch.cuda.current_device())
+    E, H, T, K = 16, 1024, 256, 4
+    path = f"/tmp/ditron_ep_copy_tune_{os.getppid()}.json"  # torchrun's agent: the same on every rank
+    cands = (tuner.EPCopyConfig(16, 1024, 16), tuner.EPCopyConfig(32, 512, 8))
+    chosen = tuner.tune_ep_copy(None, E, H, T, K, torch.bfloat16, candidates=cands, reps=3, cache=tuner.TuneCache(path))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, str(chosen))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(dev)
+    w = torch.rand(T, K, generator=g).to(dev)
+    outs = {}
+    for name, kw in (("default", {"block_rows": 16}), ("tuned", {})):
+        os.environ[tuner.CACHE_ENV] = path
+        try:
+            buf = EPBuffer(None, E, H, T, K, torch.bfloat16, **kw)
+            r, h = buf.dispatch(x, idx, w)
+            outs[name] = (r, buf.combine(r, h, w), buf.tuned_copy)
+            buf.free()
+        finally:
+            os.environ.pop(tuner.CACHE_ENV, None)
+    dist.barrier()
+    if rank == 0:
+        os.remove(path)
+    assert len(set(every)) == 1, every
+    assert outs["tuned"][2] == chosen and outs["default"][2] is None, (outs["tuned"][2], chosen)
+    assert torch.equal(outs["tuned"][0], outs["default"][0]) and torch.equal(outs["tuned"][1], outs["default"][1])

@@ -145,8 +145,8 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
         return f"dispatch_dtype must be None (the buffer's dtype) or {FP8} (FP8 dispatch), got {dispatch_dtype!r}"
     if dispatch_dtype == FP8 and hidden % SCALE_COLS:
         return f"FP8 dispatch needs hidden to be a multiple of {SCALE_COLS} (one scale per {SCALE_COLS} columns), got {hidden}"
-    if not is_positive_int(block_rows) or block_rows & (block_rows - 1):
-        return f"block_rows must be a power of two, got {block_rows!r}"
+    if block_rows is not None and (not is_positive_int(block_rows) or block_rows & (block_rows - 1)):
+        return f"block_rows must be a power of two (or None), got {block_rows!r}"
     # tile widths reach tl.arange, which takes powers of two only
     if block_hidden is not None and (not is_positive_int(block_hidden) or block_hidden & (block_hidden - 1)
                                      or block_hidden < 16):
@@ -162,6 +162,18 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
     return None
 
 
+def _tuned_copy(group, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
+                num_programs: int | None):
+    """This rank's tuner-cache entry for the copy tiling of such a buffer (tuner.tuned_ep_copy), or None."""
+    from ditron_ep.compiler.tuner import _key_device, ep_copy_key, tuned_ep_copy
+
+    on_gpu = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    programs = num_programs or (torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2)
+    return tuned_ep_copy(ep_copy_key(dtype, _key_device(device), max_tokens=max_tokens, hidden=hidden, topk=topk,
+                                     world_size=world, num_programs=programs))
+
+
 class EPBuffer:
     """Expert-parallel dispatch and combine over a symmetric heap.
 
@@ -174,7 +186,10 @@ class EPBuffer:
         dtype: token dtype (bf16, fp16 or fp32).
         num_programs: programs (SMs) dispatch/combine occupy; default: every SM on GPU, 2 on CPU.
         block_rows / block_hidden / num_warps: copy tile shape (rows per signalled chunk, columns
-            per step) and warps per program.
+            per step) and warps per program. All three unset: the tuner's entry for this shape and
+            num_programs when every rank's cache has the same one (`python -m ditron_ep tune --ep`,
+            compiler/tuner.py; `tuned_copy` says which), else 16 rows, 2,048 bytes of columns
+            and 16 warps on NVIDIA (8 on AMD, 4 on the CPU). Bits never depend on them.
         hidden_slices: column slices a chunk's copy is split into (one task each); default: enough
             for ~128 tasks when max_tokens_per_rank is small, else 1. Must match on every rank.
         check_errors: in the default (synchronising) mode, read the device error slot after each
@@ -206,7 +221,7 @@ class EPBuffer:
 
     def __init__(self, group: dist.ProcessGroup | None, num_experts: int, hidden: int,
                  max_tokens_per_rank: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
-                 backend: str = "auto", num_programs: int | None = None, block_rows: int = 16,
+                 backend: str = "auto", num_programs: int | None = None, block_rows: int | None = None,
                  block_hidden: int | None = None, num_warps: int | None = None,
                  hidden_slices: int | None = None, wait_budget: int | None = None,
                  check_errors: bool = True, graph_cache: int = 4, dispatch_dtype: torch.dtype | None = None,
@@ -214,14 +229,28 @@ class EPBuffer:
         if not dist.is_initialized():
             raise DitronConfigError("EPBuffer needs torch.distributed initialised (init_process_group first)")
         world = dist.get_world_size(group)
+        problem = _argument_problem(
+            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
+            hidden_slices, num_programs, graph_cache, dispatch_dtype, transport, backend)
+        # The copy tiling left unset: the tuner's (compiler/tuner.py, tune_ep_copy) when this
+        # rank's cache has an entry for the buffer; taken only if every rank found the same one.
+        tuned = None
+        if problem is None and block_rows is None and block_hidden is None and num_warps is None:
+            try:
+                tuned = _tuned_copy(group, world, num_experts, hidden, max_tokens_per_rank, topk,
+                                    dispatch_dtype or dtype, num_programs)
+            except ValueError as err:  # a malformed cache file: every rank raises below
+                problem = str(err)
         # Every rank learns every rank's verdict before any heap collective: a rank that raised
         # alone would leave the others waiting in the heap's set-up.
-        agree(group, "EPBuffer", _argument_problem(
-            world, num_experts, hidden, max_tokens_per_rank, topk, dtype, block_rows, block_hidden, num_warps,
-            hidden_slices, num_programs, graph_cache, dispatch_dtype, transport, backend), same={
-                "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
-                "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype,
-                "transport": transport})
+        words = agree(group, "EPBuffer", problem, same={
+            "num_experts": num_experts, "hidden": hidden, "max_tokens_per_rank": max_tokens_per_rank,
+            "topk": topk, "dtype": dtype, "block_rows": block_rows, "dispatch_dtype": dispatch_dtype or dtype,
+            "transport": transport}, value=tuned.word() if tuned else 0, every_value=True)
+        self.tuned_copy = tuned if tuned is not None and len(set(words)) == 1 else None
+        if self.tuned_copy is not None:
+            block_rows, block_hidden, num_warps = (tuned.block_rows, tuned.block_hidden, tuned.num_warps)
+        block_rows = block_rows or 16
         self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype

@@ -953,3 +953,39 @@ def token_major_training_case(tokens: list[int], H: int, I: int, E: int, K: int,
     report["rel_errs"] = errs
     buf.free()
     return report
+
+
+def ep_copy_tuner_case(folder: str) -> dict:
+    """tune_ep_copy on every rank (each its own cache file), then EPBuffers built with the copy
+    tiling unset: the tuned entry when every rank's cache has it, the defaults when one rank's
+    cache misses (rank 1 pointed at an empty file)."""
+    import os
+
+    from ditron_ep.compiler import tuner
+
+    rank = dist.get_rank()
+    E, H, T, K = 4, 32, 12, 2
+    mine = os.path.join(folder, f"rank{rank}.json")
+    cands = (tuner.EPCopyConfig(16, 32, 4), tuner.EPCopyConfig(8, 16, 4), tuner.EPCopyConfig(4, 16, 2))
+    lines: list[str] = []
+    chosen = tuner.tune_ep_copy(None, E, H, T, K, torch.float32, candidates=cands, reps=2, cache=tuner.TuneCache(mine),
+                                log=lines.append)
+    out = {"chosen": str(chosen), "timed": sum(" ms" in line for line in lines)}
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=g)
+    rows = {}
+    for case, path in (("every rank", mine), ("rank 1 misses", os.path.join(folder, "empty.json") if rank else mine)):
+        os.environ["DITRON_TUNE_CACHE"] = path
+        try:
+            buf = EPBuffer(None, E, H, T, K, torch.float32)
+            out[case] = (str(buf.tuned_copy) if buf.tuned_copy else None, buf.block_rows, buf.block_hidden,
+                         buf.num_warps)
+            r, h = buf.dispatch(x, idx, w)
+            rows[case] = (r, buf.combine(r, h, w))
+            buf.free()
+        finally:
+            os.environ.pop("DITRON_TUNE_CACHE", None)
+    out["same bits"] = all(torch.equal(a, b) for a, b in zip(rows["every rank"], rows["rank 1 misses"]))
+    return out

@@ -324,3 +324,17 @@ def test_token_major_training_step(emulated_cluster):
         assert rep["graph_bitwise"], f"rank {rank}: the graph-mode (sync=False) step differs"
         for name, err in rep["rel_errs"]:
             assert err <= 1e-5, f"rank {rank}: {name} off the float64 oracle by {err:.2e} (relative)"
+
+
+def test_tuned_copy_tiling_is_used_only_when_every_rank_has_it(emulated_cluster, tmp_path):
+    """tune_ep_copy times every candidate on every rank together and records one choice everywhere;
+    an EPBuffer with its copy tiling unset takes that entry only when every rank's cache has the
+    same one (else every rank keeps the defaults); the bits are the same either way."""
+    reps = emulated_cluster(2).run(fns.ep_copy_tuner_case, str(tmp_path))
+    assert len({rep["chosen"] for rep in reps}) == 1, reps   # the slowest rank's times decide, alike everywhere
+    for rep in reps:
+        assert rep["timed"] == 3, rep
+        chosen = [int(v) for v in rep["chosen"].replace("rows", "").replace("cols", "").replace("w", "").split("-")]
+        assert rep["every rank"] == (rep["chosen"], *chosen), rep
+        assert rep["rank 1 misses"] == (None, 16, 32, 4), rep   # the CPU defaults (H=32: 32 columns)
+        assert rep["same bits"], rep
