@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import os
 import re
@@ -572,8 +573,12 @@ def _ep_round_ms(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reps:
         torch.cuda.synchronize(buf.device)
         dist.barrier(group)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_round()
+        gc.disable()  # a symmetric arena freed by a collection during capture would synchronise the device
+        try:
+            with torch.cuda.graph(graph):
+                graph_round()
+        finally:
+            gc.enable()
         for _ in range(reps):
             dist.barrier(group)
             torch.cuda.synchronize(buf.device)
