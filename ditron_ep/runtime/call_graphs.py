@@ -26,7 +26,6 @@ from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
 import torch
 
-from ditron_ep.compiler.plan import is_nonnegative_int
 from ditron_ep.runtime.errors import DitronError
 
 __all__ = ["CallGraphCache", "capturing", "graph_capture"]
@@ -50,7 +49,8 @@ class CallGraphCache(Generic[Captured]):
     """
 
     def __init__(self, capacity: int) -> None:
-        if not is_nonnegative_int(capacity):
+        # (not compiler.plan's is_nonnegative_int: the agreement imports this module, and the plan the runtime)
+        if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 0):
             raise ValueError(f"graph cache capacity must be an int >= 0 (0 disables it), got {capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Captured] = OrderedDict()
