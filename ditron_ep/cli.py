@@ -834,9 +834,8 @@ def emit_bench(meta: dict, requests: Sequence["BenchRequest"], rows: Sequence["R
     return exit_status(rows)
 
 
-def _tune_ep(args: argparse.Namespace, cache, console) -> int:
+def _tune_ep(args: argparse.Namespace, dtype, cache, console) -> int:
     """`tune --ep`: tuner.tune_ep_copy at each --tokens on the ranks torchrun launched (NCCL)."""
-    import torch
     import torch.distributed as dist
 
     from ditron_ep.compiler import tuner
@@ -844,7 +843,6 @@ def _tune_ep(args: argparse.Namespace, cache, console) -> int:
     if not _under_torchrun():
         raise DitronConfigError("tune --ep times dispatch and combine across the job's ranks: launch it with "
                                 "torchrun --nproc-per-node <GPUs> -m ditron_ep tune --ep ...")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     with _process_group("torch"):
         rank = dist.get_rank()
         say = (lambda line: console.print(f"  {escape(line)}", highlight=False)) if rank == 0 else None
@@ -875,10 +873,10 @@ def cmd_tune(args: argparse.Namespace) -> int:
     check_activation(args.activation)
     console = _console()
     cache = tuner.TuneCache(args.cache) if args.cache is not None else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     if args.ep:
-        return _tune_ep(args, cache, console)
+        return _tune_ep(args, dtype, cache, console)
     if args.tp_gemm:
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         for m, k, n in args.tp_gemm:
             chosen = tuner.tune_tp_gemm(m, k, n, dtype, reps=args.reps, cache=cache,
                                         log=lambda line: console.print(f"  {escape(line)}", highlight=False))
@@ -886,7 +884,6 @@ def cmd_tune(args: argparse.Namespace) -> int:
         console.print(f"wrote {(cache or tuner.TuneCache()).path}", highlight=False)
         return EXIT_OK
     dev = torch.device("cuda", torch.cuda.current_device())
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     e_local = args.experts // args.world_size
     width = width_factor(args.activation) * args.inter
     gen = torch.Generator(device=dev).manual_seed(0)

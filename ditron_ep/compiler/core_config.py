@@ -23,7 +23,7 @@ import re
 
 import torch
 
-__all__ = ["DEVICE_TYPES", "EXPERT_GEMMS", "GemmTileConfig", "default_backward_configs", "default_expert_configs",
+__all__ = ["DEVICE_TYPES", "device_type_of", "EXPERT_GEMMS", "GemmTileConfig", "default_backward_configs", "default_expert_configs",
            "default_gemm_configs"]
 
 # The expert MLP's GEMM kernels, each with its own (path, tile) in grouped_mlp: the first GEMM with
@@ -31,6 +31,14 @@ __all__ = ["DEVICE_TYPES", "EXPERT_GEMMS", "GemmTileConfig", "default_backward_c
 EXPERT_GEMMS = ("up", "down", "act_grad", "dgrad", "wgrad")
 
 DEVICE_TYPES = ("cpu", "cuda", "hip")
+
+
+def device_type_of(device: torch.device) -> str:
+    """The DEVICE_TYPES key of a tensor's device: "cpu" (interpreter), "cuda" (NVIDIA) or "hip"
+    (ROCm, whose devices torch also calls "cuda")."""
+    if device.type == "cpu":
+        return "cpu"
+    return "hip" if torch.version.hip else "cuda"
 
 _MIN_BLOCK = 16  # tl.dot needs every dimension >= 16
 _MAX_BLOCK = 512

@@ -109,10 +109,14 @@ def _device_name(index: int) -> str:
 def mlp_key(op: str, dtype: torch.dtype, device: torch.device, *, rows: int, hidden: int, inter: int, num_local: int,
             world_size: int | None = None) -> TuneKey:
     """The key of a grouped-MLP kernel family at this shape."""
-    name = _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else device.type
     return TuneKey(op, (rows_bucket(rows), hidden, inter, num_local), str(dtype).removeprefix("torch."),
-                   _world_size() if world_size is None else world_size, name)
+                   _world_size() if world_size is None else world_size, _key_device(device))
+
+
+def _key_device(device: torch.device) -> str:
+    """The device field of a key: the GPU's name (torch.cuda.get_device_name), else the device type."""
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else device.type
 
 
 Choice = tuple  # (path, GemmTileConfig): path "portable" or "hopper"
@@ -168,12 +172,12 @@ class TuneCache:
 
     def get(self, key: TuneKey) -> dict[str, Choice] | None:
         """The tuned choices of `key` (kernel -> (path, tile)), or None (a miss)."""
-        entry = self.entries().get(key.text())
-        if entry is None:
+        texts = self.get_text(key)
+        if texts is None:
             return None
         try:
-            return {k: parse_choice(v) for k, v in entry["choices"].items()}
-        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            return {k: parse_choice(v) for k, v in texts.items()}
+        except (TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"{self.path}: entry {key.text()!r} is malformed ({exc}); delete it or re-tune") from None
 
     def get_text(self, key: TuneKey) -> dict[str, str] | None:
@@ -353,8 +357,7 @@ TP_GEMM_OP = "tp_gemm"
 def tp_gemm_key(dtype: torch.dtype, device: torch.device, *, rows: int, k: int, n: int) -> TuneKey:
     """The key of the TP ops' dense GEMM [rows, k] @ [k, n]: world size 1 (a GEMM on one rank's
     operands; which ranks share the tile is settled where it matters, tp/functional.py)."""
-    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
-    return TuneKey(TP_GEMM_OP, (rows_bucket(rows), k, n), str(dtype).removeprefix("torch."), 1, name)
+    return TuneKey(TP_GEMM_OP, (rows_bucket(rows), k, n), str(dtype).removeprefix("torch."), 1, _key_device(device))
 
 
 def tuned_tp_tile(dtype: torch.dtype, *, rows: int, k: int, n: int,
@@ -460,22 +463,23 @@ class EPCopyConfig:
         return self.block_rows.bit_length() | self.block_hidden.bit_length() << 5 | self.num_warps.bit_length() << 10
 
 
-def ep_copy_key(dtype: torch.dtype, device_name: str, *, max_tokens: int, hidden: int, topk: int, world_size: int,
-                num_programs: int) -> TuneKey:
+def ep_copy_key(dtype: torch.dtype, device: torch.device, *, max_tokens: int, hidden: int, topk: int,
+                world_size: int, num_programs: int) -> TuneKey:
     """The key of the EP copy kernels for a buffer of this shape, SM budget and job size."""
     return TuneKey(EP_COPY_OP, (rows_bucket(max_tokens), hidden, topk, num_programs),
-                   str(dtype).removeprefix("torch."), world_size, device_name)
+                   str(dtype).removeprefix("torch."), world_size, _key_device(device))
 
 
 def tuned_ep_copy(key: TuneKey, cache: TuneCache | None = None) -> EPCopyConfig | None:
     """The tuned EP copy config of `key`, or None (a miss: EPBuffer's defaults apply)."""
-    got = (cache or _cache()).get_text(key)
+    cache = cache or _cache()
+    got = cache.get_text(key)
     if not got or "copy" not in got:
         return None
     try:
         return EPCopyConfig.parse(got["copy"])
     except ValueError as exc:
-        raise ValueError(f"{(cache or _cache()).path}: entry {key.text()!r}: {exc}; delete it or re-tune") from None
+        raise ValueError(f"{cache.path}: entry {key.text()!r}: {exc}; delete it or re-tune") from None
 
 
 # rows per chunk, columns per step and warps around the defaults (16, 2,048 bytes, 16 warps on
@@ -535,7 +539,7 @@ def tune_ep_copy(group, num_experts: int, hidden: int, max_tokens: int, topk: in
         if good and ref is None:
             ref = [t.clone() for t in got]
         if good and key is None:
-            key = ep_copy_key(dtype, _key_device(buf.device), max_tokens=max_tokens, hidden=hidden, topk=topk,
+            key = ep_copy_key(dtype, buf.device, max_tokens=max_tokens, hidden=hidden, topk=topk,
                               world_size=dist.get_world_size(group), num_programs=buf.num_programs)
         if buf is not None and not buf.freed:
             buf.free()
@@ -550,16 +554,9 @@ def tune_ep_copy(group, num_experts: int, hidden: int, max_tokens: int, topk: in
     return best[1]
 
 
-def _key_device(device: torch.device) -> str:
-    return _device_name(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else device.type
-
-
 def _ep_round_ms(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reps: int, group) -> float:
     """This rank's median ms of a dispatch + exact combine + rank-reduced combine round (the
     caller takes the slowest rank's): CUDA-graph replays on GPUs, eager calls elsewhere."""
-    import statistics as stats
-
     import torch.distributed as dist
 
     def graph_round():
@@ -597,4 +594,4 @@ def _ep_round_ms(buf, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, reps:
             buf.combine(r, h, w)
             buf.combine(r, h, topk_sum="expert_rank")
             times.append((time.perf_counter() - t0) * 1e3)
-    return stats.median(times)
+    return statistics.median(times)

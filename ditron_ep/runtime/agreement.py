@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ditron_ep.runtime import control as C
-from ditron_ep.runtime.call_graphs import capturing
+from ditron_ep.runtime.fast_launch import capturing
 from ditron_ep.runtime.errors import DitronConfigError, DitronOutOfStepError
 
 R = TypeVar("R")

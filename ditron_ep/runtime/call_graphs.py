@@ -26,16 +26,10 @@ from typing import Callable, Generic, Hashable, Iterator, TypeVar
 
 import torch
 
+from ditron_ep.compiler.plan import is_nonnegative_int
 from ditron_ep.runtime.errors import DitronError
 
-__all__ = ["CallGraphCache", "capturing", "graph_capture"]
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether this call is being captured into a CUDA graph (the current stream of a CUDA
-    `device` is capturing): host reads, allocations that must persist and first compiles cannot
-    happen now. False on the CPU."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+__all__ = ["CallGraphCache", "graph_capture"]
 
 Captured = TypeVar("Captured")
 
@@ -49,8 +43,7 @@ class CallGraphCache(Generic[Captured]):
     """
 
     def __init__(self, capacity: int) -> None:
-        # (not compiler.plan's is_nonnegative_int: the agreement imports this module, and the plan the runtime)
-        if not (isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 0):
+        if not is_nonnegative_int(capacity):
             raise ValueError(f"graph cache capacity must be an int >= 0 (0 disables it), got {capacity!r}")
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Captured] = OrderedDict()

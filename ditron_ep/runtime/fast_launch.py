@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["current_stream", "fast"]
+__all__ = ["capturing", "current_stream", "fast"]
 
 _I32_MIN, _I32_MAX, _U64_MIN = -(1 << 31), (1 << 31) - 1, 1 << 63
 
@@ -161,3 +161,10 @@ def current_stream(device_index: int | None = None) -> torch.cuda.Stream:
     if stream is None:
         stream = _STREAMS[key] = torch.cuda.current_stream(dev)
     return stream
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether this call is being captured into a CUDA graph (the current stream of a CUDA
+    `device` is capturing): host reads, allocations that must persist and first compiles cannot
+    happen now. False on the CPU."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

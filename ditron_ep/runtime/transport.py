@@ -21,6 +21,21 @@ TRANSPORTS = ("auto", "pointer", "put")
 MAX_PUT_WORLD = 31  # the per-peer mask travels as an int32 kernel argument
 
 
+def transport_problem(transport: object, backend: object, world: int) -> str | None:
+    """Why `transport` cannot serve a heap of `backend` over `world` ranks (None: it can): the
+    argument check of every op that takes a transport (EPBuffer, FusedMoE), before any heap."""
+    if transport not in TRANSPORTS:
+        return f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
+    if transport == "put":
+        if backend != "nvshmem":
+            return (f"transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem', got backend={backend!r}; "
+                    f"or use transport='pointer'")
+        if world > MAX_PUT_WORLD:
+            return (f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks (a per-peer bit mask in one "
+                    f"int32); this group has {world}. Use transport='pointer'")
+    return None
+
+
 def put_peer_mask(heap, transport: str) -> int:
     """Bit mask of the peers this rank reaches by put (0: pointers everywhere).
 

@@ -30,11 +30,11 @@ from ditron_ep.ops.ep.layout_kernels import (
 from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays, layout_arena_words
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
-from ditron_ep.runtime.call_graphs import CallGraphCache, capturing, graph_capture
+from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
-from ditron_ep.runtime.fast_launch import fast
+from ditron_ep.runtime.fast_launch import capturing, fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, kernel_signals, put_peer_mask
+from ditron_ep.runtime.transport import kernel_signals, put_peer_mask, transport_problem
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,17 +120,11 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
                       num_warps, hidden_slices, num_programs, graph_cache, dispatch_dtype=None,
                       transport="auto", backend="auto") -> str | None:
     """What is wrong with EPBuffer's arguments on this rank (None: nothing)."""
-    if transport not in TRANSPORTS:
-        return f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}"
-    if transport == "put":
-        if backend != "nvshmem":
-            return (f"transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem', got backend={backend!r}; "
-                    f"or use transport='pointer'")
-        if dispatch_dtype == FP8:
-            return "FP8 dispatch has no put transport yet; use transport='pointer' (or 'auto') with FP8 dispatch"
-        if world > MAX_PUT_WORLD:
-            return (f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks (a per-peer bit mask in one "
-                    f"int32); this group has {world}. Use transport='pointer'")
+    problem = transport_problem(transport, backend, world)
+    if problem is not None:
+        return problem
+    if transport == "put" and dispatch_dtype == FP8:
+        return "FP8 dispatch has no put transport yet; use transport='pointer' (or 'auto') with FP8 dispatch"
     for name, v in (("num_experts", num_experts), ("hidden", hidden), ("max_tokens_per_rank", max_tokens),
                     ("topk", topk)):
         if not is_positive_int(v):
@@ -162,16 +156,20 @@ def _argument_problem(world, num_experts, hidden, max_tokens, topk, dtype, block
     return None
 
 
+def default_programs(device: torch.device) -> int:
+    """The copy kernels' programs when num_programs is not given: every SM on a GPU, 2 on the CPU."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def _tuned_copy(group, world: int, num_experts: int, hidden: int, max_tokens: int, topk: int, dtype: torch.dtype,
                 num_programs: int | None):
     """This rank's tuner-cache entry for the copy tiling of such a buffer (tuner.tuned_ep_copy), or None."""
-    from ditron_ep.compiler.tuner import _key_device, ep_copy_key, tuned_ep_copy
+    from ditron_ep.compiler.tuner import ep_copy_key, tuned_ep_copy
 
     on_gpu = dist.get_backend(group) == "nccl" and torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    programs = num_programs or (torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 2)
-    return tuned_ep_copy(ep_copy_key(dtype, _key_device(device), max_tokens=max_tokens, hidden=hidden, topk=topk,
-                                     world_size=world, num_programs=programs))
+    return tuned_ep_copy(ep_copy_key(dtype, device, max_tokens=max_tokens, hidden=hidden, topk=topk,
+                                     world_size=world, num_programs=num_programs or default_programs(device)))
 
 
 class EPBuffer:
@@ -308,10 +306,7 @@ class EPBuffer:
         self._sig_dispatch = kernel_signals(self.heap, "ep/dispatch", sig_per_kernel, self._put_peers)
         self._sig_combine = kernel_signals(self.heap, "ep/combine", sig_per_kernel, self._put_peers)
         self.device = self.heap.device
-        if num_programs is None:
-            num_programs = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                            if self.device.type == "cuda" else 2)
-        self.num_programs = num_programs
+        num_programs = self.num_programs = num_programs or default_programs(self.device)
         # Chunks a receive (reduce) trails the sends by: a group is W * slices sends plus as many
         # receives (dispatch) or plus `slices` reduces (combine).
         self._dispatch_lag = task_queue.default_lag(num_programs, 2 * W * self.n_slices)

@@ -34,11 +34,11 @@ from ditron_ep.language.nvshmem import nvshmem_launcher
 from ditron_ep.ops.moe_layer.fused_kernels import TIMER_CUDA, TIMER_HIP, TIMER_NONE, moe_fused_kernel
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import agree
-from ditron_ep.runtime.call_graphs import CallGraphCache, capturing, graph_capture
+from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError
-from ditron_ep.runtime.fast_launch import current_stream, fast
+from ditron_ep.runtime.fast_launch import capturing, current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
-from ditron_ep.runtime.transport import MAX_PUT_WORLD, TRANSPORTS, put_peer_mask, put_signal_words
+from ditron_ep.runtime.transport import put_peer_mask, put_signal_words, transport_problem
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem
 
@@ -197,14 +197,9 @@ class FusedMoE:
         world = dist.get_world_size(group)
         problem = None
         try:
-            if transport not in TRANSPORTS:
-                raise DitronConfigError(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
-            if transport == "put" and backend != "nvshmem":
-                raise DitronConfigError(f"transport='put' (NVSHMEM put-with-signal) needs backend='nvshmem', got "
-                                        f"backend={backend!r}; or use transport='pointer'")
-            if transport == "put" and world > MAX_PUT_WORLD:
-                raise DitronConfigError(f"transport='put' supports groups of up to {MAX_PUT_WORLD} ranks; this group "
-                                        f"has {world}. Use transport='pointer'")
+            transport_error = transport_problem(transport, backend, world)
+            if transport_error is not None:
+                raise DitronConfigError(transport_error)
             self.activation = check_activation(activation)
             self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
                                                 dtype, schedule, backend, plan, plan_overrides)

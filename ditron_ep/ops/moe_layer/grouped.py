@@ -26,7 +26,7 @@ import triton
 from torch.autograd.graph import increment_version
 
 from ditron_ep.compiler.core_config import (EXPERT_GEMMS, PLAIN_UP_CUDA_HALF, GemmTileConfig, default_expert_configs,
-                                            default_gemm_configs)
+                                            default_gemm_configs, device_type_of)
 from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
@@ -42,9 +42,8 @@ from ditron_ep.ops.moe_layer.grouped_gemm_kernels import (
 )
 from ditron_ep.ops.moe_layer import hopper_path
 from ditron_ep.ops.moe_layer.hopper_path import PATHS, default_hopper_configs, path_problem
-from ditron_ep.runtime.call_graphs import capturing
 from ditron_ep.runtime.errors import DitronConfigError
-from ditron_ep.runtime.fast_launch import fast
+from ditron_ep.runtime.fast_launch import capturing, fast
 from ditron_ep.runtime.input_checks import grad_needed
 from ditron_ep.runtime.mode import gemm_dtype_problem, kernels_interpreted
 
@@ -156,7 +155,7 @@ def grouped_mlp(
         raise ValueError(_ROW_INDEX_CAPTURE)
     if needs_grad and out is not None:
         raise ValueError("grouped_mlp: out= cannot be used when gradients are needed; leave it None")
-    device_type = _device_type(x.device)
+    device_type = device_type_of(x.device)
     user_tiles = config is not None
     if config is None:
         config = default_gemm_configs(x.dtype, device_type)
@@ -211,8 +210,8 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
     """
     if path not in PATHS:
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
-    portable = default_expert_configs(x.dtype, _device_type(x.device), config)
-    if (not user_tiles and w1.shape[2] == w2.shape[1] and _device_type(x.device) == "cuda"
+    portable = default_expert_configs(x.dtype, device_type_of(x.device), config)
+    if (not user_tiles and w1.shape[2] == w2.shape[1] and device_type_of(x.device) == "cuda"
             and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] >= PLAIN_UP_CUDA_HALF.block_m * num_local):
         # a plain activation's first GEMM (core_config says why); not with fewer rows an expert
         # than the tile's 256 (decode, many small experts), where it would double the padding
@@ -621,13 +620,6 @@ def _describe(t: object) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
-
-
-def _device_type(device: torch.device) -> str:
-    """'cpu' (interpreter), 'cuda' or 'hip': the key of default_gemm_configs."""
-    if device.type == "cpu":
-        return "cpu"
-    return "hip" if torch.version.hip else "cuda"
 
 
 def _check_values(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, rows: int, n: int) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import GemmTileConfig, device_type_of
 from ditron_ep.compiler.tp_plan import planned_tile, sequential_tile
 from ditron_ep.ops.tp.gemm import matmul
 from ditron_ep.runtime.agreement import agree_words, require_member
@@ -186,7 +186,7 @@ def _agree(group, what: str, a, b, problem: str | None, fields: tuple[str, ...],
     planned = None
     if tile_rows is not None and problem is None:
         dtype = str(a.dtype).removeprefix("torch.")
-        device_type = "hip" if device.type == "cuda" and torch.version.hip else device.type
+        device_type = device_type_of(device)
         planned = planned_tile(dtype, device_type, tile_rows, a.shape[1], b.shape[1])
     words = agree_words(group, what, problem, {f: value(f) for f in fields}, device,
                         extra=() if tile_rows is None else (tile_word(planned[0]) if planned else 0,))

@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 import triton
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import GemmTileConfig, device_type_of
 from ditron_ep.compiler.tp_plan import (AGGemmPlan, GemmARPlan, GemmRSPlan, lower_ag_gemm, lower_gemm_ar, lower_gemm_rs,
                                         planned_tile)
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import per_group
-from ditron_ep.runtime.call_graphs import capturing
 from ditron_ep.runtime.errors import DitronConfigError
-from ditron_ep.runtime.fast_launch import fast
+from ditron_ep.runtime.fast_launch import capturing, fast
 from ditron_ep.runtime.heap import SymmetricHeap
 
 __all__ = ["OverlapHeap", "overlapped_all_gather_matmul", "overlapped_matmul_all_reduce",
@@ -93,7 +92,7 @@ def overlapped_all_gather_matmul(a: torch.Tensor, b: torch.Tensor, group: dist.P
     m, k = a.shape
     n = b.shape[1]
     on_gpu = a.device.type == "cuda"
-    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
+    device_type = device_type_of(a.device)
     dtype = str(a.dtype).removeprefix("torch.")
     # this rank's own tile: the chunks are one row tile of the rule's on every rank, the columns
     # (its own N) are its own business
@@ -157,7 +156,7 @@ def _reducing_launch(kernel, lower, heaps: dict, a: torch.Tensor, b: torch.Tenso
     k, n = a.shape[1], b.shape[1]
     on_gpu = a.device.type == "cuda"
     plan = _reducing_plan(lower, world, m, k, n, str(a.dtype).removeprefix("torch."),
-                          "hip" if on_gpu and torch.version.hip else a.device.type, tile)
+                          device_type_of(a.device), tile)
     cfg = plan.tile
     state = per_group(heaps, group, OverlapHeap)
     state.ensure(landing_rows(world), n, torch.float32, plan.num_signals, a.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ditron_ep.compiler.core_config import GemmTileConfig
+from ditron_ep.compiler.core_config import GemmTileConfig, device_type_of
 from ditron_ep.compiler.tp_plan import planned_tile
 
 __all__ = ["matmul", "matmul_with_tile"]
@@ -42,9 +42,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype | None = 
     the same one."""
     rows, k_dim = a.shape
     n_dim = b.shape[1]
-    on_gpu = a.device.type == "cuda"
-    device_type = "hip" if on_gpu and torch.version.hip else a.device.type
-    cfg, _ = planned_tile(str(a.dtype).removeprefix("torch."), device_type, rows, k_dim, n_dim)
+    cfg, _ = planned_tile(str(a.dtype).removeprefix("torch."), device_type_of(a.device), rows, k_dim, n_dim)
     return matmul_with_tile(a, b, cfg, out_dtype=out_dtype)
 
 
