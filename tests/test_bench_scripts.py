@@ -40,12 +40,12 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     baselines = ["a2a dispatch", "a2a combine", "a2a dispatch+combine"]
     deepep = ["DeepEP layout+dispatch", "DeepEP combine"]  # GPUs, eager (absent rows say why when it does not import)
     # FP8 dispatch rows: GPUs, bf16, hidden a multiple of 128 (the GPU default shape: H = 7168)
-    fp8 = ["EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"]
+    fp8 = ["EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major", "EPBuffer.dispatch fp8 token_major dequantize"]
     eager_gpu = eager[:5] + fp8 + eager[5:]
     # the measured bandwidths and each mode's floor (bench/ep_floors.py), derived
     floors = ["floor: dispatch", "floor: dispatch token_major", "floor: combine", "floor: combine expert_rank",
               "floor: combine expert_rank fp32"]
-    floors_gpu = floors[:2] + ["floor: dispatch fp8"] + floors[2:]
+    floors_gpu = floors[:2] + ["floor: dispatch fp8", "floor: dispatch fp8 token_major"] + floors[2:]
     tail, tail_gpu = ["HBM copy", "peer copy (NVLink)", *floors], ["HBM copy", "peer copy (NVLink)", *floors_gpu]
     assert list(cpu) == eager + baselines + tail
     graphs = [*GRAPHS, GRAPH_FP8]  # the FP8 dispatch's graph where its eager rows run
@@ -56,7 +56,10 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
         ("a2a dispatch", "floor: dispatch token_major"), ("a2a combine", "floor: combine expert_rank"),
         ("a2a combine", "floor: combine expert_rank fp32"), ("a2a dispatch", "floor: dispatch fp8")]
     assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch", "floor: dispatch")
-    assert gpu["EPBuffer.dispatch fp8"].against == ("a2a dispatch", "floor: dispatch fp8")
+    # FP8 also against our bf16 dispatch of the same layout (the FP8 target: <= 0.6x of it)
+    assert gpu["EPBuffer.dispatch fp8"].against == ("a2a dispatch", "EPBuffer.dispatch", "floor: dispatch fp8")
+    assert gpu["EPBuffer.dispatch fp8 token_major"].against == (
+        "a2a dispatch", "EPBuffer.dispatch token_major", "floor: dispatch fp8 token_major")
     assert gpu["EPBuffer.combine expert_rank"].against == ("a2a combine", "DeepEP combine", "floor: combine expert_rank")
     assert cpu["dispatch kernel"].against == ("a2a dispatch",)   # kernels alone: no floor
     assert list(plan("dispatch_combine", ("mode", "graph"), on_gpu=True)) == [*graphs, *baselines, *tail_gpu]

@@ -11,7 +11,7 @@ and `idle` (the device was done after it). With `--old-root` (a folder holding a
 `ditron_ep/`, e.g. `git archive OLD ditron_ep | tar -x -C /tmp/ab_old`) both versions run in one
 process, as in tools/ab_compare.py, in `--rounds` alternating rounds. `--cprofile`: rank 0 also
 prints a cProfile of 200 dispatch + combine pairs of the new version (by own time).
-Cases: E=256, H=7168, top-8, bf16, uniform routing; combine exact and rank-reduced.
+Cases: E=256, H=7168, top-8, bf16, uniform routing; dispatch in both layouts; combine exact and rank-reduced.
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.ab_compare import _routing, import_old_ops  # noqa: E402
 
-STEPS = ("_check_routing", "_layout", "_rows_and_tokens", "_launch_dispatch", "_launch_combine", "_finish")
+STEPS = ("_check_routing", "_layout", "_status_ahead", "_rows_and_tokens", "_launch_dispatch", "_launch_combine",
+         "_finish")
 E, H, K = 256, 7168, 8
 
 
@@ -60,6 +61,7 @@ def _profile_version(ops, T: int, iters: int, x, idx, w) -> dict[str, dict]:
         "dispatch": lambda st: st.update(zip(("rx", "h"), buf.dispatch(x, idx, w))),
         "combine": lambda st: buf.combine(st["rx"], st["h"], w),
         "combine reduced": lambda st: buf.combine(st["rx"], st["h"], topk_sum="expert_rank"),
+        "dispatch token_major": lambda st: buf.dispatch(x, idx, w, layout="token_major"),
     }
     state: dict = {}
     for _ in range(6):  # compiles, layout graph capture (a signature's second call)

@@ -13,10 +13,11 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
   EPBuffer.dispatch token_major
                       dispatch(layout="token_major"): one row per (token, rank), checked through
                       handle.row_index against the expert-major rows;
-  EPBuffer.dispatch fp8 [token_major dequantize]
+  EPBuffer.dispatch fp8 [token_major [dequantize]]
                       (GPUs, bf16, hidden % 128 == 0) an FP8 EPBuffer (dispatch_dtype=float8_e4m3fn)
                       dispatching the tokens quantised in DeepEP's format (e4m3 + fp32 scale per 128
-                      columns): e4m3 rows with their scales, or dequantised to bf16 on receipt;
+                      columns): e4m3 rows with their scales (both layouts), or dequantised to bf16 on
+                      receipt; each also against our bf16 dispatch of its layout;
                       checked against the bf16 rows within e4m3's rounding (work: the bf16 bytes);
   EPBuffer.combine    the public op (the exact combine: one row per (token, k) returns);
   EPBuffer.combine expert_rank [fp32]
@@ -96,6 +97,7 @@ RANK_REDUCED, RANK_REDUCED_FP32 = "EPBuffer.combine expert_rank", "EPBuffer.comb
 TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
 TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
 FP8_DISPATCH, FP8_DEQUANT = "EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"
+FP8_TOKEN_MAJOR = "EPBuffer.dispatch fp8 token_major"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens", "graph: dispatch token_major",
           "graph: combine expert_rank", "graph: combine expert_rank fp32")
@@ -159,7 +161,7 @@ def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int, eager: bool = True
     inp = case.inp
     work, details = case.work(ctx, "dispatch")
     want = case.want(ctx, "dispatch").to(torch.float32)
-    names = (*((FP8_DISPATCH, FP8_DEQUANT) if eager else ()), *((GRAPH_FP8,) if graph else ()))
+    names = (*((FP8_DISPATCH, FP8_TOKEN_MAJOR, FP8_DEQUANT) if eager else ()), *((GRAPH_FP8,) if graph else ()))
     try:
         buf = guarded(ctx, "FP8 EPBuffer", lambda: make_buffer(ctx, tokens, torch.float8_e4m3fn))
     except StageFailed as exc:
@@ -169,6 +171,9 @@ def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int, eager: bool = True
     def fp8() -> tuple[torch.Tensor, object]:
         return buf.dispatch(q, inp.idx, inp.w, x_scales=sc)
 
+    def fp8_tok() -> tuple[torch.Tensor, object]:
+        return buf.dispatch(q, inp.idx, inp.w, x_scales=sc, layout="token_major")
+
     def dequant() -> tuple[torch.Tensor, object]:
         return buf.dispatch(q, inp.idx, inp.w, x_scales=sc, dequantize=True, layout="token_major")
 
@@ -176,13 +181,19 @@ def measure_fp8(ctx: BenchContext, case: EPCase, tokens: int, eager: bool = True
         r, h = fp8()
         return r.to(torch.float32) * h.recv_scales.repeat_interleave(128, dim=1)
 
+    def fp8_tok_rows() -> torch.Tensor:
+        r, h = fp8_tok()
+        pick = h.row_index.long()
+        return r[pick].to(torch.float32) * h.recv_scales[pick].repeat_interleave(128, dim=1)
+
     def dequant_rows() -> torch.Tensor:
         r, h = dequant()
         return r[h.row_index.long()].to(torch.float32)
 
     out = []
     try:
-        for impl, fn, rows in ((FP8_DISPATCH, fp8, fp8_rows), (FP8_DEQUANT, dequant, dequant_rows)) if eager else ():
+        for impl, fn, rows in ((FP8_DISPATCH, fp8, fp8_rows), (FP8_TOKEN_MAJOR, fp8_tok, fp8_tok_rows),
+                               (FP8_DEQUANT, dequant, dequant_rows)) if eager else ():
             try:
                 got = guarded(ctx, f"{impl} (check)", rows, buf)
                 err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item() if want.numel() else 0.0
@@ -535,7 +546,9 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
         ours += [Impl("layout"), Impl("dispatch kernel", against=d),
                  Impl("EPBuffer.dispatch", against=(*d, *deepep[:1])), Impl(TOKEN_MAJOR_KERNEL, against=d),
                  Impl(TOKEN_MAJOR, against=(*d, *deepep[:1])),
-                 *((Impl(FP8_DISPATCH, against=d), Impl(FP8_DEQUANT, against=d))
+                 # FP8 against our bf16 dispatch of the same layout too (the issue's FP8 target)
+                 *((Impl(FP8_DISPATCH, against=(*d, "EPBuffer.dispatch")),
+                    Impl(FP8_TOKEN_MAJOR, against=(*d, TOKEN_MAJOR)), Impl(FP8_DEQUANT, against=(*d, TOKEN_MAJOR)))
                    if fp8_applies(req.shape.hidden, req.dtype, on_gpu, options) else ()),
                  Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
                  Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]

@@ -62,6 +62,8 @@ DISPATCH_FLOOR = FloorMode("floor: dispatch", "EPBuffer.dispatch", "dispatch", "
 TOKEN_MAJOR_FLOOR = FloorMode("floor: dispatch token_major", "EPBuffer.dispatch token_major", "dispatch", "tok",
                               _plain)
 FP8_FLOOR = FloorMode("floor: dispatch fp8", "EPBuffer.dispatch fp8", "dispatch", "pairs", _fp8)
+FP8_TOKEN_MAJOR_FLOOR = FloorMode("floor: dispatch fp8 token_major", "EPBuffer.dispatch fp8 token_major", "dispatch",
+                                  "tok", _fp8)
 COMBINE_FLOOR = FloorMode("floor: combine", "EPBuffer.combine", "combine", "pairs", _plain)
 RANK_REDUCED_FLOOR = FloorMode("floor: combine expert_rank", "EPBuffer.combine expert_rank", "combine", "tok",
                                _plain)
@@ -70,7 +72,8 @@ RANK_REDUCED_FP32_FLOOR = FloorMode("floor: combine expert_rank fp32", "EPBuffer
 
 
 def floor_modes(fp8: bool) -> tuple[FloorMode, ...]:
-    return (DISPATCH_FLOOR, TOKEN_MAJOR_FLOOR, *((FP8_FLOOR,) if fp8 else ()), COMBINE_FLOOR, RANK_REDUCED_FLOOR,
+    return (DISPATCH_FLOOR, TOKEN_MAJOR_FLOOR, *((FP8_FLOOR, FP8_TOKEN_MAJOR_FLOOR) if fp8 else ()), COMBINE_FLOOR,
+            RANK_REDUCED_FLOOR,
             RANK_REDUCED_FP32_FLOOR)
 
 

@@ -32,7 +32,7 @@ from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
-from ditron_ep.runtime.fast_launch import capturing, fast
+from ditron_ep.runtime.fast_launch import capturing, current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
 from ditron_ep.runtime.transport import kernel_signals, put_peer_mask, transport_problem
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
@@ -589,18 +589,35 @@ class EPBuffer:
         launched layout): raises on any rank's input flags or a recorded timeout; else the rows."""
         return self._rows_and_tokens(recv, captured)[0]
 
-    def _rows_and_tokens(self, recv: RecvLayout, captured: CapturedLayout | None
+    def _rows_and_tokens(self, recv: RecvLayout, captured: CapturedLayout | None, ahead: tuple | None = None
                          ) -> tuple[int, int, tuple[int, ...]]:
         """`_rows_from_status`, the tokens received (the token-major layout's rows) and the rows of
-        each local expert, all from the same read."""
-        if captured is None:
+        each local expert, all from the same read; ahead: the words `_status_ahead` queued."""
+        if captured is None and ahead is None:
             words = layout_status_words(self.heap, recv, self._pending_flags).tolist()
         else:
-            captured.ready.synchronize()
-            words = captured.status.tolist()
+            host, ready = (captured.status, captured.ready) if ahead is None else ahead
+            if ready is not None:
+                ready.synchronize()
+            words = host.tolist()
         W, E = self.world_size, self.num_local_experts
         return (raise_layout_status(words, self.heap, self._pending_flags, self), sum(words[-W:]),
                 tuple(words[-W - E:-W]))
+
+    def _status_ahead(self, recv: RecvLayout, captured: CapturedLayout | None) -> tuple:
+        """(host words, event) of the layout's status, queued now so that the host read after later
+        launches waits for the layout only: the captured copy's pinned words, else a pinned copy of
+        the directly launched layout's (CUDA) or the words themselves (CPU: already there)."""
+        if captured is not None:
+            return captured.status, captured.ready
+        words = layout_status_words(self.heap, recv, self._pending_flags)
+        if not words.is_cuda:
+            return words, None
+        host = torch.empty(words.shape, dtype=words.dtype, pin_memory=True)
+        host.copy_(words, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(current_stream())
+        return host, ready
 
     def _capture_layout(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
         """Capture a default-mode signature's layout launches (see `_layout`); lent: a copy handed
@@ -715,10 +732,20 @@ class EPBuffer:
         else:
             recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
             recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
-        capped = token_rows = recv_counts = None
-        if sync:
+        capped = token_rows = recv_counts = ahead = None
+        # Token-major default mode launches the data kernel before the host read, at capacity
+        # (W * max_tokens token rows: the staging area's size), and slices after it: the GPU goes
+        # from the layout straight into the kernel, where waiting for the host read, then for the
+        # launch, left it idle (~200 µs of an eager T=4096 call). A call that does not go moves
+        # nothing (its layout has no rows) and raises at the read as before.
+        early = sync and token_major
+        if early:
+            ahead = self._status_ahead(recv, captured)
+        if sync and not early:
             num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured)
             rows_cap = num_rows
+        elif early:
+            rows_cap, num_rows = W * T * K, None
         else:
             rows_cap, num_rows = W * T * K, None
             if max_recv_rows is not None and max_recv_rows < rows_cap:
@@ -729,7 +756,7 @@ class EPBuffer:
                 over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
                 self._pending_flags.bitwise_or_(over)
         row_index = recv_scales = None
-        out_rows = (token_rows if sync else W * T) if token_major else rows_cap
+        out_rows = (W * T if early or not sync else token_rows) if token_major else rows_cap
         recv_x = torch.empty((out_rows, self.hidden), dtype=self.dtype if dequantize else self.dispatch_dtype,
                              device=self.device)
         if token_major:
@@ -744,6 +771,12 @@ class EPBuffer:
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
                               after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                               dequantize=dequantize)
+        if early:
+            num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured, ahead)
+            rows_cap = num_rows
+            recv_x, row_index = _rows_of(recv_x, token_rows), row_index[:num_rows]
+            recv_w = None if recv_w is None else recv_w[:num_rows]
+            recv_scales = None if recv_scales is None else _rows_of(recv_scales, token_rows)
         self._finish(sync, under_autograd)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
                                 num_rows, sync, capped, row_index, token_rows, recv_scales,
@@ -899,6 +932,13 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
 def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, owner) -> int:
     """The one device-to-host read of default mode (see `raise_layout_status`)."""
     return raise_layout_status(layout_status_words(heap, recv, pending_flags).tolist(), heap, pending_flags, owner)
+
+
+def _rows_of(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The first `rows` rows of a tensor allocated at capacity: a view when they fill at least half
+    of it, else a compact copy, so a caller that keeps the result (autograd saves it) does not hold
+    a mostly unused capacity allocation (a T=128 call into a buffer for 4,096 tokens)."""
+    return t[:rows] if 2 * rows >= t.shape[0] else t[:rows].clone()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

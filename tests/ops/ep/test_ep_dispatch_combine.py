@@ -159,7 +159,10 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
             assert rep["copies_used"] == [0, 1, 1, 1], rep["copies_used"]
             assert rep["kept_view_intact"], "a replay overwrote a layout a live view still reads"
         assert rep["bad"].startswith("RoutingError") and "ranks 0" in rep["bad"], rep["bad"]
-        assert rep["replays_after_bad"] == rep["replays_before_bad"] + 1, "the bad call did not take the replay path"
+        assert rep["token_major_same"], f"rank {rank}: a replayed token-major call differs from a direct one"
+        assert rep["bad_token_major"].startswith("RoutingError") and "ranks 0" in rep["bad_token_major"], \
+            rep["bad_token_major"]
+        assert rep["replays_after_bad"] == rep["replays_before_bad"] + 2, "the bad calls did not take the replay path"
         assert rep["bad_graph_mode"].startswith("RoutingError"), rep["bad_graph_mode"]
         assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
 
