@@ -100,11 +100,44 @@ def _set_triton_mode(interpret: bool, source: str) -> None:
                 f"{'the interpreter' if interpret else 'compiled kernels'} ({source}). Set TRITON_INTERPRET="
                 f"{int(interpret)} in the environment before Python starts, or import ditron_ep.ops before triton.")
         triton.knobs.runtime.interpret = interpret  # its setter exports TRITON_INTERPRET: restored below
+        if interpret:
+            _builtins_found_once()
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
+
+
+def _builtins_found_once() -> None:
+    """The Triton interpreter patches triton.language's builtins at every launch and at every
+    device-function call, finding them each time with `inspect.getmembers` (dir, sort, a getattr
+    per name; ~15 % of an emulated dispatch/combine's CPU time, cProfile). A module's builtins do
+    not change: find them once. A module whose builtins are patched already (the launch patched
+    them, or an earlier device call that never restores) has none left to patch, as with
+    getmembers (a patched member is no builtin): it is patched all at once, so its first member
+    tells. Left alone when this Triton's interpreter has no `_patch_builtin`."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_attr, original = getattr(interpreter, "_patch_attr", None), getattr(interpreter, "_patch_builtin", None)
+    if patch_attr is None or original is None or getattr(original, "found_once", False):
+        return
+    found: dict = {}
+
+    def _patch_builtin(pkg, builder, scope) -> None:
+        members = found.get(pkg)
+        if members is None:
+            members = found[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)]
+        if members and getattr(pkg, members[0][0], None) is not members[0][1]:
+            return  # patched already
+        for name, member in members:
+            patch_attr(pkg, name, member, builder, scope)
+
+    _patch_builtin.found_once = True
+    interpreter._patch_builtin = _patch_builtin
 
 
 def _triton_language_interpreted() -> bool | None:

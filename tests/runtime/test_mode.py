@@ -85,3 +85,63 @@ def test_triton_imported_first_in_the_other_mode_is_named_not_left_to_break_kern
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "DitronConfigError" in proc.stderr and "TRITON_INTERPRET=1" in proc.stderr, proc.stderr[-2000:]
+
+
+_INTERPRETER_PROBE = """
+import json
+import ditron_ep.ops  # fixes the mode: interpreted (TRITON_INTERPRET=1)
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+@triton.jit
+def _kernel(x_ptr, out_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    v = _twice(tl.load(x_ptr + o))             # a device function of ours
+    tl.store(out_ptr + o, tl.cumsum(v, 0))     # ... and triton's own (its module imports `core`)
+    tl.store(out_ptr + N, tl.sum(v, axis=0))
+
+x = torch.arange(8, dtype=torch.float32)
+outs = []
+for _ in range(2):
+    out = torch.zeros(9)
+    _kernel[(1,)](x, out, N=8)
+    outs.append(out.tolist())
+print(json.dumps({
+    "found_once": getattr(interpreter._patch_builtin, "found_once", False),
+    "outs": outs,
+    # (triton.language.core's stay patched after a device call from Triton's standard library:
+    # the interpreter's own behaviour, with or without the cache)
+    "restored": bool(getattr(tl.load, "__triton_builtin__", False)),
+}))
+"""
+
+
+def test_interpreter_finds_builtins_once_and_runs_kernels_the_same():
+    """mode._builtins_found_once: the interpreter's per-launch and per-device-call lookup of
+    triton.language's builtins is done once; kernels calling device functions (ours and Triton's
+    standard library) give the same results on every launch, and a launch leaves the builtins as
+    they were."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    want = [float(v) for v in torch_free_cumsum([2.0 * i for i in range(8)])] + [56.0]
+    assert rep["found_once"], "the interpreter's builtin lookup is not the cached one"
+    assert rep["outs"] == [want, want], rep["outs"]
+    assert rep["restored"], "a launch left triton.language's builtins patched"
+
+
+def torch_free_cumsum(values: list[float]) -> list[float]:
+    total, out = 0.0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
