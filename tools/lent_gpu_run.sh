@@ -13,7 +13,8 @@
 #   ab[:CASES]             tools/ab_compare.py --old-root .base [--cases CASES] (old tree: git archive
 #                          OLD ditron_ep | tar -x -C .base)
 #   host                   tools/host_profile.py (with .base when it exists)
-# Environment: NEW_COMMIT (the short hash sent: DITRON_COMMIT and file names), OUT (default
+# Environment: NEW_COMMIT (the short hash sent: DITRON_COMMIT and file names; give the local `git rev-parse
+# --short HEAD`: there the copy's git HEAD may be the last landed commit, not the tree sent), OUT (default
 # /tmp/out), STEP_TIMEOUT_S (default 300; the suite step: SUITE_TIMEOUT_S, default 560), BENCH_ARGS
 # (extra bench arguments, e.g. "--tokens 4096"). A device call runs at most 600 s: put the suite
 # in a call of its own, or last.
