@@ -358,7 +358,9 @@ class EPBuffer:
                 ordered by (source rank, source token) — and `handle.row_index`, the row of each
                 (token, k) in expert-major order (what a grouped GEMM's gathered-A load reads);
                 1/K of the expert-major layout's writes when a token's experts share a rank. In
-                graph mode recv_x then has W * max_tokens rows (the valid ones first). Gradients
+                graph mode recv_x then has W * max_tokens rows (the valid ones first); in default
+                mode its rows are the tokens received, a view of a W * max_tokens-row allocation
+                when they fill at least half of it (the kernel runs before the host read). Gradients
                 of a token's row return to the token (the ranks' rows added in rank order, fp32).
             x_scales: FP8 dispatch (a buffer built with dispatch_dtype=torch.float8_e4m3fn, x in
                 e4m3): fp32 [T, hidden / 128], x[t, c] * x_scales[t, c // 128] is the token. They
