@@ -134,6 +134,10 @@ def default_gemm_configs(dtype: torch.dtype, device_type: str) -> tuple[GemmTile
 # I=16384, GELU; 128 x 256: 2.27 ms), same bits (bench/results/up_tile_ds_H200x2_20261127_s23.log).
 PLAIN_UP_CUDA_HALF = GemmTileConfig(256, 128, 64, 8, 3)
 
+# FP8 rows (DeepEP's format): one fp32 scale per row and SCALE_COLS columns — what the EP
+# dispatch carries and the grouped GEMM's A-load applies (its kernels write 128 as a literal)
+SCALE_COLS = 128
+
 
 def default_backward_configs(dtype: torch.dtype, device_type: str) -> dict[str, GemmTileConfig]:
     """Tile configs of the expert MLP's backward kernels (grouped_gemm_kernels.py), by kernel:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from ditron_ep.compiler.core_config import SCALE_COLS
 from ditron_ep.compiler.plan import is_nonnegative_int, is_positive_int
 from ditron_ep.language import task_queue
 from ditron_ep.ops.ep.combine_kernels import combine_sum_columns, ep_combine_kernel, topk_dots_kernel
@@ -39,7 +40,6 @@ from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_ten
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8 = torch.float8_e4m3fn
-SCALE_COLS = 128  # FP8 dispatch: one fp32 scale per token and 128 columns (DeepEP's format)
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,8 @@ import torch
 import triton
 from torch.autograd.graph import increment_version
 
-from ditron_ep.compiler.core_config import (EXPERT_GEMMS, PLAIN_UP_CUDA_HALF, GemmTileConfig, default_expert_configs,
-                                            default_gemm_configs, device_type_of)
+from ditron_ep.compiler.core_config import (EXPERT_GEMMS, PLAIN_UP_CUDA_HALF, SCALE_COLS, GemmTileConfig,
+                                            default_expert_configs, default_gemm_configs, device_type_of)
 from ditron_ep.compiler.plan import is_positive_int
 from ditron_ep.compiler.tuner import tuned_choices
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
@@ -82,6 +82,7 @@ def grouped_mlp(
     save_preactivation: bool = True,
     path: str = "auto",
     x_is_scratch: bool = False,
+    x_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MLP of every local expert over its rows; returns y [rows, H] in x's dtype.
 
@@ -139,9 +140,18 @@ def grouped_mlp(
             are the portable path's, the Hopper path's tiles come from the tuner
             (compiler/tuner.py) or `hopper_path.default_hopper_configs`.
 
+        x_scales: FP8 rows, as an FP8 EP dispatch delivers them (`EPBuffer(dispatch_dtype=
+            torch.float8_e4m3fn)`, `handle.recv_scales`): x float8_e4m3fn [N, H] and x_scales
+            fp32 [N, H / 128] (H a multiple of 128), the weights bf16 / fp16 / fp32. The first
+            GEMM dequantises in its A-load — x * scale in fp32, cast once to the weights' dtype,
+            as dispatch(dequantize=True) writes — so y is bit for bit grouped_mlp of the
+            dequantised rows on the portable path, without writing them. Forward only (no
+            gradients), the portable path, a first-GEMM block_k dividing 128; y in the weights'
+            dtype.
+
     Accumulation is fp32; the activation h is rounded to x's dtype before the second GEMM.
     """
-    rows, hidden, inter, num_local = _validate(x, expert_offsets, w1, w2, row_index, activation, b1, b2)
+    rows, hidden, inter, num_local = _validate(x, expert_offsets, w1, w2, row_index, activation, b1, b2, x_scales)
     if check not in (None, True, False):
         raise ValueError(f"check must be True, False or None, got {check!r}")
     check_grad_dtype(grad_dtype)
@@ -151,6 +161,15 @@ def grouped_mlp(
         expert_offsets, row_index = _made_valid(expert_offsets, row_index, rows, x.shape[0])
     params = (x, w1, w2, b1, b2)
     needs_grad = grad_needed(*params)
+    dtype = w1.dtype  # the compute dtype (x's, except FP8 rows with scales)
+    if x_scales is not None:
+        if needs_grad:
+            raise ValueError("grouped_mlp(x_scales=) runs forward only: FP8 rows carry no gradient and the weights' "
+                             "gradients need the dequantised rows; for training dispatch with dequantize=True and "
+                             "pass those rows, else call under torch.no_grad()")
+        if path == "hopper":
+            raise DitronConfigError("path='hopper' cannot run FP8 rows (x_scales): pass path='auto' or 'portable'")
+        path = "portable"
     if needs_grad and row_index is not None and capturing(x.device):
         raise ValueError(_ROW_INDEX_CAPTURE)
     if needs_grad and out is not None:
@@ -158,11 +177,14 @@ def grouped_mlp(
     device_type = device_type_of(x.device)
     user_tiles = config is not None
     if config is None:
-        config = default_gemm_configs(x.dtype, device_type)
+        config = default_gemm_configs(dtype, device_type)
     if not isinstance(config, (tuple, list)) or len(config) != 2 \
             or not all(isinstance(cfg, GemmTileConfig) for cfg in config):
         raise ValueError(f"config must be a pair of GemmTileConfig (gate_up_cfg, down_cfg), or None for the "
                          f"defaults; got {config!r}")
+    if x_scales is not None and SCALE_COLS % config[0].block_k:
+        raise ValueError(f"grouped_mlp(x_scales=): the first GEMM's block_k must divide {SCALE_COLS} (one scale per "
+                         f"row and K step), got {config[0].block_k}")
     if num_programs is None:
         num_programs = 1 if device_type == "cpu" else torch.cuda.get_device_properties(x.device).multi_processor_count
     elif not is_positive_int(num_programs):
@@ -176,7 +198,7 @@ def grouped_mlp(
         raise ValueError(f"input_precision must be one of {_PRECISIONS} or None, got {input_precision!r}")
     act = activation_code(activation)
     run = _Launches(kernel_choices(path, x, w1, w2, row_index, num_local, act, tuple(config),
-                                   biases=b1 is not None or b2 is not None, user_tiles=user_tiles),
+                                   biases=b1 is not None or b2 is not None, user_tiles=user_tiles, dtype=dtype),
                     num_programs, input_precision, group_rows, act)
     if grad_dtype is not None and w1.dtype == grad_dtype:
         grad_dtype = None  # fp32 weights: their .grad is fp32 already
@@ -192,11 +214,12 @@ def grouped_mlp(
                                 bool(save_preactivation))
         return _GroupedDown.apply(z, h, w2, b2, expert_offsets, run, grad_dtype,
                                   None if save_preactivation else (x, w1, b1, row_index))
-    return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out)
+    return run.forward(x, expert_offsets, w1, w2, b1, b2, row_index, out, x_scales)
 
 
 def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, config, *,
-                   biases: bool = False, user_tiles: bool = False) -> dict[str, tuple[str, GemmTileConfig]]:
+                   biases: bool = False, user_tiles: bool = False,
+                   dtype: torch.dtype | None = None) -> dict[str, tuple[str, GemmTileConfig]]:
     """(path, tile) of each expert-MLP kernel (core_config.EXPERT_GEMMS) for this call; `path` as grouped_mlp's.
 
     "portable": the `tl` kernels, `config` (or the defaults; for a plain activation's first GEMM
@@ -210,9 +233,10 @@ def kernel_choices(path: str, x, w1, w2, row_index, num_local: int, act: int, co
     """
     if path not in PATHS:
         raise DitronConfigError(f"path must be one of {PATHS}, got {path!r}")
-    portable = default_expert_configs(x.dtype, device_type_of(x.device), config)
+    dtype = x.dtype if dtype is None else dtype  # the compute dtype (FP8 rows: the weights')
+    portable = default_expert_configs(dtype, device_type_of(x.device), config)
     if (not user_tiles and w1.shape[2] == w2.shape[1] and device_type_of(x.device) == "cuda"
-            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] >= PLAIN_UP_CUDA_HALF.block_m * num_local):
+            and dtype in (torch.bfloat16, torch.float16) and x.shape[0] >= PLAIN_UP_CUDA_HALF.block_m * num_local):
         # a plain activation's first GEMM (core_config says why); not with fewer rows an expert
         # than the tile's 256 (decode, many small experts), where it would double the padding
         portable["up"] = PLAIN_UP_CUDA_HALF
@@ -259,15 +283,16 @@ class _Launches:
         """This call's group_rows, or for None `auto_group_rows` of a kernel with n_cols output columns."""
         return self.group_rows or auto_group_rows(triton.cdiv(n_cols, block_n), self.num_programs)
 
-    def launch_up(self, x, w1, h, expert_offsets, row_index=None, b1=None, z=None, tile_start=None):
-        """The first GEMM with the activation, on its chosen path."""
+    def launch_up(self, x, w1, h, expert_offsets, row_index=None, b1=None, z=None, tile_start=None, scales=None):
+        """The first GEMM with the activation, on its chosen path (scales: FP8 x, portable only)."""
         cfg = self._cfg("up")
         tiles = tile_start if tile_start is not None else self._maps(expert_offsets, "up")["up"]
         if self._on_hopper("up"):
             hopper_path.launch_up(x, w1, h, z, expert_offsets, tiles, cfg, self.num_programs, self.act)
         else:
             launch_grouped_up(x, row_index, w1, h, expert_offsets, tiles, cfg, self.num_programs,
-                              self.input_precision, self._group(h.shape[1], cfg.block_n), act=self.act, b1=b1, z=z)
+                              self.input_precision, self._group(h.shape[1], cfg.block_n), act=self.act, b1=b1, z=z,
+                              scales=scales)
 
     def _maps(self, expert_offsets, *kernels):
         """build_tile_map for the block_m of each kernel: one map per distinct block_m for the
@@ -329,21 +354,21 @@ class _Launches:
             BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k, INPUT_PRECISION=self.input_precision,
             HAS_BIAS=gb is not None, **cfg.launch_options())
 
-    def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out):
-        """y [rows, H] (into `out` when given): the no-gradient path."""
+    def forward(self, x, expert_offsets, w1, w2, b1, b2, row_index, out, x_scales=None):
+        """y [rows, H] in the weights' dtype (into `out` when given): the no-gradient path."""
         rows = x.shape[0] if row_index is None else row_index.shape[0]
-        hidden, inter = x.shape[1], w2.shape[1]
+        hidden, inter, dtype = x.shape[1], w2.shape[1], w1.dtype
         if out is None:
-            out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-        elif not isinstance(out, torch.Tensor) or out.shape != (rows, hidden) or out.dtype != x.dtype \
+            out = torch.empty((rows, hidden), dtype=dtype, device=x.device)
+        elif not isinstance(out, torch.Tensor) or out.shape != (rows, hidden) or out.dtype != dtype \
                 or out.device != x.device or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape [rows={rows}, H={hidden}] on "
+            raise ValueError(f"out must be a contiguous {dtype} tensor of shape [rows={rows}, H={hidden}] on "
                              f"{x.device}, got {_describe(out)}")
         if rows == 0:
             return out
-        h = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+        h = torch.empty((rows, inter), dtype=dtype, device=x.device)
         maps = self._maps(expert_offsets, "up", "down")
-        self.launch_up(x, w1, h, expert_offsets, row_index, b1, None, maps["up"])
+        self.launch_up(x, w1, h, expert_offsets, row_index, b1, None, maps["up"], x_scales)
         self.launch_down(h, w2, out, expert_offsets, maps["down"], b2)
         return out
 
@@ -578,10 +603,11 @@ def add_main_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
 def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch.Tensor, h: torch.Tensor,
                       expert_offsets: torch.Tensor, tile_start: torch.Tensor, cfg: GemmTileConfig,
                       num_programs: int, input_precision: str, group_rows: int, *, act: int = 0,
-                      b1: torch.Tensor | None = None, z: torch.Tensor | None = None) -> None:
+                      b1: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                      scales: torch.Tensor | None = None) -> None:
     """h[r] = act(x_r @ W1[e] (+ b1[e])) (gated: act(gate) * up) for the rows of every expert
     (`grouped_up_kernel`), tiles in groups of group_rows M-tiles (`grouped_tile`); z: also write
-    the pre-activation [rows, n*I] there.
+    the pre-activation [rows, n*I] there; scales: x is FP8 with these fp32 [N, H / 128] scales.
 
     h: [rows, I]; rows of no expert are not written. tile_start = build_tile_map(expert_offsets,
     cfg.block_m). Inputs as validated by `grouped_mlp`; this launcher checks nothing.
@@ -592,11 +618,11 @@ def launch_grouped_up(x: torch.Tensor, row_index: torch.Tensor | None, w1: torch
     grid = (min(num_programs, m_cap * triton.cdiv(inter, cfg.block_n)),)
     fast(grouped_up_kernel)[grid](
         x, row_index if row_index is not None else expert_offsets, w1, b1 if b1 is not None else w1, h,
-        z if z is not None else h, tile_start, expert_offsets,
+        z if z is not None else h, scales if scales is not None else h, tile_start, expert_offsets,
         rows, m_cap, hidden, inter, num_local, min(group_rows, m_cap),  # no int32 overflow of group * N-tiles
         *w1.stride(), HAS_IDX=row_index is not None, BM=cfg.block_m, BN=cfg.block_n, BK=cfg.block_k,
         BLOCK_E=triton.next_power_of_2(num_local), INPUT_PRECISION=input_precision, ACT=act,
-        HAS_B1=b1 is not None, SAVE_Z=z is not None, **cfg.launch_options())
+        HAS_B1=b1 is not None, SAVE_Z=z is not None, A_SCALES=scales is not None, **cfg.launch_options())
 
 
 def launch_grouped_down(h: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, expert_offsets: torch.Tensor,
@@ -649,21 +675,37 @@ def _made_valid(expert_offsets: torch.Tensor, row_index: torch.Tensor | None, ro
 
 def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
               row_index: torch.Tensor | None, activation: str, b1: torch.Tensor | None,
-              b2: torch.Tensor | None) -> tuple[int, int, int, int]:
+              b2: torch.Tensor | None, x_scales: torch.Tensor | None = None) -> tuple[int, int, int, int]:
     """Raise ValueError saying what to fix; return (rows, H, I, E_local)."""
     n = width_factor(check_activation(activation))
     named = [("x", x), ("expert_offsets", expert_offsets), ("w1", w1), ("w2", w2)]
-    for name, t in (("row_index", row_index), ("b1", b1), ("b2", b2)):
+    for name, t in (("row_index", row_index), ("b1", b1), ("b2", b2), ("x_scales", x_scales)):
         if t is not None:
             named.append((name, t))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}; cast it with x.to(...)")
+    dtype = x.dtype
+    if x_scales is not None:
+        if x.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"x_scales is for FP8 rows: x must be float8_e4m3fn, got {x.dtype} (drop x_scales for "
+                             f"{x.dtype} rows)")
+        dtype = w1.dtype
+        if dtype not in _DTYPES:
+            raise ValueError(f"with FP8 rows the weights set the compute dtype: w1 must be bfloat16, float16 or "
+                             f"float32, got {dtype}")
+        n_sc = x.shape[1] // SCALE_COLS if x.ndim == 2 else 0
+        if x.ndim != 2 or x.shape[1] % SCALE_COLS or x_scales.dtype != torch.float32 \
+                or tuple(x_scales.shape) != (x.shape[0], n_sc):
+            raise ValueError(f"FP8 rows need H a multiple of {SCALE_COLS} and x_scales fp32 [N, H / {SCALE_COLS}] "
+                             f"(one scale per row and {SCALE_COLS} columns); got x {tuple(x.shape)} and x_scales "
+                             f"{x_scales.dtype} {tuple(x_scales.shape)}")
+    elif x.dtype not in _DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}; cast it with x.to(...)"
+                         + (" (FP8 rows: pass their x_scales)" if x.dtype == torch.float8_e4m3fn else ""))
     for name, t in named[2:]:
-        if name != "row_index" and t.dtype != x.dtype:
-            raise ValueError(f"{name} has dtype {t.dtype} but x has {x.dtype}; cast {name} to {x.dtype}")
+        if name not in ("row_index", "x_scales") and t.dtype != dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but x has {dtype}; cast {name} to {dtype}")
     for name, t in named[1:]:
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device} but x is on {x.device}; put every input on one device")
@@ -673,7 +715,7 @@ def _validate(x: torch.Tensor, expert_offsets: torch.Tensor, w1: torch.Tensor, w
             f"x is on {x.device} but ditron_ep's kernels are {'interpreted' if interpreted else 'compiled'}: "
             f"CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 before importing ditron_ep), "
             f"GPU tensors compiled kernels (leave TRITON_INTERPRET unset on a GPU machine)")
-    problem = gemm_dtype_problem(x.dtype)
+    problem = gemm_dtype_problem(dtype)
     if problem:
         raise ValueError(problem)
     if x.ndim != 2:

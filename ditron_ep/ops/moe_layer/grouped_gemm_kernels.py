@@ -155,9 +155,15 @@ def up_tile(
     b1_ptr=None,  # (E_local, NJ*I) bias (HAS_B1)
     z_ptr=None,   # out (rows, NJ*I): the pre-activation, a's dtype (SAVE_Z, for the backward)
     HAS_B1: tl.constexpr = False, SAVE_Z: tl.constexpr = False,
+    s_ptr=None,   # fp32 (N, n_sc): per-128-column scales of an FP8 a (A_SCALES)
+    n_sc=0,
+    A_SCALES: tl.constexpr = False,
 ):
     """h[row0 + i, n0:n0+BN] = act(z) for i < n_rows, z = A_i @ W1[e] (+ b1[e]) over the tile's
     columns, where A_i = a[a_idx[row0 + i]] (HAS_IDX: gathered in place, no copy) or a[row0 + i].
+    A_SCALES: a is FP8 (e4m3) with a fp32 scale per 128 columns, dequantised in the load — a * scale
+    in fp32, cast once to W1's dtype, what the EP dispatch's dequantize-on-receipt writes — so the
+    dot sees the same values (BK divides 128: one scale per row and K step).
     Gated activations (ACT 0, 1): h = act(gate) * up, the gate and up column blocks of W1 loaded
     as one [BK, 2*BN] weight tile and multiplied in one tl.dot of width 2*BN (fp32 accumulator),
     split into its halves in the epilogue. One dot of twice the width reads the A tile from
@@ -181,6 +187,9 @@ def up_tile(
     for k0 in range(0, H, BK):
         m_k = o_k < H - k0
         b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)  # [BM, BK]
+        if A_SCALES:
+            b_s = tl.load(s_ptr + i_a * n_sc + k0 // 128, mask=m_m, other=0.0)  # [BM]
+            b_a = (b_a.to(tl.float32) * b_s[:, None]).to(w1_ptr.dtype.element_ty)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_j[None, :], other=0.0)  # [BK, NJ*BN]
         acc = tl.dot(b_a, b_w, acc, input_precision=INPUT_PRECISION)
         p_a += BK
@@ -291,6 +300,7 @@ def grouped_up_kernel(
     b1_ptr,          # (E_local, NJ*I) (read when HAS_B1)
     h_ptr,           # out (rows_cap, I); rows >= expert_off[E_local] are not written
     z_ptr,           # out (rows_cap, NJ*I) pre-activation (written when SAVE_Z)
+    s_ptr,           # fp32 (N, H / 128) scales of an FP8 a (read when A_SCALES)
     tile_start_ptr,  # int32 (E_local + 1,) build_tile_map(expert_off, BM)
     expert_off_ptr,  # int32 (E_local + 1,)
     rows_cap, m_tiles_cap, H, I, E_local,
@@ -298,7 +308,7 @@ def grouped_up_kernel(
     s1e, s1k, s1n,   # w1's strides
     HAS_IDX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, ACT: tl.constexpr = 0, HAS_B1: tl.constexpr = False,
-    SAVE_Z: tl.constexpr = False,
+    SAVE_Z: tl.constexpr = False, A_SCALES: tl.constexpr = False,
 ):
     n_n = tl.cdiv(I, BN)
     n_m = tl.minimum(tl.load(tile_start_ptr + E_local), m_tiles_cap)
@@ -306,7 +316,8 @@ def grouped_up_kernel(
         t_m, t_n = grouped_tile(t, n_m, n_n, group_rows)
         e, row0, n_rows = tile_coords(tile_start_ptr, expert_off_ptr, t_m, E_local, rows_cap, BM, BLOCK_E)
         up_tile(a_ptr, a_idx_ptr, w1_ptr, h_ptr, e, row0, n_rows, t_n * BN, H, I, s1e, s1k, s1n,
-                HAS_IDX, BM, BN, BK, INPUT_PRECISION, 1, ACT, b1_ptr, z_ptr, HAS_B1, SAVE_Z)
+                HAS_IDX, BM, BN, BK, INPUT_PRECISION, 1, ACT, b1_ptr, z_ptr, HAS_B1, SAVE_Z, s_ptr, H // 128,
+                A_SCALES)
 
 
 @triton.jit(do_not_specialize=["group_rows"])
@@ -520,11 +531,13 @@ _TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32:
 def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: GemmTileConfig, *, label: str,
                          shape: tuple[int, int] | None = None, has_idx: bool = True,
                          input_precision: str = "tf32", num_local_experts: int = 16, activation: int = 0,
-                         biases: bool = False, backward: dict[str, GemmTileConfig] | None = None) -> None:
+                         biases: bool = False, backward: dict[str, GemmTileConfig] | None = None,
+                         fp8_a: bool = False, targets: tuple[str, ...] | None = None) -> None:
     """Register one compile signature of each FFN kernel (and, `backward`, of each backward
     kernel, with these tiles: core_config.default_backward_configs) for the portability check.
     activation: an experts.ACT_CODES code; biases: b1 / b2 read (forward) and bias gradients
-    written (wgrad); the forward saves z when `backward`.
+    written (wgrad); the forward saves z when `backward`; fp8_a: the first GEMM reads e4m3 rows
+    with their scales (grouped_mlp(x_scales=)); targets: the portability targets (default all).
 
     shape=(H, I) compiles them as constants. Launches specialise H and I (multiples of 16 in real
     models) as divisible by 16, and without that knowledge Triton does not pipeline the K-loop:
@@ -546,17 +559,20 @@ def register_ffn_configs(dtype: torch.dtype, gate_up: GemmTileConfig, down: Gemm
     def blocks(cfg: GemmTileConfig) -> dict:
         return {"BM": cfg.block_m, "BN": cfg.block_n, "BK": cfg.block_k}
 
+    where = {} if targets is None else {"targets": targets}
     register_kernel(grouped_up_kernel,
-                    {"a_ptr": ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "b1_ptr": ptr, "h_ptr": ptr, "z_ptr": ptr,
-                     **maps, **ints, **w1s},
+                    {"a_ptr": "*fp8e4nv" if fp8_a else ptr, "a_idx_ptr": "*i32", "w1_ptr": ptr, "b1_ptr": ptr,
+                     "h_ptr": ptr, "z_ptr": ptr, "s_ptr": "*fp32", **maps, **ints, **w1s},
                     {**dims, "s1n": 1, "HAS_IDX": has_idx, **blocks(gate_up), **tiles, "ACT": activation, "HAS_B1": biases,
-                     "SAVE_Z": backward is not None},
+                     "SAVE_Z": backward is not None, "A_SCALES": fp8_a},
                     label=f"{label}{'-gather' if has_idx else ''}{act} {gate_up}", options=gate_up.launch_options(),
-                    multiples_of_16=w1_16)
+                    multiples_of_16=w1_16, **where)
+    if fp8_a:  # the rest reads h, z and gradients in the weights' dtype: registered with it
+        return
     register_kernel(grouped_down_kernel,
                     {"h_ptr": ptr, "w2_ptr": ptr, "b2_ptr": ptr, "y_ptr": ptr, **maps, **ints, **w2s},
                     {**dims, "s2n": 1, **blocks(down), **tiles, "HAS_B2": biases},
-                    label=f"{label}{act} {down}", options=down.launch_options(), multiples_of_16=w2_16)
+                    label=f"{label}{act} {down}", options=down.launch_options(), multiples_of_16=w2_16, **where)
     if backward is None:
         return
     ag, dg, wg = backward["act_grad"], backward["dgrad"], backward["wgrad"]
@@ -584,5 +600,9 @@ register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"
 register_ffn_configs(torch.float32, *default_gemm_configs(torch.float32, "hip"), label="fp32-ieee",
                      has_idx=False, input_precision="ieee", num_local_experts=256, activation=3, biases=True,
                      backward=default_backward_configs(torch.float32, "hip"))
+# FP8 rows as the EP dispatch delivers them (token-major, gathered by row_index), e4m3 + scales:
+# NVIDIA's e4m3 (AMD's gfx942 has the fnuz variants)
+register_ffn_configs(torch.bfloat16, *default_gemm_configs(torch.bfloat16, "hip"), label="fp8-bf16",
+                     shape=(7168, 2048), fp8_a=True, targets=("cuda:90",))
 register_kernel(tile_map_kernel, {"expert_off_ptr": "*i32", "tile_start_ptr": "*i32", "E_local": "i32"},
                 {"BM": 128, "BLOCK_E": 32}, label="tile-map")

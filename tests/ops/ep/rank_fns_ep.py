@@ -877,7 +877,8 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
 def fp8_dispatch_case(tokens: list[int], H: int, E: int, K: int, kind: str, seed: int, drop_prob: float) -> dict:
     """FP8 dispatch (dispatch_dtype=float8_e4m3fn): the e4m3 rows and their scales arrive bit for bit
     in both layouts; dequantize=True gives x * scale in fp32, cast once (bit for bit against that
-    formula), within e4m3's rounding of the float64 tokens; bad FP8 arguments raise on every rank."""
+    formula), within e4m3's rounding of the float64 tokens; the token-major e4m3 rows and scales go
+    into the grouped GEMM as they are (x_scales=); bad FP8 arguments raise on every rank."""
     from ditron_ep.runtime import DitronConfigError
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.bfloat16, kind, seed, drop_prob)
@@ -911,6 +912,16 @@ def fp8_dispatch_case(tokens: list[int], H: int, E: int, K: int, kind: str, seed
     # the dequantised rows through the experts and back (combine in bf16 on the FP8 buffer)
     out = buf.combine(deq[hd.row_index.long()], hd, w)
     report["combine_finite"] = bool(torch.isfinite(out.float()).all())
+    # the e4m3 rows straight into the grouped GEMM (dequantised in its A-load, gathered by row_index):
+    # the bits of the GEMM over the rows dequantised beforehand (fp16 experts: the interpreter's dot)
+    from ditron_ep.ops.moe_layer.grouped import grouped_mlp
+    g = torch.Generator().manual_seed(seed + 3)
+    w1 = (torch.randn(e_local, H, 32, generator=g) / H ** 0.5).half()
+    w2 = (torch.randn(e_local, 16, H, generator=g) / 4).half()
+    y8 = grouped_mlp(tok, ht.expert_offsets, w1, w2, row_index=ht.row_index, x_scales=ht.recv_scales)
+    deq16 = cast_like_kernels(tok.to(torch.float32) * ht.recv_scales.repeat_interleave(128, dim=1), torch.float16)
+    report["gemm_on_fp8_rows"] = y8.dtype == torch.float16 and torch.equal(
+        y8, grouped_mlp(deq16, ht.expert_offsets, w1, w2, row_index=ht.row_index))
     res: dict = {}
     catch = _recorder(res)
     catch("bf16_x", lambda: buf.dispatch(xs[rank], idx, w, x_scales=sc))

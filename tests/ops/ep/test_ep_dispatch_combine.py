@@ -313,6 +313,7 @@ def test_fp8_dispatch(emulated_cluster, W, tokens, kind, drop):
         assert rep["dequant_bitwise"], f"rank {rank}: dequantised rows differ from x * scale"
         assert rep["dequant_rel_err"] < 0.07, f"rank {rank}: e4m3 round trip off by {rep['dequant_rel_err']}"
         assert rep["combine_finite"]
+        assert rep["gemm_on_fp8_rows"], f"rank {rank}: grouped_mlp(x_scales=) differs from it on dequantised rows"
         errs = rep["errors"]
         assert "float8_e4m3fn" in errs["bf16_x"] and "x_scales" in errs["no_scales"], errs
         assert "x_scales must have shape" in errs["bad_scales"], errs

@@ -544,3 +544,55 @@ def test_act_grad_split_epilogue_gives_the_same_bits(activation):
     (dz_ref,) = torch.autograd.grad(h_ref, zd, dh)
     torch.testing.assert_close(outs[0][0].double(), dz_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[0][1].double(), h_ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+FP8_CASES = {  # id: (sizes, H, I, rows, n_x, dtype, activation, config)
+    # gathered rows (the token-major dispatch's row_index), an empty expert, rows past the last
+    "gather-fp16-swiglu": ([9, 0, 14], 256, 40, 27, 11, torch.float16, "swiglu", None),
+    # K steps of 32 columns: four per scale block; fp32 weights (ieee dot)
+    "fp32-gelu-bk32": ([7, 12], 384, 24, None, None, torch.float32, "gelu", (GemmTileConfig(16, 32, 32, 4, 2),
+                                                                              GemmTileConfig(16, 32, 32, 4, 2))),
+}
+
+
+@pytest.mark.parametrize("sizes,H,I,rows,n_x,dtype,activation,config", FP8_CASES.values(), ids=FP8_CASES.keys())
+def test_fp8_rows_dequantised_in_the_load(sizes, H, I, rows, n_x, dtype, activation, config):
+    """x_scales: FP8 (e4m3) rows with a fp32 scale per 128 columns, dequantised in the first GEMM's
+    A-load, give bit for bit grouped_mlp of the rows dequantised beforehand as the EP dispatch's
+    dequantize=True writes them (x * scale in fp32, cast once); against the float64 oracle of
+    those rows within the dtype's tolerance."""
+    from ditron_ep.ops.ep.buffer import quantize_fp8
+
+    inp = make_inputs(sizes, H, I, rows=rows, n_x=n_x, dtype=dtype, seed=5, activation=activation)
+    x8, sc = quantize_fp8(inp["x"].to(torch.float32))
+    x_deq = (x8.to(torch.float32) * sc.repeat_interleave(128, dim=1)).to(dtype)
+    kw = {"row_index": inp["row_index"], "activation": activation, "config": config}
+    want = grouped_mlp(x_deq, inp["expert_offsets"], inp["w1"], inp["w2"], **kw)
+    got = grouped_mlp(x8, inp["expert_offsets"], inp["w1"], inp["w2"], x_scales=sc, **kw)
+    assert got.dtype == dtype and torch.equal(got, want)
+    if activation == "swiglu":
+        assert_close_to_oracle(got, oracle({**inp, "x": x_deq}), dtype, f"FP8 rows {sizes}")
+
+
+def test_fp8_rows_bad_input():
+    from ditron_ep.ops.ep.buffer import quantize_fp8
+    from ditron_ep.runtime.errors import DitronConfigError
+
+    inp = make_inputs([5, 3], 256, 16, dtype=torch.float16)
+    x8, sc = quantize_fp8(inp["x"].to(torch.float32))
+    args = (inp["expert_offsets"], inp["w1"], inp["w2"])
+    with pytest.raises(ValueError, match="FP8 rows: pass their x_scales"):
+        grouped_mlp(x8, *args)
+    with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
+        grouped_mlp(inp["x"], *args, x_scales=sc)
+    with pytest.raises(ValueError, match=r"x_scales fp32 \[N, H / 128\]"):
+        grouped_mlp(x8, *args, x_scales=sc[:, :1])
+    with pytest.raises(ValueError, match="block_k must divide 128"):
+        grouped_mlp(x8, *args, x_scales=sc, config=(GemmTileConfig(16, 32, 256, 4, 2), GemmTileConfig(16, 32, 32, 4, 2)))
+    with pytest.raises(DitronConfigError, match="path='hopper' cannot run FP8 rows"):
+        grouped_mlp(x8, *args, x_scales=sc, path="hopper")
+    w1 = inp["w1"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="forward only"):
+        grouped_mlp(x8, inp["expert_offsets"], w1, inp["w2"], x_scales=sc)
+    with torch.no_grad():  # ... and runs without gradients
+        assert grouped_mlp(x8, inp["expert_offsets"], w1, inp["w2"], x_scales=sc).shape == (8, 256)
