@@ -1075,6 +1075,40 @@ def test_token_major_dispatch(dist_env, buf_a):
     assert not problems, f"rank {rank}:\n" + _fail(problems)
 
 
+def test_fp8_dispatch_into_the_grouped_gemm(dist_env, ep_buffers):
+    """FP8 dispatch (SHAPE_B's hidden, a multiple of 128): the token-major e4m3 rows and scales are the
+    sender's bytes; grouped_mlp(x_scales=) on them (dequantised in the A-load) is bit for bit
+    grouped_mlp over the dispatch(dequantize=True) rows, on the portable path."""
+    from ditron_ep.ops.ep.buffer import quantize_fp8
+    from ditron_ep.ops.moe_layer.grouped import grouped_mlp
+
+    dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, H, max_t, K = _shape(SHAPE_B, W)
+    tokens = _tokens([500, 0, 123, 311], W)
+    xs, idxs, ws = _make_inputs(W, tokens, H, E, K, DTYPE, "uniform", seed=47, drop=0.1)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+    try:
+        buf = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, dispatch_dtype=torch.float8_e4m3fn)
+        q, sc = quantize_fp8(x)
+        tok, h = buf.dispatch(q, idx, w, x_scales=sc, layout="token_major")
+        deq, hd = buf.dispatch(q, idx, w, x_scales=sc, dequantize=True, layout="token_major")
+        want = (tok.float() * h.recv_scales.repeat_interleave(128, dim=1)).to(DTYPE)
+        if not _bits_equal(deq, want):
+            problems.append("dequantize=True rows differ from e4m3 x scale (fp32, cast once)")
+        g = torch.Generator().manual_seed(5)
+        el = E // W
+        w1 = (torch.randn(el, H, 2 * 256, generator=g) / H ** 0.5).to(DTYPE).to(dev)
+        w2 = (torch.randn(el, 256, H, generator=g) / 16).to(DTYPE).to(dev)
+        y8 = grouped_mlp(tok, h.expert_offsets, w1, w2, row_index=h.row_index, x_scales=h.recv_scales)
+        y = grouped_mlp(deq, hd.expert_offsets, w1, w2, row_index=hd.row_index, path="portable")
+        if not _bits_equal(y8, y):
+            problems.append("grouped_mlp(x_scales=) differs from it on the dequantised rows")
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    assert not problems, f"rank {rank}:\n" + _fail(problems)
+
+
 def test_tuned_copy_tiling_on_gpus(dist_env):
     """tune_ep_copy on CUDA ranks (CUDA-graph timing; two candidates, one shared cache file):
     one choice on every rank, and an EPBuffer with the tiling unset takes it, with the default
