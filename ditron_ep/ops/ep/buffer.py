@@ -359,8 +359,9 @@ class EPBuffer:
                 (token, k) in expert-major order (what a grouped GEMM's gathered-A load reads);
                 1/K of the expert-major layout's writes when a token's experts share a rank. In
                 graph mode recv_x then has W * max_tokens rows (the valid ones first); in default
-                mode its rows are the tokens received, a view of a W * max_tokens-row allocation
-                when they fill at least half of it (the kernel runs before the host read). Gradients
+                mode its rows are the tokens received (without gradients: a view of a W *
+                max_tokens-row allocation when they fill at least half of it, the kernel running
+                before the host read). Gradients
                 of a token's row return to the token (the ranks' rows added in rank order, fp32).
             x_scales: FP8 dispatch (a buffer built with dispatch_dtype=torch.float8_e4m3fn, x in
                 e4m3): fp32 [T, hidden / 128], x[t, c] * x_scales[t, c // 128] is the token. They
@@ -739,8 +740,10 @@ class EPBuffer:
         # (W * max_tokens token rows: the staging area's size), and slices after it: the GPU goes
         # from the layout straight into the kernel, where waiting for the host read, then for the
         # launch, left it idle (~200 µs of an eager T=4096 call). A call that does not go moves
-        # nothing (its layout has no rows) and raises at the read as before.
-        early = sync and token_major
+        # nothing (its layout has no rows) and raises at the read as before. Not under autograd:
+        # training keeps recv_x for the backward, and a view of the capacity would hold up to
+        # W * max_tokens rows per layer (at W=8 uniform top-8 ~1.5x the rows received).
+        early = sync and token_major and not under_autograd
         if early:
             ahead = self._status_ahead(recv, captured)
         if sync and not early:

@@ -860,6 +860,8 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
 
     xg = x.clone().requires_grad_(True)
     tok2, _ = buf.dispatch(xg, idx, w, layout="token_major")
+    # under autograd (kept for the backward) recv_x is allocated with exactly the rows received
+    report["grad_rows_exact_alloc"] = tok2.untyped_storage().nbytes() == tok2.numel() * tok2.element_size()
     (tok2.to(torch.float32) * upstream(rank).to(torch.float32)).sum().backward()
     want = torch.zeros(tokens[rank], H, dtype=torch.float32)
     for r in range(W):

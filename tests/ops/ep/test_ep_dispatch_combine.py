@@ -301,6 +301,7 @@ def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind,
         assert rep["row_index_exact"], f"rank {rank}: recv_x[row_index] differs from the expert-major layout"
         assert rep["combine_same"], f"rank {rank}: combine along a token-major handle differs"
         assert rep["graph_same"], f"rank {rank}: graph mode differs"
+        assert rep["grad_rows_exact_alloc"], f"rank {rank}: a token-major recv_x under autograd holds capacity"
         assert rep["grad_x_bitwise"], f"rank {rank}: x's gradient differs from its rank-ordered sum"
 
 
