@@ -749,11 +749,9 @@ class EPBuffer:
         if sync and not early:
             num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured)
             rows_cap = num_rows
-        elif early:
+        else:  # read after the kernel (early), or never (graph mode)
             rows_cap, num_rows = W * T * K, None
-        else:
-            rows_cap, num_rows = W * T * K, None
-            if max_recv_rows is not None and max_recv_rows < rows_cap:
+            if max_recv_rows is not None and max_recv_rows < rows_cap:  # graph mode only (dispatch checks)
                 # the kernel drops rows past the cap, so every expert's rows stop there too; an
                 # overflow is recorded for the next host-visible call (device ops, no sync)
                 rows_cap = max_recv_rows
