@@ -101,7 +101,8 @@ class Cases:
     """One version's objects and captured graphs for every case, with the eager default-mode
     result every replay must reproduce bit for bit (as the benchmarks check graph rows)."""
 
-    def __init__(self, ops, tokens: list[int], data: dict, with_layer: bool = True) -> None:
+    def __init__(self, ops, tokens: list[int], data: dict, with_layer: bool = True,
+                 programs: int | None = None) -> None:
         self.graphs: dict[str, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.eager: dict[str, torch.Tensor] = {}
         self.objects: list = []
@@ -111,7 +112,7 @@ class Cases:
         for T in tokens:
             x, idx_ep, w_ep, idx_moe, w_moe = data[T]
             buf = ops.EPBuffer(None, num_experts=E_ep, hidden=H, max_tokens_per_rank=T, topk=K,
-                               dtype=torch.bfloat16)
+                               dtype=torch.bfloat16, num_programs=programs)
             self.objects.append(buf)
             recv, handle = buf.dispatch(x, idx_ep, w_ep)  # default mode: raises on any problem
             self.eager[f"dispatch T={T}"] = recv.clone()
@@ -127,6 +128,12 @@ class Cases:
                 return got["x"]
 
             self.graphs[f"dispatch T={T}"] = _capture(dispatch)
+            self.eager[f"dispatch token_major T={T}"] = buf.dispatch(x, idx_ep, w_ep, layout="token_major")[0].clone()
+
+            def dispatch_tm(buf=buf, x=x, idx=idx_ep, w=w_ep):
+                return buf.dispatch(x, idx, w, sync=False, layout="token_major")[0]
+
+            self.graphs[f"dispatch token_major T={T}"] = _capture(dispatch_tm)
             # combine's input: the eager rows in the graph-mode buffer's fixed capacity, so its
             # replays must give the eager combine's result
             y, h_g = torch.zeros_like(got["x"]), got["h"]
@@ -179,6 +186,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--programs", type=int, default=None, help="the EP buffers' num_programs (default: all SMs)")
     parser.add_argument("--new-first", action="store_true", help="build the new version's cases first")
     parser.add_argument("--cases", choices=("all", "ep", "moe"), default="all",
                         help="ep: dispatch and combine only; moe: the layer only")
@@ -202,7 +210,7 @@ def main() -> int:
     layer = args.cases != "ep"
     built = {}  # the version built first runs the process's first compiles and calls
     for label in ((args.old_label, "new") if not args.new_first else ("new", args.old_label)):
-        built[label] = Cases(new_ops if label == "new" else old_ops, args.tokens, data, layer)
+        built[label] = Cases(new_ops if label == "new" else old_ops, args.tokens, data, layer, args.programs)
     versions = {args.old_label: built[args.old_label], "new": built["new"]}
     if args.cases == "moe":
         for c in versions.values():

@@ -10,7 +10,7 @@
 #   deepep                 build DeepEP v1 from .anchors/ (copy ../shared/anchors there) into /tmp/deepep
 #   bench:NAME[:ROUTING]   torchrun -m ditron_ep bench --bench NAME [--routing ROUTING] $BENCH_ARGS
 #   suite[:K]              tests/gpu/run_gpu_suite.sh [-k K]   (e.g. suite:"not nvshmem")
-#   ab[:CASES]             tools/ab_compare.py --old-root .base [--cases CASES] (old tree: git archive
+#   ab[:CASES[:PROGRAMS]]  tools/ab_compare.py --old-root .base [--cases CASES] [--programs P] (old tree: git archive
 #                          OLD ditron_ep | tar -x -C .base)
 #   host                   tools/host_profile.py (with .base when it exists)
 # Environment: NEW_COMMIT (the short hash sent: DITRON_COMMIT and file names; give the local `git rev-parse
@@ -63,9 +63,10 @@ for step in "$@"; do
             ${arg1:+-k "$arg1"} > "$RES/gpu_suite_$TAG.log" 2>&1
         tail -5 "$RES/gpu_suite_$TAG.log" ;;
     ab)
+        name=ab${arg2:+_p$arg2}_$TAG
         run torchrun --nproc-per-node "$N" tools/ab_compare.py --old-root .base ${arg1:+--cases $arg1} \
-            --json "$RES/ab_$TAG.json" > "$RES/ab_$TAG.log" 2>&1
-        grep -v "^W[0-9]" "$RES/ab_$TAG.log" | tail -15 ;;
+            ${arg2:+--programs $arg2} --json "$RES/$name.json" > "$RES/$name.log" 2>&1
+        grep -v "^W[0-9]" "$RES/$name.log" | tail -15 ;;
     host)
         old=(); [[ -d .base/ditron_ep ]] && old=(--old-root .base)
         run torchrun --nproc-per-node "$N" tools/host_profile.py "${old[@]}" --json "$RES/host_profile_$TAG.json" \

@@ -280,6 +280,8 @@ class EPBuffer:
         self.block_hidden = block_hidden or min(2048 // elt, triton.next_power_of_2(H))
         self.n_slices, self.slice_cols = task_queue.hidden_slices(
             max_tokens_per_rank, W, block_rows, H, self.block_hidden, hidden_slices)
+        # two column tiles per copy step where a slice has them (dispatch_kernels.load_cols)
+        self._col_pairs = self.slice_cols > self.block_hidden
         sig_per_kernel = W * self.n_chunks * self.n_slices  # (rank, chunk, column slice)
         # with puts, the dispatch's and the combine's signals are uint64 words (put_signal_words)
         kernel_words = 2 * sig_per_kernel + 1 if transport == "put" else sig_per_kernel
@@ -676,12 +678,13 @@ class EPBuffer:
             K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
             BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout,
             TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize, PUTS=puts,
-            num_warps=self.num_warps)
+            COL_PAIRS=self._col_pairs, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle,
-                        mode: int = 0) -> torch.Tensor:
+                        mode: int = 0, land_own: bool = False) -> torch.Tensor:
         """The combine kernel; mode: control.MODE_FLAGS bits (0: exact; rank-reduced weighs the
-        rows by handle.recv_weights when the dispatch carried weights)."""
+        rows by handle.recv_weights when the dispatch carried weights); land_own: this rank's own
+        rows land too (`_landed` reads them), else the reduce reads them from y."""
         h = self.heap
         T = handle.num_tokens
         reduced = bool(mode & C.FLAG_MODE_RANK_REDUCED)
@@ -700,7 +703,7 @@ class EPBuffer:
             BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
             BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows, row_w is not None),
             RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
-            PUTS=puts, num_warps=self.num_warps)
+            PUTS=puts, LAND_OWN=land_own, COL_PAIRS=self._col_pairs, num_warps=self.num_warps)
         return out
 
     def _finish(self, sync: bool, under_autograd: bool = False) -> None:
@@ -787,9 +790,9 @@ class EPBuffer:
         return recv_x, handle
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
-                     mode: int = 0, under_autograd: bool = False) -> torch.Tensor:
+                     mode: int = 0, under_autograd: bool = False, land_own: bool = False) -> torch.Tensor:
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
-        out = self._launch_combine(y.contiguous(), w32, handle, mode)
+        out = self._launch_combine(y.contiguous(), w32, handle, mode, land_own)
         self._finish(handle.sync, under_autograd)
         return out
 
@@ -1002,12 +1005,13 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, w, buffer, handle, mode):
-        out = buffer._combine_raw(y, handle, w, mode, under_autograd=True)
+        keep = w is not None and w.requires_grad
+        out = buffer._combine_raw(y, handle, w, mode, under_autograd=True, land_own=keep)
         ctx.buffer, ctx.handle, ctx.mode = buffer, handle, mode
         # y(t, k) as landed, for the weights' gradient: saved (not a ctx attribute) so that the
         # engine frees it once this backward has run, not when the graph goes (rows * H elements
         # through the rest of the backward otherwise)
-        ctx.save_for_backward(w, buffer._landed(handle.num_tokens) if (w is not None and w.requires_grad) else None)
+        ctx.save_for_backward(w, buffer._landed(handle.num_tokens) if keep else None)
         return out
 
     @staticmethod

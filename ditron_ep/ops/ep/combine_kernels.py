@@ -4,7 +4,8 @@ One persistent launch whose programs take tasks from an interleaved queue (task_
   - send-back tasks (chunk c, source s, column slice j), sources rank, rank-1, ...: the slice's
     columns of every expanded row of the chunk's tokens are written to s's landing buffer at
     [token, k] (its exact place, so no ordering question arises), then the (expert rank, chunk,
-    slice) signal is stamped with the call number;
+    slice) signal is stamped with the call number. A rank's own rows (pointer transport) do not
+    land: its reduce reads them from y, one local copy of 1/W of the rows less;
   - reduce tasks (block b of this rank's tokens, slice j), trailing the send-backs by `lag`
     chunks: wait for exactly the chunks holding the block's tokens, then
     out[t] = sum over k = 0..K-1 of w[t, k] * y(t, k) for the slice's columns, fp32, cast once.
@@ -28,7 +29,7 @@ from ditron_ep.language.nvshmem import put_row_block, putmem_nbi_block, quiet, s
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
-from ditron_ep.ops.ep.dispatch_kernels import token_major_row
+from ditron_ep.ops.ep.dispatch_kernels import load_cols, token_major_row
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
 
@@ -57,10 +58,13 @@ def combine_sum_columns(block_hidden: int, block_rows: int, weighted_partials: b
 @register_device_function
 @triton.jit
 def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: tl.constexpr,
-                  HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                  HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                  y_ptr=None, recv_rows_ptr=None, r_own=None):
     """out[t] = sum over k = 0..K-1 of w[t, k] * land[t, k] (routed k only), fp32, k in order, one
     cast: the combine contract, for columns [h_lo, h_hi). land is (T, K, H); o_t / m_t are the
-    block's tokens and mask."""
+    block's tokens and mask. With y_ptr: the (t, k) of this rank's own experts did not land, they
+    are read from y at recv_rows[r_own[t], k] (r_own: the token's (this rank, slot) row of
+    recv_rows, -1 when none) — the same values."""
     o_t64 = o_t.to(tl.int64)
     for h0 in range(h_lo, h_hi, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
@@ -68,8 +72,11 @@ def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: 
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for k in tl.static_range(K):
             valid = tl.load(topk_ptr + o_t64 * K + k, mask=m_t, other=-1) >= 0
-            b_y = tl.load(p_land + (o_t64[:, None] * K + k) * H + o_h[None, :], mask=m & valid[:, None],
-                          other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+            p_y = p_land + (o_t64[:, None] * K + k) * H + o_h[None, :]
+            if y_ptr is not None:
+                row = tl.load(recv_rows_ptr + r_own * K + k, mask=m_t & (r_own >= 0), other=-1).to(tl.int64)
+                p_y = tl.where((row >= 0)[:, None], y_ptr + row[:, None] * H + o_h[None, :], p_y)
+            b_y = tl.load(p_y, mask=m & valid[:, None], other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
             if HAS_WEIGHTS:
                 b_w = tl.load(w_ptr + o_t64 * K + k, mask=m_t & valid, other=0.0)
                 acc += b_w[:, None] * b_y
@@ -181,6 +188,8 @@ def ep_combine_kernel(
     TOKEN_ROWS: tl.constexpr = False,  # with RANK_REDUCED: y is token-major (one row per (source, token))
     PUTS: tl.constexpr = False,        # the put transport is compiled in (every signal then a uint64)
     BLOCK_HA: tl.constexpr = 0,        # columns per step of the fp32 sums (0: BLOCK_H); combine_sum_columns
+    LAND_OWN: tl.constexpr = False,    # exact mode: this rank's own rows land too (the weights' gradient reads them)
+    COL_PAIRS: tl.constexpr = False,   # the send-back's copy steps two column tiles at a time (load_cols)
 ):
     tl.static_assert(BLOCK_T == BLOCK_S, "reduce block b must need chunks 0..b only")
     SUM_H: tl.constexpr = BLOCK_H if BLOCK_HA == 0 else BLOCK_HA
@@ -241,16 +250,19 @@ def ep_combine_kernel(
                         tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)
                         send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, o_j, tok_row, m_j, rank,
                                           h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, SUM_H)
-                    else:
+                    elif (i_s != rank) or LAND_OWN:  # else the reduce reads its own rows from y (self_read)
                         p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
                         for k in tl.static_range(K):
                             row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
                             m_r = m_j & (row >= 0)
-                            for h0 in range(h_lo, h_hi, BLOCK_H):
-                                o_h = h0 + tl.arange(0, BLOCK_H)
-                                m = m_r[:, None] & (o_h < h_hi)[None, :]
-                                b_y = tl.load(y_ptr + row[:, None] * H + o_h[None, :], mask=m)  # [BLOCK_S, BLOCK_H]
-                                tl.store(p_land + (i_tok[:, None] * K + k) * H + o_h[None, :], b_y, mask=m)
+                            p_to = p_land + (i_tok * K + k) * H
+                            for h0 in range(h_lo, h_hi, BLOCK_H * (1 + COL_PAIRS)):
+                                a, o_a, m_a = load_cols(y_ptr + row * H, m_r, h0, h_hi, BLOCK_H)
+                                if COL_PAIRS:
+                                    b, o_b, m_b = load_cols(y_ptr + row * H, m_r, h0 + BLOCK_H, h_hi, BLOCK_H)
+                                tl.store(p_to[:, None] + o_a[None, :], a, mask=m_a)
+                                if COL_PAIRS:
+                                    tl.store(p_to[:, None] + o_b[None, :], b, mask=m_b)
                     if not by_put:
                         notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_word, call_no)
             else:
@@ -277,8 +289,14 @@ def ep_combine_kernel(
                         reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
                                              BLOCK_T, SUM_H)
                     else:
+                        self_read = not LAND_OWN
+                        if PUTS:  # a put to itself landed the rows (transport "put" forces every peer)
+                            self_read = ((put_peers >> rank) & 1) == 0
+                        slot_me = tl.load(slot_ptr + o_t * world + rank, mask=m_t & self_read, other=-1)
+                        r_own = tl.where(slot_me >= 0, rank * MAXT + slot_me, -1).to(tl.int64)
                         reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr,
-                                      w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, SUM_H)
+                                      w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K, HAS_WEIGHTS, BLOCK_T, SUM_H,
+                                      y_ptr=y_ptr, recv_rows_ptr=recv_rows_ptr, r_own=r_own)
         t = next_task(my_ctrl)
     if PUTS:
         quiet()  # this program's puts delivered (and their sources free) before the call ends
@@ -294,7 +312,7 @@ _SIG = {"y_ptr": "*bf16", "recv_rows_ptr": "*i32", "recv_tok_ptr": "*i32", "toke
 _MULT16 = ("H", "land_offset", "slice_cols")
 # bf16 as EPBuffer launches it on CUDA: 1,024-column copy steps, 16 warps; the weighted rank-reduced
 # sums 512 columns at a time (combine_sum_columns)
-_CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_W": 8}
+_CUDA_BF16 = {"BLOCK_S": 16, "BLOCK_T": 16, "BLOCK_H": 1024, "BLOCK_W": 8, "COL_PAIRS": True}
 _CUDA_BF16_REDUCED = {**_CUDA_BF16, "RANK_REDUCED": True}
 _WARPS = {"num_warps": 16}  # EPBuffer's default on NVIDIA
 register_kernel(ep_combine_kernel, _SIG, {**_CUDA_BF16, "K": 8, "HAS_WEIGHTS": True}, label="bf16-K8",

@@ -819,7 +819,7 @@ def rank_reduced_errors_case() -> dict:
 
 
 def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dtype, kind: str, seed: int,
-                     drop_prob: float) -> dict:
+                     drop_prob: float, block_hidden: int | None = None, hidden_slices: int | None = None) -> dict:
     """dispatch(layout="token_major"): each received token once, in (source rank, token) order;
     recv_x[row_index] is the expert-major layout bit for bit; combine along it equals the
     expert-major flow's; graph mode gives the same rows first; the gradient of x is the rank-ordered
@@ -827,7 +827,8 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
     rank, W = dist.get_rank(), dist.get_world_size()
     xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, kind, seed, drop_prob)
     x, idx, w = xs[rank], idxs[rank], ws[rank]
-    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype)
+    buf = EPBuffer(None, E, H, max(max(tokens), 1), K, dtype, block_hidden=block_hidden, hidden_slices=hidden_slices)
+    assert block_hidden is None or buf._col_pairs, "the tiling asked for should step two column tiles at a time"
     e_local = E // W
     mine = [[t for t in range(tokens[s]) if any(int(idxs[s][t, k]) // e_local == rank and int(idxs[s][t, k]) >= 0
                                                  for k in range(K))] for s in range(W)]

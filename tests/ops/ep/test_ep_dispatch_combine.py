@@ -285,18 +285,20 @@ def test_rank_reduced_combine_bad_modes(emulated_cluster):
         assert res["after_ok"]
 
 
-TOKEN_MAJOR_CASES = [  # (W, tokens, H, E, K, dtype, routing, drop)
-    (2, [20, 13], 64, 8, 4, torch.float32, "uniform", 0.0),
-    (3, [11, 0, 7], 48, 6, 3, torch.bfloat16, "zipf", 0.2),       # empty rank, dropped slots
-    (4, [8, 5, 12, 3], 40, 8, 2, torch.float16, "one_rank", 0.0),  # every token to rank 0
-    (2, [17, 33], 72, 4, 2, torch.float32, "one_expert", 0.0),     # T > block, one expert
+TOKEN_MAJOR_CASES = [  # (W, tokens, H, E, K, dtype, routing, drop, (block_hidden, hidden_slices))
+    (2, [20, 13], 64, 8, 4, torch.float32, "uniform", 0.0, (None, None)),
+    (3, [11, 0, 7], 48, 6, 3, torch.bfloat16, "zipf", 0.2, (None, None)),       # empty rank, dropped slots
+    (4, [8, 5, 12, 3], 40, 8, 2, torch.float16, "one_rank", 0.0, (None, None)),  # every token to rank 0
+    # T > block, one expert; 5 column tiles in 2 slices: two tiles a copy step, the last one ragged
+    (2, [17, 33], 72, 4, 2, torch.float32, "one_expert", 0.0, (16, 2)),
 ]
 
 
-@pytest.mark.parametrize("W,tokens,H,E,K,dtype,kind,drop", TOKEN_MAJOR_CASES,
+@pytest.mark.parametrize("W,tokens,H,E,K,dtype,kind,drop,tiling", TOKEN_MAJOR_CASES,
                          ids=[f"W{c[0]}-{str(c[5])[6:]}-{c[6]}" for c in TOKEN_MAJOR_CASES])
-def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind, drop):
-    for rank, rep in enumerate(emulated_cluster(W).run(fns.token_major_case, tokens, H, E, K, dtype, kind, 7, drop)):
+def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind, drop, tiling):
+    for rank, rep in enumerate(emulated_cluster(W).run(fns.token_major_case, tokens, H, E, K, dtype, kind, 7, drop,
+                                                       *tiling)):
         assert rep["token_rows_exact"], f"rank {rank}: token rows differ from (source rank, token) order"
         assert rep["row_index_exact"], f"rank {rank}: recv_x[row_index] differs from the expert-major layout"
         assert rep["combine_same"], f"rank {rank}: combine along a token-major handle differs"
