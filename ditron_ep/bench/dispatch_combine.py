@@ -24,6 +24,10 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       the rank-reduced combine (topk_sum="expert_rank"): one row per (token, rank)
                       returns, in the token dtype or fp32 (JSON details: rel_err_vs_float64 of every
                       combine row against the float64 oracle of identity experts);
+  EPBuffer.combine caller
+                      combine(topk_sum="caller") along a token-major dispatch: y is one row per
+                      (token, rank), each already its rank's sum — DeepEP's combine input, the same
+                      bytes; checked against x times the ranks the token reached (identity experts);
   DeepEP ...          (GPUs, eager) DeepEP v1's layout+dispatch and combine when deep_ep imports
                       (bench/deepep.py);
   graph: ...          (GPUs only, dispatch_combine's mode "graph") one CUDA graph each, timed as
@@ -31,7 +35,8 @@ emulated ranks; only the exchange of pre-packed rows is timed). Implementations:
                       dispatch+combine; and dispatch / combine with 0 tokens on every rank (the
                       fixed cost of a cross-rank launch under the timing rule: host skew after the
                       barrier, graph launch, entry barrier, counts exchange); the token-major
-                      dispatch, the rank-reduced combine (dtype and fp32 partials) and, where the
+                      dispatch, the rank-reduced combine (dtype and fp32 partials), the combine of
+                      token rows (topk_sum="caller") and, where the
                       FP8 rows run, the FP8 dispatch (checked bitwise against eager calls).
   HBM copy, peer copy (NVLink), floor: <mode>  (dispatch_combine) the bandwidths measured in the
                       run and each mode's floor from the bytes it must move (bench/ep_floors.py),
@@ -94,13 +99,14 @@ EP_OPTIONS = (
 MODES = ("eager", "graph")
 # the rank-reduced combine (topk_sum="expert_rank"), in the token dtype and with fp32 partials
 RANK_REDUCED, RANK_REDUCED_FP32 = "EPBuffer.combine expert_rank", "EPBuffer.combine expert_rank fp32"
+CALLER = "EPBuffer.combine caller"  # combine(topk_sum="caller") of token rows (DeepEP's combine input)
 TOKEN_MAJOR = "EPBuffer.dispatch token_major"  # dispatch(layout="token_major")
 TOKEN_MAJOR_KERNEL = "dispatch kernel token_major"
 FP8_DISPATCH, FP8_DEQUANT = "EPBuffer.dispatch fp8", "EPBuffer.dispatch fp8 token_major dequantize"
 FP8_TOKEN_MAJOR = "EPBuffer.dispatch fp8 token_major"
 GRAPHS = ("graph: layout", "graph: dispatch", "graph: combine", "graph: dispatch+combine",
           "graph: dispatch, 0 tokens", "graph: combine, 0 tokens", "graph: dispatch token_major",
-          "graph: combine expert_rank", "graph: combine expert_rank fp32")
+          "graph: combine expert_rank", "graph: combine expert_rank fp32", "graph: combine caller")
 GRAPH_FP8 = "graph: dispatch fp8"  # on the FP8 buffer (measure_fp8)
 
 
@@ -378,6 +384,34 @@ def measure_combine(ctx: BenchContext, case: EPCase) -> tuple[list[Measurement],
     return out, outs.get("EPBuffer.combine")
 
 
+def reached_ranks(idx: torch.Tensor, experts: int, world: int) -> torch.Tensor:
+    """fp64 [T]: the ranks each token's routed experts live on, counted once each."""
+    e_local = experts // world
+    on = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=idx.device)
+    valid = idx >= 0
+    rows = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
+    on[rows[valid], (idx[valid] // e_local).long()] = True
+    return on.sum(1).to(torch.float64)
+
+
+def measure_caller_combine(ctx: BenchContext, case: EPCase) -> Measurement:
+    """CALLER: combine(topk_sum="caller") of the token-major rows as they arrived (identity
+    experts, each rank's row already its sum): out[t] = x[t] * the ranks t reached."""
+    inp, buf = case.inp, case.buf
+    work, details = case.work(ctx, "combine")
+    try:
+        y, handle = guarded(ctx, "token-major dispatch (untimed)",
+                            lambda: buf.dispatch(inp.x, inp.idx, inp.w, layout="token_major"), buf)
+        fn = lambda: buf.combine(y, handle, topk_sum="caller")  # noqa: E731
+        got = guarded(ctx, f"{CALLER} (check)", fn, buf)
+    except StageFailed as exc:
+        return Measurement(CALLER, None, work, "", False, error=str(exc))
+    oracle = inp.x.to(torch.float64) * reached_ranks(inp.idx, ctx.shape.experts, ctx.world)[:, None]
+    rel = relative_errors(ctx, oracle, {CALLER: got})[CALLER]
+    return ctx.measure(CALLER, fn, work, *tolerance_check(rel, TOLERANCES[ctx.dtype][0]), buf=buf,
+                       details={**details, "rel_err_vs_float64": rel})
+
+
 def measure_a2a(ctx: BenchContext, case: EPCase, impl: str, kind: str) -> Measurement:
     """The baseline's exchange of `kind`: "dispatch", "combine" or "roundtrip" (both in one call)."""
     a2a = case.a2a
@@ -419,7 +453,7 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         recv_0, h_0 = graphs["graph: dispatch, 0 tokens"][1]
         graphs["graph: combine, 0 tokens"] = capture_graph(lambda: buf.combine(recv_0, h_0, w0))
         # the new layouts as graphs: token-major rows; the rank-reduced combine of the graph's rows
-        tok, _ = buf.dispatch(x, idx, w, layout="token_major")
+        tok, h_tm = buf.dispatch(x, idx, w, layout="token_major")
         eager["token_major"] = tok
         r3, h3 = buf.dispatch(x, idx, w, sync=False)
         eager["expert_rank"] = buf.combine(r3, h3, topk_sum="expert_rank")
@@ -431,6 +465,10 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         graphs["graph: combine expert_rank"] = capture_graph(lambda: buf.combine(recv_g, h_g, topk_sum="expert_rank"))
         graphs["graph: combine expert_rank fp32"] = capture_graph(
             lambda: buf.combine(recv_g, h_g, topk_sum="expert_rank", partial_dtype=torch.float32))
+        # token rows as they arrived (identity experts), through a token-major graph's handle
+        tok_g, h_tok = graphs["graph: dispatch token_major"][1]
+        eager["caller"] = buf.combine(tok, h_tm, topk_sum="caller")
+        graphs["graph: combine caller"] = capture_graph(lambda: buf.combine(tok_g, h_tok, topk_sum="caller"))
 
     def dispatched(out: Any, want: torch.Tensor) -> bool:
         recv, handle = out
@@ -456,6 +494,7 @@ def measure_graphs(ctx: BenchContext, case: EPCase) -> list[Measurement]:
         "graph: combine expert_rank": ("combine", bitwise, lambda out: torch.equal(out, eager["expert_rank"])),
         "graph: combine expert_rank fp32": ("combine", bitwise,
                                             lambda out: torch.equal(out, eager["expert_rank_fp32"])),
+        "graph: combine caller": ("combine", bitwise, lambda out: torch.equal(out, eager["caller"])),
     }
     try:
         guarded(ctx, "graph capture", build, buf)
@@ -505,7 +544,7 @@ def run_dispatch_combine(ctx: BenchContext, tokens: int) -> list[Measurement]:
             out += [measure_layout(ctx, case), *measure_dispatch(ctx, case, A2A_DISPATCH)]
             if fp8_applies(ctx.shape.hidden, ctx.request.dtype, ctx.on_cuda, ctx.options):
                 out += measure_fp8(ctx, case, tokens, graph="graph" in modes and ctx.on_cuda)
-            out += measure_combine(ctx, case)[0]
+            out += [*measure_combine(ctx, case)[0], measure_caller_combine(ctx, case)]
             if ctx.on_cuda:
                 out += measure_deepep(ctx, case.inp, ctx.shape.experts, ctx.shape.hidden,
                                       {k: case.work(ctx, k) for k in ("dispatch", "combine")})
@@ -551,12 +590,14 @@ def plan_dispatch_combine(req: BenchRequest, tokens: int, options: Mapping[str, 
                     Impl(FP8_TOKEN_MAJOR, against=(*d, TOKEN_MAJOR)), Impl(FP8_DEQUANT, against=(*d, TOKEN_MAJOR)))
                    if fp8_applies(req.shape.hidden, req.dtype, on_gpu, options) else ()),
                  Impl("combine kernel", against=c), Impl("EPBuffer.combine", against=(*c, *deepep[1:])),
-                 Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:]))]
+                 Impl(RANK_REDUCED, against=(*c, *deepep[1:])), Impl(RANK_REDUCED_FP32, against=(*c, *deepep[1:])),
+                 Impl(CALLER, against=(*c, *deepep[1:]))]
     if "graph" in options["mode"] and on_gpu:
         ours += [Impl("graph: layout"), Impl("graph: dispatch", against=d), Impl("graph: combine", against=c),
                  Impl("graph: dispatch+combine", against=rt), Impl("graph: dispatch, 0 tokens"),
                  Impl("graph: combine, 0 tokens"), Impl("graph: dispatch token_major", against=d),
                  Impl("graph: combine expert_rank", against=c), Impl("graph: combine expert_rank fp32", against=c),
+                 Impl("graph: combine caller", against=c),
                  *((Impl(GRAPH_FP8, against=d),) if fp8_applies(req.shape.hidden, req.dtype, on_gpu, options) else ())]
     # each mode also against its floor (ep_floors: the bytes it must move at the measured bandwidths)
     fp8 = fp8_applies(req.shape.hidden, req.dtype, on_gpu, options)

@@ -20,7 +20,9 @@ b = H x element size bytes (FP8: H + 4 H / 128, the e4m3 row and its fp32 scales
                      NVLink: max(out, in) of the pairs crossing (each (token, k) term reaches its
                      token's rank, which adds them in k order);
   combine, rank-reduced (topk_sum="expert_rank")  HBM as exact; NVLink: the (token, rank) rows
-                     crossing, in the token dtype or fp32 (partial_dtype=torch.float32).
+                     crossing, in the token dtype or fp32 (partial_dtype=torch.float32);
+  combine of token rows (topk_sum="caller")  HBM: the (token, rank) rows r holds (Σ_s tok[s][r])
+                     read + T_r output rows written; NVLink as rank-reduced.
 A floor is a bound, not a schedule: it counts each byte once, where every real kernel reads or
 writes some twice (a landing buffer, a local copy).
 """
@@ -44,6 +46,7 @@ class FloorMode:
     kind: str           # "dispatch" | "combine": the traffic rule of case.work
     landing: str        # dispatch: "pairs" | "tok" landing rows; combine: what crosses ("pairs" | "tok")
     row_bytes: Callable[[int, int], float]   # (hidden, element size) -> bytes of one crossing row
+    reads: str = "pairs"  # combine: the expert-side rows read, one per (token, k) or per (token, rank) ("tok")
 
 
 def _plain(h: int, elt: int) -> float:
@@ -69,12 +72,12 @@ RANK_REDUCED_FLOOR = FloorMode("floor: combine expert_rank", "EPBuffer.combine e
                                _plain)
 RANK_REDUCED_FP32_FLOOR = FloorMode("floor: combine expert_rank fp32", "EPBuffer.combine expert_rank fp32",
                                     "combine", "tok", _fp32)
+CALLER_FLOOR = FloorMode("floor: combine caller", "EPBuffer.combine caller", "combine", "tok", _plain, reads="tok")
 
 
 def floor_modes(fp8: bool) -> tuple[FloorMode, ...]:
     return (DISPATCH_FLOOR, TOKEN_MAJOR_FLOOR, *((FP8_FLOOR, FP8_TOKEN_MAJOR_FLOOR) if fp8 else ()), COMBINE_FLOOR,
-            RANK_REDUCED_FLOOR,
-            RANK_REDUCED_FP32_FLOOR)
+            RANK_REDUCED_FLOOR, RANK_REDUCED_FP32_FLOOR, CALLER_FLOOR)
 
 
 def floor_of(row: str, fp8: bool = True) -> str | None:
@@ -84,7 +87,7 @@ def floor_of(row: str, fp8: bool = True) -> str | None:
             "dispatch token_major": "EPBuffer.dispatch token_major",
             "combine expert_rank": "EPBuffer.combine expert_rank",
             "combine expert_rank fp32": "EPBuffer.combine expert_rank fp32",
-            "dispatch fp8": "EPBuffer.dispatch fp8"}.get(base, base) if row.startswith("graph: ") else base
+            "combine caller": "EPBuffer.combine caller", "dispatch fp8": "EPBuffer.dispatch fp8"}.get(base, base) if row.startswith("graph: ") else base
     return next((m.row for m in floor_modes(fp8) if m.of == base), None)
 
 
@@ -100,7 +103,8 @@ def rank_bytes(mode: FloorMode, tokens: list[int], tok: list[list[int]], pairs: 
         inn = sum(tok[s][r] for s in range(W) if s != r) * b
     else:
         row = _plain(hidden, elt)   # the expert rows read and the output written: the token dtype
-        hbm = sum(pairs[s][r] for s in range(W)) * row + tokens[r] * row
+        held = pairs if mode.reads == "pairs" else tok
+        hbm = sum(held[s][r] for s in range(W)) * row + tokens[r] * row
         out = sum(crossing[d][r] for d in range(W) if d != r) * b    # r's expert results going home
         inn = sum(crossing[r][s] for s in range(W) if s != r) * b    # r's tokens' terms coming back
     return hbm, max(out, inn)

@@ -416,7 +416,8 @@ class EPBuffer:
         """Return expert outputs to their tokens: out[t] = sum_k w[t, k] * y(t, k).
 
         Args:
-            y: [rows, H] expert outputs in `recv_x`'s row order (same rows as dispatch returned).
+            y: [rows, H] expert outputs in `recv_x`'s row order (same rows as dispatch returned);
+                with topk_sum="caller", one row per token row of a token-major dispatch's recv_x.
             handle: from `dispatch` on this buffer.
             topk_weights: [T, K] float weights; None = unweighted sum (weights already applied).
             topk_sum: where a token's K terms are added.
@@ -429,6 +430,11 @@ class EPBuffer:
                 rows, `handle.recv_weights`), so topk_weights must be None here; a dispatch without
                 weights gives the unweighted sum. Gradients flow to y (to learn the router's weights
                 in this mode, scale y by `ops.dispatched_weights` and combine unweighted).
+                "caller": the caller has added each token's terms on the expert rank: y holds one
+                row per token row of a `layout="token_major"` dispatch (DeepEP's combine input);
+                the token's rank adds those rows in rank order in fp32 and casts once, as in
+                "expert_rank". topk_weights must be None. y's gradient of a row is the token's
+                output gradient.
             partial_dtype: "expert_rank" only: the dtype of the per-rank sums on the wire: y's
                 (default: a second rounding, of each rank's sum) or torch.float32 (no extra
                 rounding; twice the bytes for bf16).
@@ -444,8 +450,9 @@ class EPBuffer:
         try:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
                 raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
-            self._check_tokens(y, "y", rows=handle.rows_cap)
             mode = self._combine_mode(topk_sum, partial_dtype, topk_weights, handle)
+            self._check_tokens(y, "y", rows=self._token_rows(handle) if mode & C.FLAG_MODE_TOKEN_ROWS
+                               else handle.rows_cap)
             w = None
             if topk_weights is not None:
                 w = self._check_weights(topk_weights, handle.num_tokens)
@@ -459,9 +466,18 @@ class EPBuffer:
     def _combine_mode(self, topk_sum: object, partial_dtype: object, topk_weights: object,
                       handle: DispatchHandle) -> int:
         """combine's mode bits (control.MODE_FLAGS) for its keywords, or DitronConfigError."""
-        if topk_sum not in ("token_rank", "expert_rank"):
-            raise DitronConfigError(f"topk_sum must be 'token_rank' (the exact combine) or 'expert_rank' (the "
-                                    f"rank-reduced one), got {topk_sum!r}")
+        if topk_sum not in ("token_rank", "expert_rank", "caller"):
+            raise DitronConfigError(f"topk_sum must be 'token_rank' (the exact combine), 'expert_rank' (the "
+                                    f"rank-reduced one) or 'caller' (y already holds one sum per token row), "
+                                    f"got {topk_sum!r}")
+        if topk_sum == "caller":
+            if handle.row_index is None:
+                raise DitronConfigError("topk_sum='caller' combines one row per received token: dispatch with "
+                                        "layout='token_major' (this handle is expert-major)")
+            if topk_weights is not None or partial_dtype is not None:
+                raise DitronConfigError("topk_sum='caller': y's rows are already the sums, sent as they are: pass "
+                                        "neither topk_weights nor partial_dtype")
+            return C.FLAG_MODE_RANK_REDUCED | C.FLAG_MODE_TOKEN_ROWS
         if topk_sum == "token_rank":
             if partial_dtype is not None:
                 raise DitronConfigError("partial_dtype applies to topk_sum='expert_rank' only (the exact combine sends "
@@ -486,6 +502,11 @@ class EPBuffer:
                     f"W={self.world_size}, topk={self.topk}); use partial_dtype=None")
             return C.FLAG_MODE_RANK_REDUCED | C.FLAG_MODE_FP32_PARTIALS
         return C.FLAG_MODE_RANK_REDUCED
+
+    def _token_rows(self, handle: DispatchHandle) -> int:
+        """Rows of a token-major dispatch's recv_x: the tokens received (default mode) or the
+        capacity W * max_tokens (graph mode)."""
+        return handle.token_rows if handle.token_rows is not None else self.world_size * self.max_tokens
 
     def check(self) -> None:
         """Raise a timeout or a stopped call recorded by any launch, then problems recorded by
@@ -796,19 +817,23 @@ class EPBuffer:
         self._finish(handle.sync, under_autograd)
         return out
 
-    def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None) -> torch.Tensor:
-        """Dispatch `g` [T, H] along an existing handle (rows scaled by w): combine's backward."""
+    def _dispatch_replay(self, g: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
+                         token_rows: bool = False) -> torch.Tensor:
+        """Dispatch `g` [T, H] along an existing handle (rows scaled by w): combine's backward;
+        token_rows: into a token-major handle's token rows (the backward of topk_sum="caller")."""
         # default mode: the kernel writes every one of the handle's rows (a timeout raises at the end
         # of the backward pass), so no memset of them (470 MB at T=4096, H=7168, top-8); graph mode:
         # the rows past the received ones must be zero
-        grad = (torch.empty if handle.sync else torch.zeros)((handle.rows_cap, self.hidden), dtype=g.dtype,
-                                                              device=g.device)
+        rows = self._token_rows(handle) if token_rows else handle.rows_cap
+        grad = (torch.empty if handle.sync else torch.zeros)((rows, self.hidden), dtype=g.dtype, device=g.device)
+        # the kernel also writes each pair's token row (what handle.row_index holds): into scratch
+        row_index = torch.empty(handle.rows_cap, dtype=torch.int32, device=g.device) if token_rows else None
         recv_w = torch.empty(handle.rows_cap, dtype=torch.float32, device=g.device) if w is not None else None
         recv_rows = torch.empty_like(handle.recv_rows)
         recv_tok = torch.empty_like(handle.recv_tok)
         w32 = None if w is None else w.detach().to(torch.float32).contiguous()
         self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
-                              grad, recv_w, recv_rows, recv_tok, after_layout=False)
+                              grad, recv_w, recv_rows, recv_tok, after_layout=False, row_index=row_index)
         self._finish(handle.sync, under_autograd=True)  # combine's backward only
         return grad
 
@@ -1020,7 +1045,9 @@ class _Combine(torch.autograd.Function):
         buffer, handle = ctx.buffer, ctx.handle
         _alive_for_backward(buffer)
         grad_y = None
-        if ctx.needs_input_grad[0] and ctx.mode & C.FLAG_MODE_RANK_REDUCED:
+        if ctx.needs_input_grad[0] and ctx.mode & C.FLAG_MODE_TOKEN_ROWS:  # topk_sum="caller"
+            grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, None, token_rows=True)
+        elif ctx.needs_input_grad[0] and ctx.mode & C.FLAG_MODE_RANK_REDUCED:
             # the rows' weights live on the expert rank (handle.recv_weights): replay unscaled, then
             # scale each row there, in fp32, one rounding (what the replay's SCALE_ROWS computes)
             grad_y = buffer._dispatch_replay(grad_out.contiguous(), handle, None)

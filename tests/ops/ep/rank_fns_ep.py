@@ -812,6 +812,10 @@ def rank_reduced_errors_case() -> dict:
     catch("partial_room", lambda: buf.combine(recv_x, h, topk_sum="expert_rank", partial_dtype=torch.float32))
     recv_wg, h_wg = buf.dispatch(x, idx, w.clone().requires_grad_(True))
     catch("weights_grad", lambda: buf.combine(recv_wg, h_wg, topk_sum="expert_rank"))
+    catch("caller_expert_major", lambda: buf.combine(recv_x, h, topk_sum="caller"))
+    tok, h_tok = buf.dispatch(x, idx, w, layout="token_major")
+    catch("caller_weights", lambda: buf.combine(tok, h_tok, w, topk_sum="caller"))
+    catch("caller_rows", lambda: buf.combine(tok[:-1] if rank == 0 else tok, h_tok, topk_sum="caller"))
     out = buf.combine(recv_x, h, topk_sum="expert_rank")  # the buffer still works afterwards
     res["after_ok"] = bool(torch.isfinite(out.float()).all())
     buf.free()
@@ -873,6 +877,22 @@ def token_major_case(tokens: list[int], H: int, E: int, K: int, dtype: torch.dty
             if s == rank:
                 want[t] = want[t] + up[j].to(torch.float32)
     report["grad_x_bitwise"] = torch.equal(xg.grad, cast_like_kernels(want, dtype))
+    # combine(topk_sum="caller") of the same rows: the same rank-ordered sum, in both modes; y's
+    # gradient of the row of (source s, token t) is the output gradient of t on s, as it is
+    out_want = cast_like_kernels(want, dtype)
+    yc = upstream(rank).requires_grad_(True)
+    out = buf.combine(yc, h, topk_sum="caller")
+    y_g = torch.zeros(W * buf.max_tokens, H, dtype=dtype)
+    y_g[:n] = upstream(rank)
+    out_g = buf.combine(y_g, h_g, topk_sum="caller")
+    report["caller_sum_bitwise"] = torch.equal(out, out_want) and torch.equal(out_g, out_want)
+
+    def out_grad(s: int) -> torch.Tensor:
+        return torch.randn(tokens[s], H, generator=torch.Generator().manual_seed(seed + 31 + s)).to(dtype)
+
+    out.backward(out_grad(rank))
+    want_gy = torch.stack([out_grad(s)[t] for s in range(W) for t in mine[s]]) if n else torch.empty(0, H, dtype=dtype)
+    report["caller_grad_bitwise"] = torch.equal(yc.grad, want_gy)
     buf.free()
     return report
 

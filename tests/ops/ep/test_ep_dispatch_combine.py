@@ -282,6 +282,9 @@ def test_rank_reduced_combine_bad_modes(emulated_cluster):
         assert "partial_dtype must be" in res["partial_bad"], res["partial_bad"]
         assert "needs 2 fp32 partials" in res["partial_room"], res["partial_room"]
         assert "cannot return their gradient" in res["weights_grad"], res["weights_grad"]
+        assert "dispatch with layout='token_major'" in res["caller_expert_major"], res["caller_expert_major"]
+        assert "pass neither topk_weights nor partial_dtype" in res["caller_weights"], res["caller_weights"]
+        assert res["caller_rows"] != "no error", "a y without one row per token row was accepted"
         assert res["after_ok"]
 
 
@@ -305,6 +308,8 @@ def test_token_major_dispatch(emulated_cluster, W, tokens, H, E, K, dtype, kind,
         assert rep["graph_same"], f"rank {rank}: graph mode differs"
         assert rep["grad_rows_exact_alloc"], f"rank {rank}: a token-major recv_x under autograd holds capacity"
         assert rep["grad_x_bitwise"], f"rank {rank}: x's gradient differs from its rank-ordered sum"
+        assert rep["caller_sum_bitwise"], f"rank {rank}: combine(topk_sum='caller') differs from the rank-ordered sum"
+        assert rep["caller_grad_bitwise"], f"rank {rank}: y's gradient under topk_sum='caller' differs"
 
 
 @pytest.mark.parametrize("W,tokens,kind,drop", [(2, [20, 13], "uniform", 0.0), (3, [11, 0, 7], "zipf", 0.2)],
