@@ -88,10 +88,12 @@ def reduce_landed(p_land, topk_ptr, w_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, K: 
 @register_device_function
 @triton.jit
 def reduce_rank_partials(p_part, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, y_ptr=None, own=-1, own_first=0):
     """out[t] = sum over ranks d = 0..W-1 that hold token t of part[d, slot of t on d], fp32, in rank
     order, one cast, for columns [h_lo, h_hi). part is (W, MAXT, H), indexed by the staging slot (a
-    chunk's partials are contiguous rows: one put per chunk); o_t / m_t are the block's tokens and mask."""
+    chunk's partials are contiguous rows: one put per chunk); o_t / m_t are the block's tokens and mask.
+    With y_ptr (token rows, TOKEN_ROWS): rank own's partial did not land, it is y's row own_first +
+    slot itself (the same value: a landed partial is that row, converted exactly)."""
     o_t64 = o_t.to(tl.int64)
     for h0 in range(h_lo, h_hi, BLOCK_H):
         o_h = h0 + tl.arange(0, BLOCK_H)
@@ -99,8 +101,17 @@ def reduce_rank_partials(p_part, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, wor
         acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
         for d in range(world):
             slot = tl.load(slot_ptr + o_t64 * world + d, mask=m_t, other=-1).to(tl.int64)
-            acc += tl.load(p_part + (d * MAXT + slot)[:, None] * H + o_h[None, :], mask=m & (slot >= 0)[:, None],
-                           other=0.0).to(tl.float32)
+            m_d = m & (slot >= 0)[:, None]
+            if y_ptr is not None:
+                if d == own:
+                    acc += tl.load(y_ptr + (own_first + slot)[:, None] * H + o_h[None, :], mask=m_d,
+                                   other=0.0).to(tl.float32)
+                else:
+                    acc += tl.load(p_part + (d * MAXT + slot)[:, None] * H + o_h[None, :], mask=m_d,
+                                   other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(p_part + (d * MAXT + slot)[:, None] * H + o_h[None, :], mask=m_d,
+                               other=0.0).to(tl.float32)
         tl.store(out_ptr + o_t64[:, None] * H + o_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -242,7 +253,7 @@ def ep_combine_kernel(
                                       i_s.to(tl.int64) * MAXT + i_c * BLOCK_S, tl.minimum(BLOCK_S, n - i_c * BLOCK_S),
                                       land_offset, h_lo, h_hi, H, MAXT, K, RANK_REDUCED, PART_ELT)
                         signal_after_puts(sig_table_ptr, rank, i_s, sig_word, call_no)
-                    elif RANK_REDUCED:
+                    elif RANK_REDUCED and ((i_s != rank) or not TOKEN_ROWS):  # own token rows: read from y
                         if PARTIAL_FP32:
                             p_part = heap_ptr(table_ptr, i_s, land_offset, tl.float32)
                         else:
@@ -250,7 +261,7 @@ def ep_combine_kernel(
                         tok_row = token_major_row(tokens_from_ptr, i_s, o_j, BLOCK_W)
                         send_rank_partial(y_ptr, row_w_ptr, recv_rows_ptr, p_part, r_src, o_j, tok_row, m_j, rank,
                                           h_lo, h_hi, H, MAXT, K, HAS_WEIGHTS, TOKEN_ROWS, BLOCK_S, SUM_H)
-                    elif (i_s != rank) or LAND_OWN:  # else the reduce reads its own rows from y (self_read)
+                    elif not RANK_REDUCED and ((i_s != rank) or LAND_OWN):  # else the reduce reads them from y
                         p_land = heap_ptr(table_ptr, i_s, land_offset, y_ptr.dtype.element_ty)
                         for k in tl.static_range(K):
                             row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
@@ -286,8 +297,16 @@ def ep_combine_kernel(
                             p_own = heap_ptr(table_ptr, rank, land_offset, tl.float32)
                         else:
                             p_own = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
-                        reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
-                                             BLOCK_T, SUM_H)
+                        if TOKEN_ROWS:  # this rank's own token rows never landed (unless put to itself)
+                            own = rank
+                            if PUTS:
+                                own = tl.where(((put_peers >> rank) & 1) == 0, rank, -1)
+                            reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
+                                                 BLOCK_T, SUM_H, y_ptr=y_ptr, own=own,
+                                                 own_first=token_major_row(tokens_from_ptr, rank, 0, BLOCK_W))
+                        else:
+                            reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
+                                                 BLOCK_T, SUM_H)
                     else:
                         self_read = not LAND_OWN
                         if PUTS:  # a put to itself landed the rows (transport "put" forces every peer)
