@@ -29,7 +29,7 @@ from ditron_ep.language.nvshmem import put_row_block, putmem_nbi_block, quiet, s
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
-from ditron_ep.ops.ep.dispatch_kernels import load_cols, token_major_row
+from ditron_ep.ops.ep.dispatch_kernels import copy_cols, token_major_row
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
 
@@ -266,14 +266,8 @@ def ep_combine_kernel(
                         for k in tl.static_range(K):
                             row = tl.load(recv_rows_ptr + r_src * K + k, mask=m_j, other=-1).to(tl.int64)
                             m_r = m_j & (row >= 0)
-                            p_to = p_land + (i_tok * K + k) * H
-                            for h0 in range(h_lo, h_hi, BLOCK_H * (1 + COL_PAIRS)):
-                                a, o_a, m_a = load_cols(y_ptr + row * H, m_r, h0, h_hi, BLOCK_H)
-                                if COL_PAIRS:
-                                    b, o_b, m_b = load_cols(y_ptr + row * H, m_r, h0 + BLOCK_H, h_hi, BLOCK_H)
-                                tl.store(p_to[:, None] + o_a[None, :], a, mask=m_a)
-                                if COL_PAIRS:
-                                    tl.store(p_to[:, None] + o_b[None, :], b, mask=m_b)
+                            copy_cols(y_ptr + row * H, p_land + (i_tok * K + k) * H, m_r, h_lo, h_hi, BLOCK_H,
+                                      COL_PAIRS)
                     if not by_put:
                         notify(heap_ptr(sig_table_ptr, i_s, 0, tl.int32) + sig_word, call_no)
             else:

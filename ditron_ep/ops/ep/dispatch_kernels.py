@@ -50,14 +50,8 @@ def stage_token_chunk(x_ptr, w_ptr, topk_ptr, pos_ptr, send_idx_ptr, table_ptr, 
     rank, row_block = i_d (its send areas, put from there)."""
     i_t = tl.load(send_idx_ptr + i_d * MAXT + o_j, mask=m_j, other=0).to(tl.int64)  # [BLOCK_S]
     r_dst = (row_block * MAXT + o_j).to(tl.int64)
-    p_stage = heap_ptr(table_ptr, dst, stage_offset, x_ptr.dtype.element_ty) + r_dst * H
-    for h0 in range(h_lo, h_hi, BLOCK_H * (1 + COL_PAIRS)):
-        a, o_a, m_a = load_cols(x_ptr + i_t * H, m_j, h0, h_hi, BLOCK_H)
-        if COL_PAIRS:
-            b, o_b, m_b = load_cols(x_ptr + i_t * H, m_j, h0 + BLOCK_H, h_hi, BLOCK_H)
-        tl.store(p_stage[:, None] + o_a[None, :], a, mask=m_a)
-        if COL_PAIRS:
-            tl.store(p_stage[:, None] + o_b[None, :], b, mask=m_b)
+    copy_cols(x_ptr + i_t * H, heap_ptr(table_ptr, dst, stage_offset, x_ptr.dtype.element_ty) + r_dst * H, m_j,
+              h_lo, h_hi, BLOCK_H, COL_PAIRS)
     if write_meta:
         write_token_meta(heap_ptr(table_ptr, dst, meta_offset, tl.int32) + r_dst * (1 + 2 * K),
                          heap_ptr(table_ptr, dst, wstage_offset, tl.float32) + r_dst * K,
@@ -84,6 +78,20 @@ def load_cols(p_rows, m_rows, h0, h_hi, BLOCK_H: tl.constexpr):
     o_h = h0 + tl.arange(0, BLOCK_H)
     m = m_rows[:, None] & (o_h < h_hi)[None, :]
     return tl.load(p_rows[:, None] + o_h[None, :], mask=m), o_h, m
+
+
+@register_device_function
+@triton.jit
+def copy_cols(p_from, p_to, m_rows, h_lo, h_hi, BLOCK_H: tl.constexpr, COL_PAIRS: tl.constexpr):
+    """Columns [h_lo, h_hi) of the rows starting at p_from [BLOCK_S] to the rows starting at p_to
+    (mask m_rows), BLOCK_H columns a tile, COL_PAIRS tiles a step (load_cols)."""
+    for h0 in range(h_lo, h_hi, BLOCK_H * (1 + COL_PAIRS)):
+        a, o_a, m_a = load_cols(p_from, m_rows, h0, h_hi, BLOCK_H)
+        if COL_PAIRS:
+            b, o_b, m_b = load_cols(p_from, m_rows, h0 + BLOCK_H, h_hi, BLOCK_H)
+        tl.store(p_to[:, None] + o_a[None, :], a, mask=m_a)
+        if COL_PAIRS:
+            tl.store(p_to[:, None] + o_b[None, :], b, mask=m_b)
 
 
 @register_device_function
