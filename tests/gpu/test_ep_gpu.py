@@ -1044,7 +1044,8 @@ def test_rank_reduced_combine(dist_env, buf_a, partial_dtype):
 
 def test_token_major_dispatch(dist_env, buf_a):
     """recv_x[row_index] is the expert-major layout bit for bit (rows, offsets, weights), in default
-    and graph mode; the gradient of x (rank-ordered sum of its rows' gradients) is bitwise
+    and graph mode; combine(topk_sum="caller") of the rows as they arrived is x times the ranks
+    reached, in both modes; the gradient of x (rank-ordered sum of its rows' gradients) is bitwise
     reproducible and within the dtype's tolerance of float64."""
     dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
     E, H, K = buf_a.num_experts, buf_a.hidden, buf_a.topk
@@ -1062,6 +1063,19 @@ def test_token_major_dispatch(dist_env, buf_a):
         buf_a.check()
         if not _bits_equal(tok_g[:tok.shape[0]], tok):
             problems.append("graph mode's token rows differ")
+        # combine(topk_sum="caller") of the token rows as they arrived: x times the ranks each token
+        # reached, added in fp32 and cast once; in graph mode along the graph handle too
+        on = torch.zeros(x.shape[0], W, dtype=torch.bool, device=dev)
+        valid = idx >= 0
+        on[torch.arange(x.shape[0], device=dev)[:, None].expand_as(idx)[valid], (idx[valid] // (E // W)).long()] = True
+        reached = on.sum(1, keepdim=True).float()
+        want = torch.where(reached > 0, x.float() * reached, 0.0).to(x.dtype)  # +0.0 where every slot dropped
+        if not _bits_equal(buf_a.combine(tok, h, topk_sum="caller"), want):
+            problems.append("combine(topk_sum='caller') differs from x times the ranks reached")
+        out_g = buf_a.combine(tok_g, h_g, topk_sum="caller")
+        buf_a.check()
+        if not _bits_equal(out_g, want):
+            problems.append("graph mode's combine(topk_sum='caller') differs")
         grads = []
         for _ in range(2):
             xg = x.clone().requires_grad_(True)
