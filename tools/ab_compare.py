@@ -12,7 +12,8 @@ before every replay, CUDA events around it, the slowest rank's time per replay, 
 `--iters`. `--pairs` rounds alternate the order (old, new), (new, old), ... Outputs of the two
 versions are compared bit for bit on every case (same kernels: any difference is a bug), and every replay with its eager
 default-mode call (a replay that refused its work would be fast and wrong).
-Cases: dispatch and combine (exact and rank-reduced) at H=7168, E=256, top-8; the MoE layer (overlap) at H=7168,
+Cases: dispatch (expert- and token-major) and combine (exact, rank-reduced, and of token rows:
+topk_sum="caller") at H=7168, E=256, top-8; the MoE layer (overlap) at H=7168,
 I=2048, E=64, top-8; bf16, uniform routing, each at every `--tokens`.
 """
 from __future__ import annotations
@@ -128,10 +129,20 @@ class Cases:
                 return got["x"]
 
             self.graphs[f"dispatch T={T}"] = _capture(dispatch)
-            self.eager[f"dispatch token_major T={T}"] = buf.dispatch(x, idx_ep, w_ep, layout="token_major")[0].clone()
+            tok, h_tok = buf.dispatch(x, idx_ep, w_ep, layout="token_major")
+            self.eager[f"dispatch token_major T={T}"] = tok.clone()
+            # combine(topk_sum="caller") of the token rows as they arrived (versions before session 31
+            # have no such mode: the case is left out of the comparison)
+            caller = "caller" in (buf.combine.__doc__ or "")
+            if caller:
+                self.eager[f"combine caller T={T}"] = buf.combine(tok, h_tok, topk_sum="caller").clone()
+                r_tm, h_tm = buf.dispatch(x, idx_ep, w_ep, sync=False, layout="token_major")
+                buf.combine(r_tm, h_tm, topk_sum="caller")  # compiles the graph-mode variants
+            got_tm = {}
 
-            def dispatch_tm(buf=buf, x=x, idx=idx_ep, w=w_ep):
-                return buf.dispatch(x, idx, w, sync=False, layout="token_major")[0]
+            def dispatch_tm(buf=buf, x=x, idx=idx_ep, w=w_ep, got=got_tm):
+                got["x"], got["h"] = buf.dispatch(x, idx, w, sync=False, layout="token_major")
+                return got["x"]
 
             self.graphs[f"dispatch token_major T={T}"] = _capture(dispatch_tm)
             # combine's input: the eager rows in the graph-mode buffer's fixed capacity, so its
@@ -144,6 +155,12 @@ class Cases:
                                                     warmup=False)
             self.graphs[f"combine reduced T={T}"] = _capture(
                 lambda buf=buf, y=y, h=h_g: buf.combine(y, h, topk_sum="expert_rank"), warmup=False)
+            # along the token-major graph's handle: valid once that graph has replayed (replay_problems
+            # and the timing loop replay the graphs in this order)
+            if caller:
+                self.graphs[f"combine caller T={T}"] = _capture(
+                    lambda buf=buf, y=got_tm["x"], h=got_tm["h"]: buf.combine(y, h, topk_sum="caller"),
+                    warmup=False)
             if not with_layer:
                 continue
             layer = ops.FusedMoE(None, E_moe, H, I, T, K, torch.bfloat16)
@@ -215,7 +232,7 @@ def main() -> int:
     if args.cases == "moe":
         for c in versions.values():
             c.graphs = {k: v for k, v in c.graphs.items() if k.startswith("moe")}
-    names = list(versions["new"].graphs)
+    names = [n for n in versions["new"].graphs if n in versions[args.old_label].graphs]  # cases both versions have
     mismatches = [f"{v}: {p}" for v, c in versions.items() for p in c.replay_problems()]
     for name in names:  # the two versions run the same kernels: same bits
         a, b = (c.eager[name] for c in versions.values())
