@@ -36,7 +36,7 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     cpu, gpu = plan("dispatch_combine"), plan("dispatch_combine", on_gpu=True)
     eager = ["layout", "dispatch kernel", "EPBuffer.dispatch", "dispatch kernel token_major",
              "EPBuffer.dispatch token_major", "combine kernel", "EPBuffer.combine", "EPBuffer.combine expert_rank",
-             "EPBuffer.combine expert_rank fp32"]
+             "EPBuffer.combine expert_rank fp32", "EPBuffer.combine caller"]
     baselines = ["a2a dispatch", "a2a combine", "a2a dispatch+combine"]
     deepep = ["DeepEP layout+dispatch", "DeepEP combine"]  # GPUs, eager (absent rows say why when it does not import)
     # FP8 dispatch rows: GPUs, bf16, hidden a multiple of 128 (the GPU default shape: H = 7168)
@@ -44,7 +44,7 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     eager_gpu = eager[:5] + fp8 + eager[5:]
     # the measured bandwidths and each mode's floor (bench/ep_floors.py), derived
     floors = ["floor: dispatch", "floor: dispatch token_major", "floor: combine", "floor: combine expert_rank",
-              "floor: combine expert_rank fp32"]
+              "floor: combine expert_rank fp32", "floor: combine caller"]
     floors_gpu = floors[:2] + ["floor: dispatch fp8", "floor: dispatch fp8 token_major"] + floors[2:]
     tail, tail_gpu = ["HBM copy", "peer copy (NVLink)", *floors], ["HBM copy", "peer copy (NVLink)", *floors_gpu]
     assert list(cpu) == eager + baselines + tail
@@ -54,7 +54,10 @@ def test_dispatch_combine_plans_eager_and_graph_rows() -> None:
     assert [gpu[g].against for g in graphs] == [
         (), ("a2a dispatch", "floor: dispatch"), ("a2a combine", "floor: combine"), ("a2a dispatch+combine",), (), (),
         ("a2a dispatch", "floor: dispatch token_major"), ("a2a combine", "floor: combine expert_rank"),
-        ("a2a combine", "floor: combine expert_rank fp32"), ("a2a dispatch", "floor: dispatch fp8")]
+        ("a2a combine", "floor: combine expert_rank fp32"), ("a2a combine", "floor: combine caller"),
+        ("a2a dispatch", "floor: dispatch fp8")]
+    # DeepEP's combine input is token rows: the caller combine against it too
+    assert gpu["EPBuffer.combine caller"].against == ("a2a combine", "DeepEP combine", "floor: combine caller")
     assert gpu["EPBuffer.dispatch"].against == ("a2a dispatch", "DeepEP layout+dispatch", "floor: dispatch")
     # FP8 also against our bf16 dispatch of the same layout (the FP8 target: <= 0.6x of it)
     assert gpu["EPBuffer.dispatch fp8"].against == ("a2a dispatch", "EPBuffer.dispatch", "floor: dispatch fp8")
