@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ditron_ep.bench.ep_inputs import Inputs
+from ditron_ep.bench.ep_inputs import Inputs, ranks_reached
 from ditron_ep.bench.ranks import RankContext, StageFailed, all_ranks, guarded
 from ditron_ep.bench.spec import BenchContext, Measurement
 from ditron_ep.check.tolerances import TOLERANCES
@@ -105,9 +105,7 @@ def measure_deepep(ctx: BenchContext, inp: Inputs, experts: int, hidden: int,
         ok_d = all_ranks(ctx, recv_x.shape[0] == tokens_in)
         combined = guarded(ctx, "DeepEP combine (check)",
                            lambda: buf.combine(recv_x, handle, config=configs[SM_BUDGETS[0]][1])[0])
-        hits = (torch.zeros(idx.shape[0], W + 1, dtype=torch.int64, device=idx.device)
-                .scatter_(1, torch.where(idx >= 0, idx // (experts // W), W), 1)[:, :W].sum(1))
-        want = inp.x.to(torch.float32) * hits[:, None]
+        want = inp.x.to(torch.float32) * ranks_reached(idx, experts, W)[:, None]
         err = ((combined.to(torch.float32) - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
         ok_c = all_ranks(ctx, err <= TOLERANCES[ctx.dtype][0])
     except StageFailed as exc:

@@ -61,7 +61,7 @@ import torch
 from ditron_ep.bench.alltoall import AllToAll, gather_routing
 from ditron_ep.bench.deepep import DEEPEP_COMBINE, DEEPEP_DISPATCH, measure_deepep
 from ditron_ep.bench.ep_floors import floor_impls, floor_of, floor_rows
-from ditron_ep.bench.ep_inputs import Inputs, make_inputs, traffic_bytes
+from ditron_ep.bench.ep_inputs import Inputs, make_inputs, ranks_reached, traffic_bytes
 from ditron_ep.bench.ranks import Fatal, StageFailed, all_ranks, gather, guarded, relative_errors
 from ditron_ep.bench.spec import (BenchContext, Benchmark, BenchRequest, Impl, Measurement, Option, Shape,
                                   boolean, failed, non_negative_int, one_of, positive_int, some_of,
@@ -384,16 +384,6 @@ def measure_combine(ctx: BenchContext, case: EPCase) -> tuple[list[Measurement],
     return out, outs.get("EPBuffer.combine")
 
 
-def reached_ranks(idx: torch.Tensor, experts: int, world: int) -> torch.Tensor:
-    """fp64 [T]: the ranks each token's routed experts live on, counted once each."""
-    e_local = experts // world
-    on = torch.zeros(idx.shape[0], world, dtype=torch.bool, device=idx.device)
-    valid = idx >= 0
-    rows = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx)
-    on[rows[valid], (idx[valid] // e_local).long()] = True
-    return on.sum(1).to(torch.float64)
-
-
 def measure_caller_combine(ctx: BenchContext, case: EPCase) -> Measurement:
     """CALLER: combine(topk_sum="caller") of the token-major rows as they arrived (identity
     experts, each rank's row already its sum): out[t] = x[t] * the ranks t reached."""
@@ -406,7 +396,7 @@ def measure_caller_combine(ctx: BenchContext, case: EPCase) -> Measurement:
         got = guarded(ctx, f"{CALLER} (check)", fn, buf)
     except StageFailed as exc:
         return Measurement(CALLER, None, work, "", False, error=str(exc))
-    oracle = inp.x.to(torch.float64) * reached_ranks(inp.idx, ctx.shape.experts, ctx.world)[:, None]
+    oracle = inp.x.to(torch.float64) * ranks_reached(inp.idx, ctx.shape.experts, ctx.world).to(torch.float64)[:, None]
     rel = relative_errors(ctx, oracle, {CALLER: got})[CALLER]
     return ctx.measure(CALLER, fn, work, *tolerance_check(rel, TOLERANCES[ctx.dtype][0]), buf=buf,
                        details={**details, "rel_err_vs_float64": rel})

@@ -26,6 +26,14 @@ BYTE_RULE = (
     "Baseline NCCL all_to_all_single moves exactly the rule's bytes.")
 
 
+def ranks_reached(idx: torch.Tensor, experts: int, world: int) -> torch.Tensor:
+    """int64 [T]: the ranks holding each token's routed experts (idx [T, K], -1 = dropped), each
+    counted once: a combine of identity experts' token rows gives x times this."""
+    home = torch.where(idx >= 0, idx // (experts // world), world).long()  # dropped: a column past the ranks
+    return (torch.zeros(idx.shape[0], world + 1, dtype=torch.int64, device=idx.device)
+            .scatter_(1, home, 1)[:, :world].sum(1))
+
+
 @dataclass
 class Inputs:
     x: torch.Tensor            # [T, H] dtype, device
