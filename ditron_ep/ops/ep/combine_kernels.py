@@ -29,7 +29,7 @@ from ditron_ep.language.nvshmem import put_row_block, putmem_nbi_block, quiet, s
 from ditron_ep.language.primitives import (call_begin, call_end, ctrl_ptr, dispatch_stopped, heap_ptr, next_task,
                                           notify, wait)
 from ditron_ep.language.registry import register_device_function, register_kernel
-from ditron_ep.ops.ep.dispatch_kernels import copy_cols, token_major_row
+from ditron_ep.ops.ep.dispatch_kernels import copy_cols, own_by_pointer, token_major_row
 from ditron_ep.language.task_queue import call_chunks, call_slices, chunk_signal, interleaved_task
 from ditron_ep.runtime.heap import register_stage
 
@@ -292,9 +292,7 @@ def ep_combine_kernel(
                         else:
                             p_own = heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty)
                         if TOKEN_ROWS:  # this rank's own token rows never landed (unless put to itself)
-                            own = rank
-                            if PUTS:
-                                own = tl.where(((put_peers >> rank) & 1) == 0, rank, -1)
+                            own = tl.where(own_by_pointer(put_peers, rank, PUTS), rank, -1)
                             reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
                                                  BLOCK_T, SUM_H, y_ptr=y_ptr, own=own,
                                                  own_first=token_major_row(tokens_from_ptr, rank, 0, BLOCK_W))
@@ -302,9 +300,9 @@ def ep_combine_kernel(
                             reduce_rank_partials(p_own, slot_ptr, out_ptr, o_t, m_t, h_lo, h_hi, H, world, MAXT,
                                                  BLOCK_T, SUM_H)
                     else:
-                        self_read = not LAND_OWN
-                        if PUTS:  # a put to itself landed the rows (transport "put" forces every peer)
-                            self_read = ((put_peers >> rank) & 1) == 0
+                        self_read = own_by_pointer(put_peers, rank, PUTS)  # else a put to itself landed them
+                        if LAND_OWN:
+                            self_read = False
                         slot_me = tl.load(slot_ptr + o_t * world + rank, mask=m_t & self_read, other=-1)
                         r_own = tl.where(slot_me >= 0, rank * MAXT + slot_me, -1).to(tl.int64)
                         reduce_landed(heap_ptr(table_ptr, rank, land_offset, y_ptr.dtype.element_ty), topk_ptr,

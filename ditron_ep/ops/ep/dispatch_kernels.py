@@ -82,6 +82,18 @@ def load_cols(p_rows, m_rows, h0, h_hi, BLOCK_H: tl.constexpr):
 
 @register_device_function
 @triton.jit
+def own_by_pointer(put_peers, rank, PUTS: tl.constexpr):
+    """Whether this rank reaches itself by pointer stores: then its own tokens and rows skip the
+    staging and landing areas (read from x or y where they are). Transport "put" puts to every
+    peer, itself included."""
+    if PUTS:
+        return ((put_peers >> rank) & 1) == 0
+    else:
+        return True
+
+
+@register_device_function
+@triton.jit
 def copy_cols(p_from, p_to, m_rows, h_lo, h_hi, BLOCK_H: tl.constexpr, COL_PAIRS: tl.constexpr):
     """Columns [h_lo, h_hi) of the rows starting at p_from [BLOCK_S] to the rows starting at p_to
     (mask m_rows), BLOCK_H columns a tile, COL_PAIRS tiles a step (load_cols)."""
@@ -298,9 +310,7 @@ def ep_dispatch_kernel(
                                                  i_sig_j, budget)
                     if arrived:
                         m_j = o_j < n
-                        self_copy = i_s == rank
-                        if PUTS:  # a put to itself staged the columns (transport "put" forces every peer)
-                            self_copy = self_copy & (((put_peers >> rank) & 1) == 0)
+                        self_copy = (i_s == rank) & own_by_pointer(put_peers, rank, PUTS)  # else a put staged them
                         r_src = (i_s * MAXT + o_j).to(tl.int64)
                         p_meta = heap_ptr(table_ptr, rank, meta_offset, tl.int32) + r_src * META
                         tok_row = r_src  # (read only in the token-major layout)
