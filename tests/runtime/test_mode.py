@@ -138,3 +138,39 @@ def test_interpreter_finds_builtins_once_and_runs_kernels_the_same():
     assert rep["found_once"], "the interpreter's builtin lookup is not the cached one"
     assert rep["outs"] == [want, want], rep["outs"]
     assert rep["restored"], "a launch left triton.language's builtins patched"
+
+
+
+# An int32 add that overflows (2^31 - 1 + 1) in an interpreted kernel, and whether the
+# interpreter still runs its overflow check (which it could only assert with `debug` on).
+_OVERFLOW_PROBE = """
+import json
+import torch
+import ditron_ep.ops  # fixes the mode
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+
+@triton.jit
+def add_kernel(x_ptr, out_ptr):
+    tl.store(out_ptr, tl.load(x_ptr) + 1)
+
+x = torch.tensor([2**31 - 1], dtype=torch.int32)
+out = torch.zeros(1, dtype=torch.int32)
+add_kernel[(1,)](x, out)
+opts = interpreter.interpreter_builder.options
+print(json.dumps({"out": int(out[0]), "sanitize": opts.sanitize_overflow, "debug": opts.debug}))
+"""
+
+
+def test_interpreter_skips_overflow_checks_it_cannot_assert():
+    """mode._no_dead_overflow_checks: without `debug` the interpreter's int32 overflow check
+    asserts nothing, so it is off; an overflowing add wraps, as it did with the check and as a
+    compiled kernel does."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", _OVERFLOW_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rep == {"out": -(2**31), "sanitize": False, "debug": False}, rep
