@@ -123,17 +123,22 @@ print(json.dumps({
 """
 
 
+def _interpreted_probe(probe: str) -> dict:
+    """Run `probe` in a fresh interpreter with kernels interpreted; its last stdout line as JSON."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_interpreter_finds_builtins_once_and_runs_kernels_the_same():
     """mode._builtins_found_once: the interpreter's per-launch and per-device-call lookup of
     triton.language's builtins is done once; kernels calling device functions (ours and Triton's
     standard library) give the same results on every launch, and a launch leaves the builtins as
     they were."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", _INTERPRETER_PROBE], env=env, capture_output=True, text=True,
-                         timeout=300, check=True)
-    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    rep = _interpreted_probe(_INTERPRETER_PROBE)
     want = list(itertools.accumulate(2.0 * i for i in range(8))) + [56.0]
     assert rep["found_once"], "the interpreter's builtin lookup is not the cached one"
     assert rep["outs"] == [want, want], rep["outs"]
@@ -167,10 +172,5 @@ def test_interpreter_skips_overflow_checks_it_cannot_assert():
     """mode._no_dead_overflow_checks: without `debug` the interpreter's int32 overflow check
     asserts nothing, so it is off; an overflowing add wraps, as it did with the check and as a
     compiled kernel does."""
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DITRON_BACKEND")}
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, "-c", _OVERFLOW_PROBE], env=env, capture_output=True, text=True,
-                         timeout=300, check=True)
-    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    rep = _interpreted_probe(_OVERFLOW_PROBE)
     assert rep == {"out": -(2**31), "sanitize": False, "debug": False}, rep
