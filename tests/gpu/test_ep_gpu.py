@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import ditron_ep  # noqa: F401  (decides compiled vs interpreted kernels before any triton.jit)
+from ditron_ep.bench.ep_inputs import ranks_reached
 from ditron_ep.check import TOLERANCES, make_routing
 from ditron_ep.ops import CapacityError, EPBuffer, RoutingError
 from ditron_ep.runtime import DitronConfigError
@@ -1065,10 +1066,7 @@ def test_token_major_dispatch(dist_env, buf_a):
             problems.append("graph mode's token rows differ")
         # combine(topk_sum="caller") of the token rows as they arrived: x times the ranks each token
         # reached, added in fp32 and cast once; in graph mode along the graph handle too
-        on = torch.zeros(x.shape[0], W, dtype=torch.bool, device=dev)
-        valid = idx >= 0
-        on[torch.arange(x.shape[0], device=dev)[:, None].expand_as(idx)[valid], (idx[valid] // (E // W)).long()] = True
-        reached = on.sum(1, keepdim=True).float()
+        reached = ranks_reached(idx, E, W)[:, None].float()
         want = torch.where(reached > 0, x.float() * reached, 0.0).to(x.dtype)  # +0.0 where every slot dropped
         if not _bits_equal(buf_a.combine(tok, h, topk_sum="caller"), want):
             problems.append("combine(topk_sum='caller') differs from x times the ranks reached")

@@ -145,7 +145,6 @@ def test_interpreter_finds_builtins_once_and_runs_kernels_the_same():
     assert rep["restored"], "a launch left triton.language's builtins patched"
 
 
-
 # An int32 add that overflows (2^31 - 1 + 1) in an interpreted kernel, and whether the
 # interpreter still runs its overflow check (which it could only assert with `debug` on).
 _OVERFLOW_PROBE = """
