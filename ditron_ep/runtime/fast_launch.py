@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["capturing", "current_stream", "fast"]
+__all__ = ["VARY", "BoundLaunch", "capturing", "current_stream", "fast"]
 
 _I32_MIN, _I32_MAX, _U64_MIN = -(1 << 31), (1 << 31) - 1, 1 << 63
 
@@ -123,9 +123,11 @@ class FastLauncher:
         stream = torch._C._cuda_getCurrentRawStream(key[0])
         kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
 
-    def _remember(self, key: tuple, kernel: Any, n_args: int, kwargs: dict) -> None:
-        """Keep `kernel` for `key` with the values of the parameters after the positional ones,
-        if each is a constexpr (its value is part of the key); else never fast-launch this key."""
+    def _remember(self, key: tuple, kernel: Any, n_args: int, kwargs: dict,
+                  into: dict[tuple, tuple[Any, tuple]] | None = None) -> None:
+        """Keep `kernel` for `key` (in `into`, default this launcher's cache) with the values of
+        the parameters after the positional ones, if each is a constexpr (its value is part of
+        the key); else never fast-launch this key."""
         if hasattr(kernel, "result"):  # asynchronous compilation mode
             kernel = kernel.result()
         tail = []
@@ -133,7 +135,74 @@ class FastLauncher:
             if name not in self._constexpr or (name not in kwargs and name not in self._defaults):
                 return
             tail.append(kwargs[name] if name in kwargs else self._defaults[name])
-        self._compiled[key] = (kernel, tuple(tail))
+        (self._compiled if into is None else into)[key] = (kernel, tuple(tail))
+
+    def bind(self, grid: tuple[int, ...], template: tuple, **kwargs: Any) -> BoundLaunch:
+        """A launch of this kernel on `grid` whose positional arguments are `template`, with VARY
+        in the places each call fills (`bound(*values)`, in order), and whose keyword arguments
+        are `kwargs`. See BoundLaunch."""
+        return BoundLaunch(self, grid, template, kwargs)
+
+
+class _Vary:
+    def __repr__(self) -> str:
+        return "VARY"
+
+
+VARY = _Vary()  # a place in a BoundLaunch template that each call fills
+
+
+class BoundLaunch:
+    """`fast(kernel).bind(grid, template, **kwargs)`: a launch whose grid, keyword arguments and
+    positional arguments other than the VARY places are fixed when it is bound. A call passes
+    only the VARY values and is keyed by them alone: the fixed part cannot change, so building
+    the ~45 arguments of an EP copy kernel and keying every one of them (~25-30 µs of an eager
+    call's host time on a lent H200 host, bench/results/launch_probe_*_s33*) happens once.
+    Fixed tensors must keep their memory (no `set_`/`resize_`): their pointers are part of the
+    binding. What takes the ordinary path (each call) is what `FastLauncher.launch` sends there:
+    the interpreter, a callable grid, a kernel with pre-run hooks, a launch hook set, a VARY
+    value of a type the key does not cover, or fixed arguments of such a type; results are the
+    same kernels on the same arguments either way."""
+
+    def __init__(self, launcher: FastLauncher, grid: tuple[int, ...], template: tuple, kwargs: dict) -> None:
+        self.launcher, self.grid, self.kwargs = launcher, grid, kwargs
+        self.template = list(template)
+        self.slots = tuple(i for i, a in enumerate(template) if a is VARY)
+        self._entries: dict[tuple, tuple[Any, tuple]] = {}
+        self.enabled = (launcher.enabled and not callable(grid) and len(template) <= launcher._first_constexpr)
+        if self.enabled:
+            try:  # the fixed part is keyed by the binding itself: only check that a key could cover it
+                hash((_args_key(tuple(a for a in template if a is not VARY)), tuple(kwargs.items())))
+            except TypeError:
+                self.enabled = False
+        self._grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1) \
+            if not callable(grid) else None
+
+    def __call__(self, *values: Any) -> None:
+        args = self.template.copy()
+        for i, v in zip(self.slots, values):
+            args[i] = v
+        launcher = self.launcher
+        if not self.enabled or launcher.fn.pre_run_hooks:
+            launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            return
+        knobs = launcher._knobs
+        try:
+            key = (torch._C._cuda_getDevice(), _args_key(values), knobs.runtime.debug,
+                   knobs.compilation.instrumentation_mode)
+            entry = self._entries.get(key)
+        except TypeError:  # a value of a type the key does not cover
+            launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            return
+        if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+            kernel = launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            if entry is None and kernel is not None:
+                launcher._remember(key, kernel, len(args), self.kwargs, into=self._entries)
+            return
+        kernel, tail = entry
+        g0, g1, g2 = self._grid3
+        kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(key[0]), kernel.function, kernel.packed_metadata,
+                   None, None, None, *args, *tail)
 
 
 _LAUNCHERS: dict[int, FastLauncher] = {}

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 import ditron_ep  # noqa: F401  (decides compiled vs interpreted before the triton.jit below)
-from ditron_ep.runtime.fast_launch import FastLauncher, current_stream
+from ditron_ep.runtime.fast_launch import VARY, FastLauncher, current_stream
 
 
 @triton.jit
@@ -43,6 +43,26 @@ def test_cached_launches_equal_ordinary_launches():
     assert len(keys) == len(set(keys))
     # aligned 1000, misaligned, n == 1, multiple of 16, half: 5 binaries (333 shares 1000's)
     assert len(keys) == 5, keys
+
+
+def test_bound_launches_equal_ordinary_launches():
+    """A bound launch (x and n fixed, y, out and a filled per call) keys its cache by the filled
+    values only, and launches what the ordinary path launches, bit for bit."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    base_x = torch.randn(1000 + 8, device=dev)
+    base_y = torch.randn(1000 + 8, device=dev)
+    for x in (base_x[:1000], base_x[1:1001]):  # an aligned and a misaligned fixed tensor
+        bound = FastLauncher(_scaled_add).bind((triton.cdiv(1000, 64),), (x, VARY, VARY, 1000, VARY), BLOCK=64)
+        assert bound.enabled
+        for y, a in ((base_y[:1000], 1.5), (base_y[8:1008], -2.0), (base_y[3:1003], 0.5)):
+            for _ in range(2):
+                out = torch.full_like(x, float("nan"))
+                bound(y, out, a)
+                want = torch.full_like(x, float("nan"))
+                _scaled_add[(triton.cdiv(1000, 64),)](x, y, want, 1000, a, BLOCK=64)
+                assert torch.equal(out, want), (x.data_ptr() % 16, y.data_ptr() % 16, a)
+        # aligned y twice (offsets 0 and 8 floats), misaligned y: two binaries
+        assert len(bound._entries) == 2, list(bound._entries)
 
 
 def test_non_constexpr_keyword_or_positional_constexpr_is_never_cached():

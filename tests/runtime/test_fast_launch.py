@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.runtime.fast_launch import _args_key, fast
+from ditron_ep.runtime.fast_launch import VARY, _args_key, fast
 
 
 @triton.jit
@@ -44,3 +44,15 @@ def test_interpreter_takes_the_ordinary_path():
     out = torch.full((100,), float("nan"))
     launcher[(triton.cdiv(100, 32),)](x, y, out, 100, 2.0, BLOCK=32)
     torch.testing.assert_close(out, x * 2.0 + y, rtol=0, atol=0)
+
+
+def test_bound_launch_fills_its_places_in_order():
+    """A bound launch's VARY places take each call's values in order; the rest stays as bound
+    (on the CPU every call takes the ordinary path, with the filled-in arguments)."""
+    x, y = torch.randn(100), torch.randn(100)
+    bound = fast(_scaled_add).bind((triton.cdiv(100, 32),), (VARY, y, VARY, 100, VARY), BLOCK=32)
+    assert bound.slots == (0, 2, 4) and not bound.enabled
+    for a in (2.0, -0.5):
+        out = torch.full((100,), float("nan"))
+        bound(x, out, a)
+        torch.testing.assert_close(out, x * a + y, rtol=0, atol=0)

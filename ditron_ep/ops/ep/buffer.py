@@ -33,7 +33,7 @@ from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
 from ditron_ep.runtime.errors import DitronConfigError, DitronError, DitronTimeoutError
-from ditron_ep.runtime.fast_launch import capturing, current_stream, fast
+from ditron_ep.runtime.fast_launch import VARY, BoundLaunch, capturing, current_stream, fast
 from ditron_ep.runtime.heap import SymmetricHeap
 from ditron_ep.runtime.transport import kernel_signals, put_peer_mask, transport_problem
 from ditron_ep.runtime.input_checks import FLOAT_DTYPES, INDEX_DTYPES, check_tensor, grad_needed
@@ -328,6 +328,9 @@ class EPBuffer:
         self._dummy_i32 = torch.zeros(1, dtype=torch.int32, device=self.device)    # for an absent row_index
         self._elt = elt
         self._fields = record_fields(self.request(), self.device)  # the call record of every valid call
+        # the data kernels' launches, bound per constexpr combination (_bind_dispatch, _bind_combine)
+        self._dispatch_launches: dict[tuple, BoundLaunch] = {}
+        self._combine_launches: dict[tuple, BoundLaunch] = {}
 
     def request(self) -> dict:
         """The request fields this buffer serves (a call record's shared arguments)."""
@@ -378,18 +381,22 @@ class EPBuffer:
                 per (token, k), e.g. `recv_x[handle.row_index]` through the experts).
         """
         self._check_alive()
-        try:
-            self._check_tokens(x, "x", dtype=self.dispatch_dtype)
-            w = self._check_routing(x, topk_idx, topk_weights)
-            self._check_scales(x, x_scales, dequantize)
-            if max_recv_rows is not None and (sync or not is_positive_int(max_recv_rows)):
-                raise DitronConfigError(f"max_recv_rows={max_recv_rows!r}: give a positive int, with sync=False only "
-                                        f"(default mode returns exactly the rows received)")
-            if layout not in ("expert_major", "token_major"):
-                raise DitronConfigError(f"layout must be 'expert_major' or 'token_major', got {layout!r}")
-        except DitronConfigError:
-            self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
-            raise
+        w = topk_weights
+        if (self.fp8 or x_scales is not None or dequantize or max_recv_rows is not None
+                or not self._tokens_pass(x, self.dispatch_dtype) or not self._routing_pass(x, topk_idx, w)
+                or layout not in ("expert_major", "token_major")):
+            try:  # the generic checks, which word the errors
+                self._check_tokens(x, "x", dtype=self.dispatch_dtype)
+                w = self._check_routing(x, topk_idx, topk_weights)
+                self._check_scales(x, x_scales, dequantize)
+                if max_recv_rows is not None and (sync or not is_positive_int(max_recv_rows)):
+                    raise DitronConfigError(f"max_recv_rows={max_recv_rows!r}: give a positive int, with sync=False "
+                                            f"only (default mode returns exactly the rows received)")
+                if layout not in ("expert_major", "token_major"):
+                    raise DitronConfigError(f"layout must be 'expert_major' or 'token_major', got {layout!r}")
+            except DitronConfigError:
+                self.join_flagged(C.FLAG_REFUSED, request_of(x, topk_idx, self.num_experts))
+                raise
         token_major = layout == "token_major"
         if grad_needed(x) and x_scales is None:  # the weights' gradients flow through combine, not here
             return _Dispatch.apply(x, self, topk_idx, w, sync, max_recv_rows, token_major)
@@ -451,10 +458,11 @@ class EPBuffer:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
                 raise DitronConfigError("handle must come from dispatch() on this same EPBuffer")
             mode = self._combine_mode(topk_sum, partial_dtype, topk_weights, handle)
-            self._check_tokens(y, "y", rows=self._token_rows(handle) if mode & C.FLAG_MODE_TOKEN_ROWS
-                               else handle.rows_cap)
-            w = None
-            if topk_weights is not None:
+            rows = self._token_rows(handle) if mode & C.FLAG_MODE_TOKEN_ROWS else handle.rows_cap
+            if not self._tokens_pass(y, self.dtype, rows):
+                self._check_tokens(y, "y", rows=rows)
+            w = topk_weights
+            if w is not None and not self._weights_pass(w, handle.num_tokens):
                 w = self._check_weights(topk_weights, handle.num_tokens)
         except DitronConfigError:
             self._refuse_combine()
@@ -544,6 +552,22 @@ class EPBuffer:
         if not capturing(self.device):
             flagged_call_kernel[(1,)](self.heap.ptr_table, self.heap.rank, self.world_size, self.heap.wait_budget,
                                       C.FLAG_REFUSED)
+
+    # The *_pass checks decide in a few operations that the generic checks below would pass: those
+    # (which word the errors) took ~20 µs of an eager call's host time on a lent H200 host, where
+    # at T=128 the GPU waits for the host. False: the generic checks run and raise.
+    def _tokens_pass(self, x: object, dtype: torch.dtype, rows: int | None = None) -> bool:
+        return (type(x) is torch.Tensor and x.dtype == dtype and x.dim() == 2 and x.shape[1] == self.hidden
+                and (rows is None or x.shape[0] == rows) and x.device == self.device and x.is_contiguous())
+
+    def _routing_pass(self, x: torch.Tensor, topk_idx: object, w: object) -> bool:
+        return (type(topk_idx) is torch.Tensor and topk_idx.dtype in INDEX_DTYPES
+                and topk_idx.shape == (x.shape[0], self.topk) and topk_idx.device == self.device
+                and (w is None or self._weights_pass(w, x.shape[0])))
+
+    def _weights_pass(self, w: object, T: int) -> bool:
+        return (type(w) is torch.Tensor and w.dtype in FLOAT_DTYPES and w.shape == (T, self.topk)
+                and w.device == self.device)
 
     def _check_tokens(self, x: torch.Tensor, name: str, rows: int | None = None, dtype: torch.dtype | None = None) -> None:
         check_tensor(name, x, shape=(("rows", None), ("hidden", self.hidden)))
@@ -682,23 +706,32 @@ class EPBuffer:
         """The data kernel. after_layout: this call's counts exchange ran right before on this
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
         False for a replay along an old handle (combine's backward)."""
-        h = self.heap
         dummy_f = self._dummy_f32
+        consts = (w is not None, scale_rows, not after_layout, row_index is not None, scales is not None, dequantize)
+        launch = self._dispatch_launches.get(consts)
+        if launch is None:
+            launch = self._dispatch_launches[consts] = self._bind_dispatch(*consts)
+        launch(x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
+               recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
+               recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
+               row_index if row_index is not None else self._dummy_i32,
+               scales if scales is not None else dummy_f, recv_scales if recv_scales is not None else dummy_f, rows_cap)
+
+    def _bind_dispatch(self, has_weights: bool, scale_rows: bool, entry_barrier: bool, token_major: bool,
+                       has_scales: bool, dequantize: bool) -> BoundLaunch:
+        """The data kernel's launch with this buffer's fixed arguments bound (fast_launch.BoundLaunch):
+        the VARY places are the call's tensors and rows_cap, in `_launch_dispatch`'s order."""
+        h = self.heap
         puts = self._put_peers != 0
-        (nvshmem_launcher if puts else fast)(ep_dispatch_kernel)[(self.num_programs,)](
-            x, w if w is not None else dummy_f, send.topk_idx, send.pos, send.send_idx, send.tokens_to,
-            recv.expert_off, recv.src_off, recv.tokens_from, recv.src_info, recv_x,
-            recv_w if recv_w is not None else dummy_f, recv_rows, recv_tok,
-            row_index if row_index is not None else self._dummy_i32,
-            scales if scales is not None else dummy_f, recv_scales if recv_scales is not None else dummy_f,
-            h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
+        return (nvshmem_launcher if puts else fast)(ep_dispatch_kernel).bind((self.num_programs,), (
+            *[VARY] * 17, h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), h.offset_of("ep/sstage") if self.fp8 else 0, self._sig_dispatch,
-            self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, rows_cap,
+            self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, VARY,
             h.wait_budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
-            self._put_peers, *(h.offset_of(f"ep/send_{a}") if puts else 0 for a in ("x", "meta", "w")),
-            K=self.topk, HAS_WEIGHTS=w is not None, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
-            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=not after_layout,
-            TOKEN_MAJOR=row_index is not None, HAS_SCALES=scales is not None, DEQUANT=dequantize, PUTS=puts,
+            self._put_peers, *(h.offset_of(f"ep/send_{a}") if puts else 0 for a in ("x", "meta", "w"))),
+            K=self.topk, HAS_WEIGHTS=has_weights, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
+            BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=entry_barrier,
+            TOKEN_MAJOR=token_major, HAS_SCALES=has_scales, DEQUANT=dequantize, PUTS=puts,
             COL_PAIRS=self._col_pairs, num_warps=self.num_warps)
 
     def _launch_combine(self, y: torch.Tensor, w: torch.Tensor | None, handle: DispatchHandle,
@@ -706,26 +739,34 @@ class EPBuffer:
         """The combine kernel; mode: control.MODE_FLAGS bits (0: exact; rank-reduced weighs the
         rows by handle.recv_weights when the dispatch carried weights); land_own: this rank's own
         rows land too (`_landed` reads them), else the reduce reads them from y."""
-        h = self.heap
         T = handle.num_tokens
         reduced = bool(mode & C.FLAG_MODE_RANK_REDUCED)
-        token_rows = bool(mode & C.FLAG_MODE_TOKEN_ROWS)
-        row_w = handle.recv_weights if reduced and not token_rows else None
+        row_w = handle.recv_weights if reduced and not (mode & C.FLAG_MODE_TOKEN_ROWS) else None
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
-        puts = self._put_peers != 0
-        (nvshmem_launcher if puts else fast)(ep_combine_kernel)[(self.num_programs,)](
-            y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
-            handle.send.topk_idx, w if w is not None else self._dummy_f32,
-            row_w if row_w is not None else self._dummy_f32, out,
-            h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, T, self.hidden,
-            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
-            self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0,
-            K=self.topk, HAS_WEIGHTS=(row_w if reduced else w) is not None, BLOCK_S=self.block_rows,
-            BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
-            BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows, row_w is not None),
-            RANK_REDUCED=reduced, PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS), TOKEN_ROWS=token_rows,
-            PUTS=puts, LAND_OWN=land_own, COL_PAIRS=self._col_pairs, num_warps=self.num_warps)
+        consts = (mode, land_own, (row_w if reduced else w) is not None, row_w is not None)
+        launch = self._combine_launches.get(consts)
+        if launch is None:
+            launch = self._combine_launches[consts] = self._bind_combine(*consts)
+        launch(y, handle.recv_rows, handle.recv_tok, handle.recv.tokens_from, handle.recv.src_info, handle.send.slot,
+               handle.send.topk_idx, w if w is not None else self._dummy_f32,
+               row_w if row_w is not None else self._dummy_f32, out, T)
         return out
+
+    def _bind_combine(self, mode: int, land_own: bool, has_weights: bool, row_weights: bool) -> BoundLaunch:
+        """The combine kernel's launch with this buffer's fixed arguments bound (fast_launch.BoundLaunch):
+        the VARY places are the call's tensors and T, in `_launch_combine`'s order."""
+        h = self.heap
+        puts = self._put_peers != 0
+        return (nvshmem_launcher if puts else fast)(ep_combine_kernel).bind((self.num_programs,), (
+            *[VARY] * 10, h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, VARY, self.hidden,
+            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
+            self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0),
+            K=self.topk, HAS_WEIGHTS=has_weights, BLOCK_S=self.block_rows,
+            BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,
+            BLOCK_HA=combine_sum_columns(self.block_hidden, self.block_rows, row_weights),
+            RANK_REDUCED=bool(mode & C.FLAG_MODE_RANK_REDUCED), PARTIAL_FP32=bool(mode & C.FLAG_MODE_FP32_PARTIALS),
+            TOKEN_ROWS=bool(mode & C.FLAG_MODE_TOKEN_ROWS), PUTS=puts, LAND_OWN=land_own, COL_PAIRS=self._col_pairs,
+            num_warps=self.num_warps)
 
     def _finish(self, sync: bool, under_autograd: bool = False) -> None:
         """After a launch in default mode with check_errors: read the error slot, or for a call
