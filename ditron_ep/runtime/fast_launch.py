@@ -104,14 +104,13 @@ class FastLauncher:
             self._ordinary(grid, args, kwargs)
             return
         knobs = self._knobs
-        try:
+        try:  # (the lookup hashes the key: a key is hashed once)
             key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)
-            hash(key)
+            entry = self._compiled.get(key)
         except TypeError:  # an argument of a type the key does not cover
             self._ordinary(grid, args, kwargs)
             return
-        entry = self._compiled.get(key)
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             kernel = self._ordinary(grid, args, kwargs)
             if entry is None and kernel is not None:

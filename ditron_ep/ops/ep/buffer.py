@@ -835,7 +835,7 @@ class EPBuffer:
         # graph mode: the rows past the received ones weigh 0 (a rank-reduced backward scales by them)
         recv_w = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.float32, device=self.device) \
             if w is not None else None
-        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        w32 = _fp32_weights(w)
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
                               after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                               dequantize=dequantize)
@@ -853,7 +853,7 @@ class EPBuffer:
 
     def _combine_raw(self, y: torch.Tensor, handle: DispatchHandle, w: torch.Tensor | None,
                      mode: int = 0, under_autograd: bool = False, land_own: bool = False) -> torch.Tensor:
-        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        w32 = _fp32_weights(w)
         out = self._launch_combine(y.contiguous(), w32, handle, mode, land_own)
         self._finish(handle.sync, under_autograd)
         return out
@@ -872,7 +872,7 @@ class EPBuffer:
         recv_w = torch.empty(handle.rows_cap, dtype=torch.float32, device=g.device) if w is not None else None
         recv_rows = torch.empty_like(handle.recv_rows)
         recv_tok = torch.empty_like(handle.recv_tok)
-        w32 = None if w is None else w.detach().to(torch.float32).contiguous()
+        w32 = _fp32_weights(w)
         self._launch_dispatch(g.contiguous(), w32, handle.send, handle.recv, handle.rows_cap, w is not None,
                               grad, recv_w, recv_rows, recv_tok, after_layout=False, row_index=row_index)
         self._finish(handle.sync, under_autograd=True)  # combine's backward only
@@ -1004,6 +1004,14 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
 def read_layout_status(heap: SymmetricHeap, recv: RecvLayout, pending_flags: torch.Tensor, owner) -> int:
     """The one device-to-host read of default mode (see `raise_layout_status`)."""
     return raise_layout_status(layout_status_words(heap, recv, pending_flags).tolist(), heap, pending_flags, owner)
+
+
+def _fp32_weights(w: torch.Tensor | None) -> torch.Tensor | None:
+    """The routing weights as the kernels read them: fp32, contiguous, outside autograd (w itself
+    when it already is: three no-op tensor calls cost ~5 µs of an eager call's host time)."""
+    if w is None or (w.dtype == torch.float32 and not w.requires_grad and w.is_contiguous()):
+        return w
+    return w.detach().to(torch.float32).contiguous()
 
 
 def _rows_of(t: torch.Tensor, rows: int) -> torch.Tensor:
