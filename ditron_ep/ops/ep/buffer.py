@@ -524,6 +524,8 @@ class EPBuffer:
 
     def free(self) -> None:
         self._layouts.clear()  # the graphs point into the heap
+        self._dispatch_launches.clear()  # (their arguments too)
+        self._combine_launches.clear()
         self.heap.free()
 
     # ------------------------------------------------------------------ validation
