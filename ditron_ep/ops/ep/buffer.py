@@ -382,8 +382,8 @@ class EPBuffer:
         """
         self._check_alive()
         w = topk_weights
-        if (self.fp8 or x_scales is not None or dequantize or max_recv_rows is not None
-                or not self._tokens_pass(x, self.dispatch_dtype) or not self._routing_pass(x, topk_idx, w)
+        if (max_recv_rows is not None or not self._tokens_pass(x, self.dispatch_dtype)
+                or not self._routing_pass(x, topk_idx, w) or not self._scales_pass(x, x_scales, dequantize)
                 or layout not in ("expert_major", "token_major")):
             try:  # the generic checks, which word the errors
                 self._check_tokens(x, "x", dtype=self.dispatch_dtype)
@@ -566,6 +566,13 @@ class EPBuffer:
         return (type(topk_idx) is torch.Tensor and topk_idx.dtype in INDEX_DTYPES
                 and topk_idx.shape == (x.shape[0], self.topk) and topk_idx.device == self.device
                 and (w is None or self._weights_pass(w, x.shape[0])))
+
+    def _scales_pass(self, x: torch.Tensor, x_scales: object, dequantize: object) -> bool:
+        if not self.fp8:
+            return x_scales is None and dequantize is False
+        return (type(x_scales) is torch.Tensor and x_scales.dtype == torch.float32 and type(dequantize) is bool
+                and x_scales.shape == (x.shape[0], self.hidden // SCALE_COLS) and x_scales.device == self.device
+                and x_scales.is_contiguous())
 
     def _weights_pass(self, w: object, T: int) -> bool:
         return (type(w) is torch.Tensor and w.dtype in FLOAT_DTYPES and w.shape == (T, self.topk)
