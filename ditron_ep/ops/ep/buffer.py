@@ -28,7 +28,14 @@ from ditron_ep.ops.ep.layout_kernels import (
     exchange_layout,
     layout_landing_shape,
 )
-from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays, layout_arena_words
+from ditron_ep.ops.ep.layout_replay import (
+    CapturedLayout,
+    Int32Arena,
+    LayoutReplays,
+    call_tokens,
+    layout_arena_words,
+    layout_rows,
+)
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
 from ditron_ep.runtime.call_graphs import CallGraphCache, graph_capture
@@ -630,12 +637,21 @@ class EPBuffer:
         # copy, which would then compile inside the capture.
         if (sync and self._layouts.capacity and T <= self.max_tokens and topk_idx.data_ptr() % 16 == 0
                 and self._can_capture()):
-            key = (T, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
+            # one capture serves the calls of up to `rows` tokens (layout_replay.layout_rows)
+            rows = layout_rows(T, self.max_tokens)
+            key = (rows, topk_idx.dtype, self.heap.wait_budget)  # what the captured launches depend on
             replays = self._layouts.lookup_or_give_up(
-                key, lambda: LayoutReplays(lambda lent: self._capture_layout(topk_idx, lent)), "EPBuffer")
+                key, lambda: LayoutReplays(lambda lent: self._capture_layout(rows, topk_idx.dtype, lent)), "EPBuffer")
             ran = replays.replay(topk_idx) if replays is not None else None
             if ran is not None:
                 return ran
+            if rows != T and replays is None:
+                # a signature's first call (or one the cache turned away) runs directly on the
+                # capture's rows: the kernels a later capture replays compile now, outside it
+                padded = torch.full((rows, self.topk), -1, dtype=topk_idx.dtype, device=self.device)
+                padded[:T].copy_(topk_idx)
+                send, recv = self._launch_layout(padded)
+                return call_tokens(send, T), recv, None, False
         send, recv = self._launch_layout(topk_idx, record_pending=not sync)
         return send, recv, None, False
 
@@ -678,20 +694,21 @@ class EPBuffer:
         ready.record(current_stream())
         return host, ready
 
-    def _capture_layout(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
-        """Capture a default-mode signature's layout launches (see `_layout`); lent: a copy handed
-        to calls (layout_replay.LayoutReplays), which holds their recv_rows / recv_tok too."""
-        c = self._layout_statics(topk_idx, lent)
+    def _capture_layout(self, rows: int, dtype: torch.dtype, lent: bool = False) -> CapturedLayout:
+        """Capture a default-mode signature's layout launches on `rows` routing rows of `dtype`
+        (see `_layout`); lent: a copy handed to calls (layout_replay.LayoutReplays), which holds
+        their recv_rows / recv_tok too."""
+        c = self._layout_statics(rows, dtype, lent)
         with graph_capture(c.graph):
             self._layout_launches(c)
         return c
 
-    def _layout_statics(self, topk_idx: torch.Tensor, lent: bool = False) -> CapturedLayout:
-        """The static tensors a captured layout reads and writes (nothing launched yet)."""
-        W, T, cuda = self.world_size, topk_idx.shape[0], self.device.type == "cuda"
+    def _layout_statics(self, T: int, dtype: torch.dtype, lent: bool = False) -> CapturedLayout:
+        """The static tensors a captured layout of T routing rows reads and writes (nothing launched yet)."""
+        W, cuda = self.world_size, self.device.type == "cuda"
         rows = (W, self.max_tokens, self.topk)
         return CapturedLayout(
-            topk_idx=torch.empty((T, self.topk), dtype=topk_idx.dtype, device=self.device),
+            topk_idx=torch.empty((T, self.topk), dtype=dtype, device=self.device),
             graph=torch.cuda.CUDAGraph() if cuda else None,
             arena=Int32Arena(layout_arena_words(T, self.topk, self.num_experts, W, self.max_tokens), self.device),
             status=torch.empty(layout_status_numel(W, self.num_local_experts), dtype=torch.int32, pin_memory=cuda),

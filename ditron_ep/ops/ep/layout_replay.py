@@ -32,7 +32,8 @@ import torch
 from ditron_ep.ops.ep.layout_kernels import RecvLayout, SendLayout, recv_layout_shapes, send_layout_shapes
 from ditron_ep.runtime.fast_launch import current_stream
 
-__all__ = ["Int32Arena", "CapturedLayout", "LayoutReplays", "layout_arena_words", "rebuild_layout", "view_recipe"]
+__all__ = ["Int32Arena", "CapturedLayout", "LayoutReplays", "call_tokens", "layout_arena_words", "layout_rows",
+           "rebuild_layout", "view_recipe"]
 
 # Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
 # 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
@@ -94,6 +95,30 @@ def rebuild_layout(recipe: tuple[type, list[tuple[str, object]]], copy: torch.Te
     return cls(**{name: (copy.as_strided(*how) if isinstance(how, tuple) else how) for name, how in fields})
 
 
+def layout_rows(num_tokens: int, max_tokens: int) -> int:
+    """Routing rows of the captured layout that serves a call of `num_tokens` tokens: the next
+    power of two from 16 (0 stays 0), at most max_tokens. A call of fewer tokens replays it with
+    the rows past its own routed nowhere (-1, a dropped slot): the send layout of its tokens, its
+    counts and every rank's received rows are those of its own launches, bit for bit (each is a
+    count of earlier pairs, and the extra rows add none). So calls whose token count varies
+    (serving) replay one of a few captures instead of launching the layout directly (~270 µs of
+    host time at T=128 on a lent H200 host against ~45 for a replay,
+    bench/results/dispatch_combine_uniform_H200x1_20261128_s33_*). The rows differ in one place:
+    the T that every rank's exchange record carries (`RecvLayout.src_info`), which only bounds
+    the staging chunks the data kernels walk (task_queue.call_chunks)."""
+    if num_tokens == 0:
+        return 0
+    return min(max_tokens, max(16, 1 << (num_tokens - 1).bit_length()))
+
+
+def call_tokens(send: SendLayout, num_tokens: int) -> SendLayout:
+    """`send` (of a capture's routing rows) as the layout of the call's first num_tokens rows."""
+    if send.topk_idx.shape[0] == num_tokens:
+        return send
+    return dataclasses.replace(send, topk_idx=send.topk_idx[:num_tokens], pos=send.pos[:num_tokens],
+                               slot=send.slot[:num_tokens])
+
+
 # How many copies of a signature's launches may be held by live handles at once (beside the shared
 # one that is copied out): a few in-flight dispatches (micro-batches, a layer's forward and its
 # recomputation); a training step's dozens of held handles take the shared copy.
@@ -131,6 +156,7 @@ class CapturedLayout:
     _storages: tuple = ()
     _base: tuple | None = None     # None: not lent yet (`replay_in_place` arms it)
     _stream: object = None         # the stream of the last replay
+    _routed: int = -1              # rows of `topk_idx` that may hold a call's routing (-1: all)
 
     def _queue(self, topk_idx: torch.Tensor) -> None:
         stream = current_stream() if self.topk_idx.is_cuda else None
@@ -139,7 +165,14 @@ class CapturedLayout:
             # layout on the other stream: a host reference count says nothing about them
             stream.wait_stream(self._stream)
         self._stream = stream
-        self.topk_idx.copy_(topk_idx)
+        T, rows = topk_idx.shape[0], self.topk_idx.shape[0]
+        if T == rows:
+            self.topk_idx.copy_(topk_idx)
+        else:  # a call of fewer tokens than the capture's: the rows past it route nowhere (-1)
+            self.topk_idx[:T].copy_(topk_idx)
+            if self._routed == -1 or self._routed > T:
+                self.topk_idx[T:rows if self._routed == -1 else self._routed].fill_(-1)
+        self._routed = T
         self.graph.replay()
         self.ready.record(stream)
 
@@ -152,14 +185,15 @@ class CapturedLayout:
         if self.recipes is None:
             self.recipes = (view_recipe(self.send, flat), view_recipe(self.recv, flat))
         snap = flat[:self.arena.used].clone()
-        return rebuild_layout(self.recipes[0], snap), rebuild_layout(self.recipes[1], snap)
+        return (call_tokens(rebuild_layout(self.recipes[0], snap), topk_idx.shape[0]),
+                rebuild_layout(self.recipes[1], snap))
 
     def replay_in_place(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """`replay`, returning the graph's own layout (only when `idle`: nothing else holds it)."""
         self._queue(topk_idx)
         if self._base is None:
             self.arm()
-        return self.send, self.recv
+        return call_tokens(self.send, topk_idx.shape[0]), self.recv
 
     def arm(self) -> None:
         """Take the reference counts of an idle copy (at its first lending): of every object a caller can

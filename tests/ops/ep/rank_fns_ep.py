@@ -407,11 +407,12 @@ class _DoneEvent:
         pass
 
 
-def _cpu_capture_layout(buf: EPBuffer, topk_idx: torch.Tensor, lent: bool = False):
+def _cpu_capture_layout(buf: EPBuffer, rows: int, dtype: torch.dtype, lent: bool = False):
     """EPBuffer._capture_layout for the CPU: the buffer's own static tensors and launch sequence
     (`_layout_statics`, `_layout_launches`), with a "graph" that reruns that sequence on every
     replay. Nothing runs at capture, as with a CUDA graph (ranks may capture on different calls)."""
-    c = buf._layout_statics(topk_idx, lent)
+    c = buf._layout_statics(rows, dtype, lent)
+    c.topk_idx.fill_(E_POISON)  # poison: the routing rows past a call's must be set to -1 by the replay
     c.arena.flat.fill_(-12345)  # poison: a layout word the launches do not write shows
 
     def launches() -> None:
@@ -441,7 +442,7 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     direct = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=0)
     cached = EPBuffer(None, E, H, max(tokens), K, dtype, graph_cache=2)
     cached._can_capture = lambda: True
-    cached._capture_layout = lambda idx, lent=False: _cpu_capture_layout(cached, idx, lent)
+    cached._capture_layout = lambda rows, dtype, lent=False: _cpu_capture_layout(cached, rows, dtype, lent)
     report = {"same": [], "replays": 0}
     for sync in (True, False):
         runs = {"direct": [], "cached": []}
@@ -472,7 +473,8 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
         rx_c, h_c = cached.dispatch(xs[rank], idxs[rank], ws[rank])
         report["reuse_same"].append(torch.equal(rx_d, rx_c) and torch.equal(
             direct.combine(rx_d, h_d, ws[rank]), cached.combine(rx_c, h_c, ws[rank])))
-        used.append(next(j for j, c in enumerate(entry.copies) if c.send is h_c.send))
+        used.append(next(j for j, c in enumerate(entry.copies)  # the copy whose arena holds the call's layout
+                         if c.arena.flat.untyped_storage().data_ptr() == h_c.send.slot.untyped_storage().data_ptr()))
         if i == 0:
             view = h_c.expert_offsets[1:]
             kept = (view, view.clone())
@@ -511,6 +513,43 @@ def replayed_layout_case(tokens: list[int], H: int, E: int, K: int, calls: int, 
     except RoutingError as err:
         report["bad_graph_mode"] = f"RoutingError: {err}"
     report["replays_after_graph_mode"] = sum(c.replays for c in cached._layouts._entries.values())
+    direct.free()
+    cached.free()
+    return report
+
+
+E_POISON = 1 << 20  # an expert id no buffer has: routed rows left in a captured layout would flag it
+
+
+def varying_tokens_replay_case(calls: list[list[int]], H: int, E: int, K: int, max_tokens: int) -> dict:
+    """Default-mode dispatches whose token count changes from call to call (calls[i][rank]) on a
+    buffer replaying its layout (the CPU stand-in for the CUDA graph) against one launching
+    directly: a call replays the capture of layout_rows(T) routing rows with the rows past its
+    own routed nowhere, so its rows, handle and combine are the direct call's bit for bit, in
+    both layouts, while the token count shrinks and grows within a capture's rows."""
+    from ditron_ep.ops.ep.layout_replay import layout_rows
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32
+    direct = EPBuffer(None, E, H, max_tokens, K, dtype, graph_cache=0)
+    cached = EPBuffer(None, E, H, max_tokens, K, dtype, graph_cache=4)
+    cached._can_capture = lambda: True
+    cached._capture_layout = lambda rows, dt, lent=False: _cpu_capture_layout(cached, rows, dt, lent)
+    report = {"same": [], "rows": sorted({layout_rows(c[rank], max_tokens) for c in calls})}
+    for i, tokens in enumerate(calls):
+        xs, idxs, ws = make_inputs(W, tokens, H, E, K, dtype, "uniform", 700 + i)
+        token_major = i % 3 == 2
+        layout = "token_major" if token_major else "expert_major"
+        rx_d, h_d = direct.dispatch(xs[rank], idxs[rank], ws[rank], layout=layout)
+        rx_c, h_c = cached.dispatch(xs[rank], idxs[rank], ws[rank], layout=layout)
+        y_d = rx_d[h_d.row_index] if token_major else rx_d
+        y_c = rx_c[h_c.row_index] if token_major else rx_c
+        same = (torch.equal(rx_d, rx_c) and torch.equal(h_d.expert_offsets, h_c.expert_offsets)
+                and torch.equal(h_d.send.slot, h_c.send.slot) and torch.equal(h_d.send.topk_idx, h_c.send.topk_idx)
+                and torch.equal(direct.combine(y_d * 1.5, h_d, ws[rank]), cached.combine(y_c * 1.5, h_c, ws[rank])))
+        report["same"].append(same)
+    report["captured"] = sorted(key[0] for key in cached._layouts._entries)
+    report["replays"] = sum(c.replays for c in cached._layouts._entries.values())
     direct.free()
     cached.free()
     return report

@@ -167,6 +167,24 @@ def test_replayed_layout_gives_the_bits_of_direct_launches(emulated_cluster, W, 
         assert rep["replays_after_graph_mode"] == rep["replays_after_bad"], "graph mode replayed a layout"
 
 
+def test_calls_of_varying_token_counts_replay_a_few_captures(emulated_cluster):
+    """A default-mode call replays the layout captured for layout_rows(T) routing rows (the next
+    power of two from 16), the rows past its own routed nowhere: serving's changing token counts
+    replay a few captures instead of launching the layout directly, with the direct call's bits
+    (rows, handle, combine; both layouts), while T shrinks and grows inside a capture's rows and
+    differs between ranks (0 included)."""
+    calls = [[20, 9], [31, 16], [17, 0], [32, 25], [5, 12], [24, 30], [3, 1], [29, 7]]
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.varying_tokens_replay_case, calls, 64, 8, 2, 40)):
+        mine = [c[rank] for c in calls]
+        assert all(rep["same"]), f"rank {rank}: calls replayed on a larger capture differ: {rep['same']}"
+        assert rep["rows"] == sorted({0 if T == 0 else 16 if T <= 16 else 32 for T in mine}), rep["rows"]
+        # a signature is captured on its second call, then every call of it replays
+        assert rep["captured"] == [r for r in rep["rows"] if sum(
+            (0 if T == 0 else 16 if T <= 16 else 32) == r for T in mine) >= 2], rep
+        assert rep["replays"] == sum(max(0, sum((0 if T == 0 else 16 if T <= 16 else 32) == r for T in mine) - 1)
+                                     for r in rep["captured"]), rep
+
+
 def test_api_misuse_gets_clear_errors(emulated_cluster):
     for rank, res in enumerate(emulated_cluster(2).run(fns.api_misuse_cases)):
         assert "hidden" in res["hidden_differs"] and "rank 1 64" in res["hidden_differs"], res["hidden_differs"]
