@@ -1,7 +1,7 @@
 """Host time of eager `EPBuffer.dispatch` / `combine` (issue 26), step by step, optionally old vs new.
 
     torchrun --nproc-per-node 2 tools/host_profile.py [--old-root /tmp/ab_old --old-label OLD]
-        [--tokens 128 4096] [--iters 30] [--rounds 2] [--cprofile] [--json PATH]
+        [--tokens 128 4096 | --varying T T ...] [--iters 30] [--rounds 2] [--cprofile] [--json PATH]
 
 Eager calls at small T are bound by host time, which CUDA-event timings of the kernels do not show.
 Every call here starts after a barrier and a device sync; the buffer's steps (`STEPS`, wrapped
@@ -12,6 +12,8 @@ and `idle` (the device was done after it). With `--old-root` (a folder holding a
 process, as in tools/ab_compare.py, in `--rounds` alternating rounds. `--cprofile`: rank 0 also
 prints a cProfile of 200 dispatch + combine pairs of the new version (by own time).
 Cases: E=256, H=7168, top-8, bf16, uniform routing; dispatch in both layouts; combine exact and rank-reduced.
+`--varying T ...`: serving's changing token counts instead: one buffer sized for the largest T,
+each call's T the next in turn (`_profile_varying`); printed per version and round, slowest rank.
 """
 from __future__ import annotations
 
@@ -93,6 +95,37 @@ def _profile_version(ops, T: int, iters: int, x, idx, w) -> dict[str, dict]:
     return out
 
 
+def _profile_varying(ops, tokens: list[int], iters: int, rank: int) -> dict[str, float]:
+    """Serving's changing token counts: one buffer sized for max(tokens), each call's T the next
+    of `tokens` in turn (fresh routing per T), dispatch (both layouts) + exact combine; median µs
+    (this rank) of the host's return and of the device being done, per op, after 2 warm-up rounds."""
+    buf = ops.EPBuffer(None, num_experts=E, hidden=H, max_tokens_per_rank=max(tokens), topk=K, dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(99 + rank)
+    inputs = [(torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16),
+               *_routing(T, E, K, 17 * T + rank, torch.device("cuda"))) for T in tokens]
+    rows: dict[str, list] = {"dispatch": [], "combine": [], "dispatch token_major": []}
+    for it in range(iters + 2):
+        for x, idx, w in inputs:
+            for op in rows:
+                dist.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if op == "dispatch":
+                    rx, h = buf.dispatch(x, idx, w)
+                elif op == "combine":
+                    buf.combine(rx, h, w)
+                else:
+                    buf.dispatch(x, idx, w, layout="token_major")
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                if it >= 2:
+                    rows[op].append(((t1 - t0) * 1e6, (time.perf_counter() - t0) * 1e6))
+    del rx, h
+    buf.free()
+    return {f"{op} {what}": statistics.median(r[i] for r in rs) for op, rs in rows.items()
+            for i, what in enumerate(("ret", "idle"))}
+
+
 def _cprofile(ops, T: int, x, idx, w) -> str:
     buf = ops.EPBuffer(None, num_experts=E, hidden=H, max_tokens_per_rank=T, topk=K, dtype=torch.bfloat16)
     for _ in range(6):
@@ -125,6 +158,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--varying", type=int, nargs="+", default=None, metavar="T",
+                    help="instead of --tokens: calls whose T cycles through these on one buffer (serving)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -137,6 +172,17 @@ def main() -> int:
         versions = {args.old_label: import_old_ops(args.old_root, "host_profile"), **versions}
     g = torch.Generator(device="cuda").manual_seed(4321 + rank)
     results: list[dict] = []
+    if args.varying:
+        for r in range(args.rounds):
+            for label in (list(versions) if r % 2 == 0 else list(versions)[::-1]):
+                got = _profile_varying(versions[label], args.varying, args.iters, rank)
+                every: list = [None] * world
+                dist.all_gather_object(every, got)
+                results.append({"version": label, "round": r, "varying": args.varying, "per_rank": every})
+                if rank == 0:
+                    print(f"{label:>10} r{r} T cycling {args.varying}: " + " | ".join(
+                        f"{k} {max(e[k] for e in every):.0f}" for k in got), flush=True)
+        args.tokens = []
     for T in args.tokens:
         x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
         idx, w = _routing(T, E, K, 30 * T + rank, x.device)
@@ -159,7 +205,9 @@ def main() -> int:
                 print(f"==== new, T={T}: cProfile of 200 eager dispatch + combine pairs (rank 0)\n{text}", flush=True)
     if rank == 0:
         print(f"{'version':>10} {'T':>5} {'op':<16} {'ret µs (slowest rank, median of rounds)':>40}")
-        summary = []
+        summary = [{"version": row["version"], "round": row["round"], "varying": row["varying"],
+                    **{k: max(e[k] for e in row["per_rank"]) for k in row["per_rank"][0]}}
+                   for row in results if "varying" in row]
         for label in versions:
             for T in args.tokens:
                 for op in ("dispatch", "combine", "combine reduced"):

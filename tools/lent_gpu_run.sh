@@ -12,7 +12,7 @@
 #   suite[:K]              tests/gpu/run_gpu_suite.sh [-k K]   (e.g. suite:"not nvshmem")
 #   ab[:CASES[:PROGRAMS]]  tools/ab_compare.py --old-root .base [--cases CASES] [--programs P] (old tree: git archive
 #                          OLD ditron_ep | tar -x -C .base)
-#   host                   tools/host_profile.py (with .base when it exists)
+#   host                   tools/host_profile.py (with .base when it exists) $HOST_ARGS
 # Environment: NEW_COMMIT (the short hash sent: DITRON_COMMIT and file names; give the local `git rev-parse
 # --short HEAD`: there the copy's git HEAD may be the last landed commit, not the tree sent), OUT (default
 # /tmp/out), STEP_TIMEOUT_S (default 300; the suite step: SUITE_TIMEOUT_S, default 560), BENCH_ARGS
@@ -69,7 +69,8 @@ for step in "$@"; do
         grep -v "^W[0-9]" "$RES/$name.log" | tail -15 ;;
     host)
         old=(); [[ -d .base/ditron_ep ]] && old=(--old-root .base)
-        run torchrun --nproc-per-node "$N" tools/host_profile.py "${old[@]}" --json "$RES/host_profile_$TAG.json" \
+        # shellcheck disable=SC2086
+        run torchrun --nproc-per-node "$N" tools/host_profile.py "${old[@]}" ${HOST_ARGS:-} --json "$RES/host_profile_$TAG.json" \
             > "$RES/host_profile_$TAG.log" 2>&1
         tail -14 "$RES/host_profile_$TAG.log" ;;
     *)
