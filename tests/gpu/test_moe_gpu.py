@@ -297,8 +297,10 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, moe_layers,
     w1, w2 = weights.w1, weights.w2
     problems = []
     kept = None
-    # T per call: 95 is captured on its second call, 33 evicts it (capacity 1), 95 is recaptured.
-    for call, T in enumerate((95, 95, 95, 33, 33, 95, 95, 95)):
+    # T per call: 95's capture (of layout_rows(95) = 128 tokens) is made on its second call, 33 evicts
+    # it (capacity 1), 95 is recaptured; then 110, 127 and 128 replay it (the rows past each call's
+    # routed nowhere, set back to -1 as T shrinks).
+    for call, T in enumerate((95, 95, 95, 33, 33, 95, 95, 95, 110, 127, 100, 128, 97)):
         args = _inputs(dev, rank, T, E, seed=20 + call, kind="zipf" if call % 2 else "uniform")
         want = direct(*args, w1, w2)
         # Widen every race the replay's stream order must close: x is produced behind a ~1 ms

@@ -27,6 +27,7 @@ from ditron_ep.ops.ep.buffer import (
 )
 from ditron_ep.ops.ep.functional import BufferSlot
 from ditron_ep.ops.ep.layout_kernels import build_send_layout, exchange_layout, layout_landing_shape
+from ditron_ep.ops.ep.layout_replay import layout_rows
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
@@ -126,6 +127,20 @@ class _CapturedCall:
     copy_stream: torch.cuda.Stream  # copies x while the layout graph runs
     status: torch.Tensor          # pinned host copy of the layout status
     out: torch.Tensor | None = None  # allocated inside the capture, in the graphs' memory pool
+    routed: int = -1              # rows of `topk_idx` that may hold a call's routing (-1: all)
+
+
+def _padded_call(rows: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+    """(x, topk_idx, topk_weights) of a call as `rows` tokens, the tokens past the call's routed
+    nowhere (their x and weight rows are never read)."""
+    T = x.shape[0]
+    xp = x.new_empty((rows, x.shape[1]))
+    xp[:T].copy_(x)
+    ip = torch.full((rows, topk_idx.shape[1]), -1, dtype=topk_idx.dtype, device=topk_idx.device)
+    ip[:T].copy_(topk_idx)
+    wp = topk_weights.new_zeros((rows, topk_weights.shape[1]))
+    wp[:T].copy_(topk_weights)
+    return xp, ip, wp
 
 
 def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dtype, schedule, backend,
@@ -360,12 +375,24 @@ class FusedMoE:
     def _forward(self, x, topk_idx, topk_weights, experts, sync, trace) -> torch.Tensor:
         """forward on validated inputs; experts = (w1, w2, b1, b2)."""
         if sync and not trace and x.device.type == "cuda" and not capturing(x.device):
-            key = (x.shape[0], topk_idx.dtype, topk_weights.dtype, self.heap.wait_budget,
+            # one capture serves the calls of up to `rows` tokens, the rows past a call's routed
+            # nowhere (layout_replay.layout_rows: the same bits; calls of changing T replay)
+            T = x.shape[0]
+            rows = layout_rows(T, self.max_tokens) if T <= self.max_tokens else T
+            key = (rows, topk_idx.dtype, topk_weights.dtype, self.heap.wait_budget,
                    *((t.data_ptr(), t.stride()) if t is not None else None for t in experts))  # launches bake both in
             captured = self._graphs.lookup_or_give_up(
-                key, lambda: self._capture_call(x, topk_idx, topk_weights, experts), "FusedMoE")
+                key, lambda: self._capture_call(rows, x, topk_idx, topk_weights, experts), "FusedMoE")
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
+            if rows != T:
+                # a signature's first call (or one the cache turned away) runs directly on the
+                # capture's rows: the kernels a later capture replays compile now, outside it
+                return self._direct(*_padded_call(rows, x, topk_idx, topk_weights), experts, sync, trace)[:T]
+        return self._direct(x, topk_idx, topk_weights, experts, sync, trace)
+
+    def _direct(self, x, topk_idx, topk_weights, experts, sync, trace) -> torch.Tensor:
+        """`_forward`'s launches issued directly (no CUDA graph)."""
         h = self.heap
         send, recv, weights = self._launch_layout(topk_idx, topk_weights, record_pending=not sync)
         if sync:
@@ -447,14 +474,15 @@ class FusedMoE:
             self.heap.check_error()
 
     # ------------------------------------------------------------------ CUDA-graph replay
-    def _capture_call(self, x, topk_idx, topk_weights, experts) -> _CapturedCall:
+    def _capture_call(self, rows, x, topk_idx, topk_weights, experts) -> _CapturedCall:
         """Capture this call signature's launches as two graphs (runtime/call_graphs.py says when):
         `layout` (layout launches + the status copy to pinned memory) and `kernel` (the
         megakernel), replayed with an event between them so the host can wait for the layout
-        alone, exactly as the direct path does. Inputs are copied into static buffers before a
-        replay; the output is cloned out of the graph's buffer after it."""
-        c = _CapturedCall(x=torch.empty_like(x), topk_idx=torch.empty_like(topk_idx),
-                          topk_weights=torch.empty_like(topk_weights), layout=torch.cuda.CUDAGraph(),
+        alone, exactly as the direct path does. Inputs are copied into static buffers of `rows`
+        tokens before a replay; the output is cloned out of the graph's buffer after it."""
+        K = self.topk
+        c = _CapturedCall(x=x.new_empty((rows, self.hidden)), topk_idx=topk_idx.new_empty((rows, K)),
+                          topk_weights=topk_weights.new_empty((rows, K)), layout=torch.cuda.CUDAGraph(),
                           kernel=torch.cuda.CUDAGraph(), ready=torch.cuda.Event(), inputs_in=torch.cuda.Event(),
                           x_in=torch.cuda.Event(),
                           # high priority: the copy is on the call's critical path (and the
@@ -465,35 +493,40 @@ class FusedMoE:
             send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
             c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
         with graph_capture(c.kernel, pool=c.layout.pool()):
-            c.out = torch.empty((x.shape[0], self.hidden), dtype=x.dtype, device=x.device)
+            c.out = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
             self._launch_kernel(c.x, send, recv, weights, experts, c.out, refuse_flagged=True, trace=False)
         return c
 
     def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:
         side = x.numel() * x.element_size() >= _SIDE_COPY_BYTES
         stream = current_stream(x.device.index)
+        T, rows = x.shape[0], c.x.shape[0]
+        statics = (c.x, c.topk_idx, c.topk_weights) if T == rows else (c.x[:T], c.topk_idx[:T], c.topk_weights[:T])
+        if T < rows and (c.routed == -1 or c.routed > T):  # the rows past the call's route nowhere
+            c.topk_idx[T:rows if c.routed == -1 else c.routed].fill_(-1)
+        c.routed = T
         # one host call for the input copies: each copy_ took ~8-14 µs of host time on a lent H200
         # host, and at T=128 the GPU waits for the host (bench/results/HISTORY.md: replay_steps)
         if side:
-            torch._foreach_copy_([c.topk_idx, c.topk_weights], [topk_idx, topk_weights])
+            torch._foreach_copy_(list(statics[1:]), [topk_idx, topk_weights])
             # A large x is copied on a side stream while the layout graph, which does not read it,
             # runs. The side stream starts after everything queued so far on this one (x's
             # producer, and the previous replay's megakernel, which reads the static buffer); the
             # megakernel waits for the copy.
             c.inputs_in.record(stream)
         else:
-            torch._foreach_copy_([c.x, c.topk_idx, c.topk_weights], [x, topk_idx, topk_weights])
+            torch._foreach_copy_(list(statics), [x, topk_idx, topk_weights])
         c.layout.replay()
         if side:
             c.copy_stream.wait_event(c.inputs_in)
             with torch.cuda.stream(c.copy_stream):
-                c.x.copy_(x)
+                statics[0].copy_(x)
                 c.x_in.record(c.copy_stream)
         c.ready.record(stream)
         if side:
             stream.wait_event(c.x_in)
         c.kernel.replay()
-        out = c.out.clone()  # the graph's buffer is rewritten by the next replay
+        out = (c.out if T == rows else c.out[:T]).clone()  # the graph's buffer is rewritten by the next replay
         c.ready.synchronize()
         self._raise_status(c.status)
         return out

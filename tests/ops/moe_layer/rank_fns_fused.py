@@ -49,6 +49,28 @@ def fused_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, see
     }
 
 
+def padded_call_case(tokens: list[int], rows: int, H: int, I: int, E: int, K: int, seed: int) -> dict:
+    """A call run as `rows` tokens with the rows past its own routed nowhere (what a CUDA-graph
+    replay of a larger capture runs, fused._padded_call) gives the call's own bits, in both
+    schedules; the padded rows' x and weights are poisoned (never read)."""
+    from ditron_ep.ops.moe_layer.fused import _padded_call
+
+    rank, W = dist.get_rank(), dist.get_world_size()
+    xs, idxs, ws = make_inputs(W, tokens, H, E, K, torch.float32, "uniform", seed, drop_prob=0.1)
+    w1s, w2s = make_weights(W, E // W, H, I, seed)
+    T, report = tokens[rank], {}
+    for schedule in ("overlap", "sequential"):
+        layer = FusedMoE(None, E, H, I, rows, K, torch.float32, schedule=schedule)
+        want = layer(xs[rank], idxs[rank], ws[rank], w1s[rank], w2s[rank])
+        xp, ip, wp = _padded_call(rows, xs[rank], idxs[rank], ws[rank])
+        xp[T:] = float("nan")
+        wp[T:] = float("nan")
+        got = layer._direct(xp, ip, wp, (w1s[rank], w2s[rank], None, None), True, False)
+        report[schedule] = got.shape[0] == rows and torch.equal(got[:T], want)
+        layer.free()
+    return report
+
+
 def moe_layer_case(tokens: list[int], H: int, I: int, E: int, K: int, kind: str, seed: int = 0) -> dict:
     """`moe` (fp32 under the interpreter) vs the float64 oracle, and run-to-run bitwise."""
     from ditron_ep.ops import clear_cache, clear_layers, moe

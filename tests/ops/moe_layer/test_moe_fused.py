@@ -83,6 +83,14 @@ SMALL_CALL_VARIANTS = (
 )
 
 
+def test_fused_call_padded_to_a_capture_gives_its_own_bits(emulated_cluster):
+    """On GPUs a call replays the CUDA graph captured for layout_rows(T) tokens, the rows past its
+    own routed nowhere (FusedMoE._forward): that padded run gives the call's own bits, in both
+    schedules, with the padded rows' x and weights never read (NaN there)."""
+    for rank, rep in enumerate(emulated_cluster(2).run(fns.padded_call_case, [11, 5], 16, 24, 16, 8, 4, 3)):
+        assert rep == {"overlap": True, "sequential": True}, f"rank {rank}: {rep}"
+
+
 def test_fused_prefill_sized_layer_on_a_smaller_call(emulated_cluster):
     """A layer sized for 64 tokens called with 13 / 7 / 0: the combine spreads the few token blocks
     over its tasks as column slices; same bits as without slices, on the oracle, on a second and a
