@@ -205,8 +205,10 @@ class EPBuffer:
         dispatch_dtype: None (the tokens travel in `dtype`) or torch.float8_e4m3fn: FP8 dispatch
             (half the bytes of bf16): `dispatch(x_fp8, ..., x_scales=scales)` with DeepEP's format,
             fp32 scales [T, hidden / 128] (one per token and 128 columns); combine stays in `dtype`.
-        graph_cache (CUDA, default mode): how many dispatch signatures (token count, index
-            dtype, the heap's wait budget) keep their layout launches as a CUDA graph, captured on
+        graph_cache (CUDA, default mode): how many dispatch signatures (routing rows: T rounded
+            up to a power of two from 16, at most max_tokens_per_rank, the rows past a call's routed
+            nowhere (layout_replay.layout_rows); index dtype; the heap's wait budget) keep their
+            layout launches as a CUDA graph, captured on
             a signature's second call and replayed after (ops/ep/layout_replay.py, runtime/call_graphs.py):
             the same kernels and arguments, so the same bits, for a replay and a copy of the
             routing instead of four launches and a dozen allocations (~190 µs of host time on a

@@ -186,12 +186,14 @@ class FusedMoE:
     second host read, which waits for the whole layer) so that a timeout inside it raises in the
     same call rather than at the next call's read. Off by default: the output's shape needs no
     host read, and waiting for the layer kept the GPU idle while the host issued the next call.
-    graph_cache (CUDA, default mode): how many call signatures (token count, index / weight
-    dtypes, weight addresses) keep their launches as CUDA graphs, captured on a signature's
+    graph_cache (CUDA, default mode): how many call signatures (tokens: T rounded up to a power
+    of two from 16, at most max_tokens_per_rank, the rows past a call's routed nowhere
+    (layout_replay.layout_rows); index / weight dtypes; weight addresses) keep their launches as
+    CUDA graphs, captured on a signature's
     second call and replayed after (runtime/call_graphs.py): the same kernels and arguments, so the
     same bits, for about 100 µs of host time (input copies, the replays, the output clone, the
     status read) instead of 350-650 µs. Each costs graph memory of about
-    2*T*H activations plus the layout buffers; 0 launches every call directly.
+    2*rows*H activations plus the layout buffers; 0 launches every call directly.
     transport (runtime/transport.py, as in `EPBuffer`): "auto" / "pointer" store through peer
     pointers; "put" (backend "nvshmem") moves the dispatch's tokens and the down GEMM's rows to
     every peer by NVSHMEM put-with-signal instead — a chunk staged in a symmetric send area and
