@@ -178,6 +178,9 @@ class BoundLaunch:
             if not callable(grid) else None
 
     def __call__(self, *values: Any) -> None:
+        if len(values) != len(self.slots):
+            raise TypeError(f"this bound launch of {self.launcher.fn} takes {len(self.slots)} values (its VARY "
+                            f"places), got {len(values)}")
         args = self.template.copy()
         for i, v in zip(self.slots, values):
             args[i] = v

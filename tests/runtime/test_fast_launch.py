@@ -56,3 +56,5 @@ def test_bound_launch_fills_its_places_in_order():
         out = torch.full((100,), float("nan"))
         bound(x, out, a)
         torch.testing.assert_close(out, x * a + y, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="takes 3 values"):
+        bound(x, out)
