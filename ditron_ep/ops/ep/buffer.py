@@ -259,6 +259,7 @@ class EPBuffer:
             block_rows, block_hidden, num_warps = (tuned.block_rows, tuned.block_hidden, tuned.num_warps)
         block_rows = block_rows or 16
         self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
+        self._padded_keys: set[tuple] = set()  # layout signatures whose kernels compiled on padded rows (`_layout`)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
         self.fp8 = self.dispatch_dtype == FP8
@@ -647,9 +648,10 @@ class EPBuffer:
             ran = replays.replay(topk_idx) if replays is not None else None
             if ran is not None:
                 return ran
-            if rows != T and replays is None:
-                # a signature's first call (or one the cache turned away) runs directly on the
-                # capture's rows: the kernels a later capture replays compile now, outside it
+            if rows != T and replays is None and key not in self._padded_keys:
+                # a signature's first direct call runs on the capture's rows: the kernels a later
+                # capture replays compile now, outside it (later direct calls need not)
+                self._padded_keys.add(key)
                 padded = torch.full((rows, self.topk), -1, dtype=topk_idx.dtype, device=self.device)
                 padded[:T].copy_(topk_idx)
                 send, recv = self._launch_layout(padded)
@@ -735,7 +737,8 @@ class EPBuffer:
         stream, and stands in for the kernel's entry barrier (primitives.call_begin says why);
         False for a replay along an old handle (combine's backward)."""
         dummy_f = self._dummy_f32
-        consts = (w is not None, scale_rows, not after_layout, row_index is not None, scales is not None, dequantize)
+        consts = (w is not None, scale_rows, not after_layout, row_index is not None, scales is not None, dequantize,
+                  self.heap.wait_budget)  # (the budget may be changed on a live buffer)
         launch = self._dispatch_launches.get(consts)
         if launch is None:
             launch = self._dispatch_launches[consts] = self._bind_dispatch(*consts)
@@ -746,7 +749,7 @@ class EPBuffer:
                scales if scales is not None else dummy_f, recv_scales if recv_scales is not None else dummy_f, rows_cap)
 
     def _bind_dispatch(self, has_weights: bool, scale_rows: bool, entry_barrier: bool, token_major: bool,
-                       has_scales: bool, dequantize: bool) -> BoundLaunch:
+                       has_scales: bool, dequantize: bool, budget: int) -> BoundLaunch:
         """The data kernel's launch with this buffer's fixed arguments bound (fast_launch.BoundLaunch):
         the VARY places are the call's tensors and rows_cap, in `_launch_dispatch`'s order."""
         h = self.heap
@@ -755,7 +758,7 @@ class EPBuffer:
             *[VARY] * 17, h.ptr_table, h.signal_table, h.offset_of("ep/stage"), h.offset_of("ep/meta"),
             h.offset_of("ep/wstage"), h.offset_of("ep/sstage") if self.fp8 else 0, self._sig_dispatch,
             self.hidden, h.rank, self.world_size, self.num_local_experts, self.max_tokens, self.n_chunks, VARY,
-            h.wait_budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
+            budget, self.n_slices, self.slice_cols, self._dispatch_lag, self.hidden // SCALE_COLS,
             self._put_peers, *(h.offset_of(f"ep/send_{a}") if puts else 0 for a in ("x", "meta", "w"))),
             K=self.topk, HAS_WEIGHTS=has_weights, SCALE_ROWS=scale_rows, BLOCK_S=self.block_rows,
             BLOCK_H=self.block_hidden, BLOCK_W=self._block_w, ENTRY_BARRIER=entry_barrier,
@@ -771,7 +774,7 @@ class EPBuffer:
         reduced = bool(mode & C.FLAG_MODE_RANK_REDUCED)
         row_w = handle.recv_weights if reduced and not (mode & C.FLAG_MODE_TOKEN_ROWS) else None
         out = torch.empty((T, self.hidden), dtype=y.dtype, device=y.device)
-        consts = (mode, land_own, (row_w if reduced else w) is not None, row_w is not None)
+        consts = (mode, land_own, (row_w if reduced else w) is not None, row_w is not None, self.heap.wait_budget)
         launch = self._combine_launches.get(consts)
         if launch is None:
             launch = self._combine_launches[consts] = self._bind_combine(*consts)
@@ -780,14 +783,15 @@ class EPBuffer:
                row_w if row_w is not None else self._dummy_f32, out, T)
         return out
 
-    def _bind_combine(self, mode: int, land_own: bool, has_weights: bool, row_weights: bool) -> BoundLaunch:
+    def _bind_combine(self, mode: int, land_own: bool, has_weights: bool, row_weights: bool,
+                      budget: int) -> BoundLaunch:
         """The combine kernel's launch with this buffer's fixed arguments bound (fast_launch.BoundLaunch):
         the VARY places are the call's tensors and T, in `_launch_combine`'s order."""
         h = self.heap
         puts = self._put_peers != 0
         return (nvshmem_launcher if puts else fast)(ep_combine_kernel).bind((self.num_programs,), (
             *[VARY] * 10, h.ptr_table, h.signal_table, h.offset_of("ep/land"), self._sig_combine, VARY, self.hidden,
-            h.rank, self.world_size, self.max_tokens, self.n_chunks, h.wait_budget, self.n_slices,
+            h.rank, self.world_size, self.max_tokens, self.n_chunks, budget, self.n_slices,
             self.slice_cols, self._combine_lag, mode, self._put_peers, h.offset_of("ep/send_land") if puts else 0),
             K=self.topk, HAS_WEIGHTS=has_weights, BLOCK_S=self.block_rows,
             BLOCK_T=self.block_rows, BLOCK_H=self.block_hidden, BLOCK_W=self._block_w,

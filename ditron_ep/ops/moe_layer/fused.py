@@ -221,6 +221,7 @@ class FusedMoE:
             self.plan: MoEPlan = _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens_per_rank, topk,
                                                 dtype, schedule, backend, plan, plan_overrides)
             self._graphs: CallGraphCache[_CapturedCall] = CallGraphCache(graph_cache)
+            self._padded_keys: set[tuple] = set()  # call signatures whose kernels compiled on padded rows
         except Exception as err:  # noqa: BLE001 - DitronConfigError, PlanError, bad overrides, device queries
             problem = f"{err}" if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
         # every rank raises alike before the heap's set-up (a lone raise would leave peers waiting)
@@ -387,10 +388,12 @@ class FusedMoE:
                 key, lambda: self._capture_call(rows, x, topk_idx, topk_weights, experts), "FusedMoE")
             if captured is not None:
                 return self._replay(captured, x, topk_idx, topk_weights)
-            if rows != T:
-                # a signature's first call (or one the cache turned away) runs directly on the
-                # capture's rows: the kernels a later capture replays compile now, outside it
-                return self._direct(*_padded_call(rows, x, topk_idx, topk_weights), experts, sync, trace)[:T]
+            if rows != T and self._graphs.capacity and key not in self._padded_keys:
+                # a signature's first direct call runs on the capture's rows: the kernels a later
+                # capture replays compile now, outside it (later direct calls need not); a fresh
+                # output (a view of the padded one would be a view under autograd)
+                self._padded_keys.add(key)
+                return self._direct(*_padded_call(rows, x, topk_idx, topk_weights), experts, sync, trace)[:T].clone()
         return self._direct(x, topk_idx, topk_weights, experts, sync, trace)
 
     def _direct(self, x, topk_idx, topk_weights, experts, sync, trace) -> torch.Tensor:
