@@ -35,6 +35,7 @@ from ditron_ep.ops.ep.layout_replay import (
     call_tokens,
     layout_arena_words,
     layout_rows,
+    padded_routing,
 )
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import RebuildNeeded, agree, call_error, differing, field_value, field_word
@@ -652,9 +653,7 @@ class EPBuffer:
                 # a signature's first direct call runs on the capture's rows: the kernels a later
                 # capture replays compile now, outside it (later direct calls need not)
                 self._padded_keys.add(key)
-                padded = torch.full((rows, self.topk), -1, dtype=topk_idx.dtype, device=self.device)
-                padded[:T].copy_(topk_idx)
-                send, recv = self._launch_layout(padded)
+                send, recv = self._launch_layout(padded_routing(topk_idx, rows))
                 return call_tokens(send, T), recv, None, False
         send, recv = self._launch_layout(topk_idx, record_pending=not sync)
         return send, recv, None, False

@@ -33,7 +33,7 @@ from ditron_ep.ops.ep.layout_kernels import RecvLayout, SendLayout, recv_layout_
 from ditron_ep.runtime.fast_launch import current_stream
 
 __all__ = ["Int32Arena", "CapturedLayout", "LayoutReplays", "call_tokens", "layout_arena_words", "layout_rows",
-           "rebuild_layout", "view_recipe"]
+           "padded_routing", "rebuild_layout", "route_nowhere_past", "view_recipe"]
 
 # Every arena tensor starts on a 64-byte boundary. Triton specialises a pointer argument on
 # 16-byte alignment, so the views compile to the same kernels as torch.empty's tensors (which the
@@ -111,6 +111,23 @@ def layout_rows(num_tokens: int, max_tokens: int) -> int:
     return min(max_tokens, max(16, 1 << (num_tokens - 1).bit_length()))
 
 
+def padded_routing(topk_idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """topk_idx [T, K] as `rows` routing rows, the rows past T routed nowhere (-1)."""
+    padded = torch.full((rows, topk_idx.shape[1]), -1, dtype=topk_idx.dtype, device=topk_idx.device)
+    padded[:topk_idx.shape[0]].copy_(topk_idx)
+    return padded
+
+
+def route_nowhere_past(static_topk: torch.Tensor, num_tokens: int, routed: int) -> int:
+    """Before a replay of a call of num_tokens tokens: set the rows of a capture's static routing
+    that an earlier call left routed (up to `routed`; -1: any row) past num_tokens to -1. Returns
+    the rows that may now hold routing (num_tokens), the next call's `routed`."""
+    rows = static_topk.shape[0]
+    if num_tokens < rows and (routed == -1 or routed > num_tokens):
+        static_topk[num_tokens:rows if routed == -1 else routed].fill_(-1)
+    return num_tokens
+
+
 def call_tokens(send: SendLayout, num_tokens: int) -> SendLayout:
     """`send` (of a capture's routing rows) as the layout of the call's first num_tokens rows."""
     if send.topk_idx.shape[0] == num_tokens:
@@ -165,14 +182,10 @@ class CapturedLayout:
             # layout on the other stream: a host reference count says nothing about them
             stream.wait_stream(self._stream)
         self._stream = stream
-        T, rows = topk_idx.shape[0], self.topk_idx.shape[0]
-        if T == rows:
-            self.topk_idx.copy_(topk_idx)
-        else:  # a call of fewer tokens than the capture's: the rows past it route nowhere (-1)
-            self.topk_idx[:T].copy_(topk_idx)
-            if self._routed == -1 or self._routed > T:
-                self.topk_idx[T:rows if self._routed == -1 else self._routed].fill_(-1)
-        self._routed = T
+        T = topk_idx.shape[0]
+        # a call of fewer tokens than the capture's: the rows past it route nowhere (-1)
+        (self.topk_idx if T == self.topk_idx.shape[0] else self.topk_idx[:T]).copy_(topk_idx)
+        self._routed = route_nowhere_past(self.topk_idx, T, self._routed)
         self.graph.replay()
         self.ready.record(stream)
 

@@ -27,7 +27,7 @@ from ditron_ep.ops.ep.buffer import (
 )
 from ditron_ep.ops.ep.functional import BufferSlot
 from ditron_ep.ops.ep.layout_kernels import build_send_layout, exchange_layout, layout_landing_shape
-from ditron_ep.ops.ep.layout_replay import layout_rows
+from ditron_ep.ops.ep.layout_replay import layout_rows, padded_routing, route_nowhere_past
 from ditron_ep.ops.moe_layer.experts import activation_code, check_activation, width_factor
 from ditron_ep.ops.moe_layer.grouped import check_grad_dtype
 from ditron_ep.ops.moe_layer.staged import FusedForwardStagedBackward
@@ -136,11 +136,9 @@ def _padded_call(rows: int, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight
     T = x.shape[0]
     xp = x.new_empty((rows, x.shape[1]))
     xp[:T].copy_(x)
-    ip = torch.full((rows, topk_idx.shape[1]), -1, dtype=topk_idx.dtype, device=topk_idx.device)
-    ip[:T].copy_(topk_idx)
     wp = topk_weights.new_zeros((rows, topk_weights.shape[1]))
     wp[:T].copy_(topk_weights)
-    return xp, ip, wp
+    return xp, padded_routing(topk_idx, rows), wp
 
 
 def _verified_plan(world, num_experts, hidden, ffn_hidden, max_tokens, topk, dtype, schedule, backend,
@@ -507,9 +505,7 @@ class FusedMoE:
         stream = current_stream(x.device.index)
         T, rows = x.shape[0], c.x.shape[0]
         statics = (c.x, c.topk_idx, c.topk_weights) if T == rows else (c.x[:T], c.topk_idx[:T], c.topk_weights[:T])
-        if T < rows and (c.routed == -1 or c.routed > T):  # the rows past the call's route nowhere
-            c.topk_idx[T:rows if c.routed == -1 else c.routed].fill_(-1)
-        c.routed = T
+        c.routed = route_nowhere_past(c.topk_idx, T, c.routed)
         # one host call for the input copies: each copy_ took ~8-14 µs of host time on a lent H200
         # host, and at T=128 the GPU waits for the host (bench/results/HISTORY.md: replay_steps)
         if side:
