@@ -32,19 +32,42 @@ _I32_MIN, _I32_MAX, _U64_MIN = -(1 << 31), (1 << 31) - 1, 1 << 63
 
 def _args_key(args: tuple) -> tuple:
     """What the binary may depend on, per positional argument; raises TypeError for a type the key
-    does not cover. Plain tensors and ints inline (a function call per argument cost ~8 µs for
-    31 arguments, a third of what the launcher saves): a tensor's dtype and 16-byte alignment; an
-    int's == 1, multiple of 16, 32-bit range, unsigned 64-bit range; the rest in `_other_key`."""
+    does not cover: a tensor's dtype, 16-byte alignment and whether it is on a GPU; an int's == 1,
+    multiple of 16, 32-bit range, unsigned 64-bit range; the rest in `_other_key`."""
+    return _key_and_raw(args)[0]
+
+
+def _key_and_raw(args: tuple) -> tuple[tuple, list]:
+    """(`_args_key` of args, the arguments as the compiled launcher takes them: a CUDA tensor as
+    its address). Plain tensors and ints inline (a function call per argument cost ~8 µs for 31
+    arguments, a third of what the launcher saves). Triton's launcher turns each tensor
+    argument into its address through a `data_ptr()` call and a `cuPointerGetAttribute` driver
+    call; an int skips both (~0.5 µs a tensor on a lent host). A CPU tensor stays a tensor, keyed
+    apart from CUDA ones, so the launcher still refuses it as before (a host address would fault)."""
     Tensor = torch.Tensor
-    return tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is Tensor else
-                  (a == 1) + 2 * (not a & 15) + 4 * (_I32_MIN <= a <= _I32_MAX) + 8 * (a >= _U64_MIN)
-                  if type(a) is int else _other_key(a) for a in args])
+    key = []
+    raw = list(args)
+    i = 0
+    for a in args:
+        t = type(a)
+        if t is Tensor:
+            p = a.data_ptr()
+            cuda = a.is_cuda
+            if cuda:
+                raw[i] = p
+            key.append((a.dtype, not p & 15, cuda))
+        elif t is int:
+            key.append((a == 1) + 2 * (not a & 15) + 4 * (_I32_MIN <= a <= _I32_MAX) + 8 * (a >= _U64_MIN))
+        else:
+            key.append(_other_key(a))
+        i += 1
+    return tuple(key), raw
 
 
 def _other_key(a: Any) -> Any:
     """`_args_key` of an argument that is neither a plain tensor nor a plain int."""
-    if isinstance(a, torch.Tensor):  # a subclass (nn.Parameter)
-        return (a.dtype, not a.data_ptr() & 15)
+    if isinstance(a, torch.Tensor):  # a subclass (nn.Parameter): passed as it is
+        return (a.dtype, not a.data_ptr() & 15, a.is_cuda)
     t = type(a)
     if t is bool:
         return ("b", a)
@@ -105,7 +128,8 @@ class FastLauncher:
             return
         knobs = self._knobs
         try:  # (the lookup hashes the key: a key is hashed once)
-            key = (torch._C._cuda_getDevice(), _args_key(args), tuple(kwargs.items()), knobs.runtime.debug,
+            keyed, raw = _key_and_raw(args)
+            key = (torch._C._cuda_getDevice(), keyed, tuple(kwargs.items()), knobs.runtime.debug,
                    knobs.compilation.instrumentation_mode)
             entry = self._compiled.get(key)
         except TypeError:  # an argument of a type the key does not cover
@@ -120,7 +144,7 @@ class FastLauncher:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = torch._C._cuda_getCurrentRawStream(key[0])
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *raw, *tail)
 
     def _remember(self, key: tuple, kernel: Any, n_args: int, kwargs: dict,
                   into: dict[tuple, tuple[Any, tuple]] | None = None) -> None:
@@ -166,6 +190,9 @@ class BoundLaunch:
     def __init__(self, launcher: FastLauncher, grid: tuple[int, ...], template: tuple, kwargs: dict) -> None:
         self.launcher, self.grid, self.kwargs = launcher, grid, kwargs
         self.template = list(template)
+        # the fixed CUDA tensors as their addresses, as `_key_and_raw` passes them (self.template
+        # keeps the tensors alive)
+        self._raw_template = [a.data_ptr() if type(a) is torch.Tensor and a.is_cuda else a for a in template]
         self.slots = tuple(i for i, a in enumerate(template) if a is VARY)
         self._entries: dict[tuple, tuple[Any, tuple]] = {}
         self.enabled = (launcher.enabled and not callable(grid) and len(template) <= launcher._first_constexpr)
@@ -181,30 +208,34 @@ class BoundLaunch:
         if len(values) != len(self.slots):
             raise TypeError(f"this bound launch of {self.launcher.fn} takes {len(self.slots)} values (its VARY "
                             f"places), got {len(values)}")
-        args = self.template.copy()
-        for i, v in zip(self.slots, values):
-            args[i] = v
         launcher = self.launcher
         if not self.enabled or launcher.fn.pre_run_hooks:
-            launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            launcher._ordinary(self.grid, self._filled(self.template, values), self.kwargs)
             return
         knobs = launcher._knobs
         try:
-            key = (torch._C._cuda_getDevice(), _args_key(values), knobs.runtime.debug,
-                   knobs.compilation.instrumentation_mode)
+            keyed, raw = _key_and_raw(values)
+            key = (torch._C._cuda_getDevice(), keyed, knobs.runtime.debug, knobs.compilation.instrumentation_mode)
             entry = self._entries.get(key)
         except TypeError:  # a value of a type the key does not cover
-            launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            launcher._ordinary(self.grid, self._filled(self.template, values), self.kwargs)
             return
         if entry is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-            kernel = launcher._ordinary(self.grid, tuple(args), self.kwargs)
+            kernel = launcher._ordinary(self.grid, self._filled(self.template, values), self.kwargs)
             if entry is None and kernel is not None:
-                launcher._remember(key, kernel, len(args), self.kwargs, into=self._entries)
+                launcher._remember(key, kernel, len(self.template), self.kwargs, into=self._entries)
             return
         kernel, tail = entry
         g0, g1, g2 = self._grid3
         kernel.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(key[0]), kernel.function, kernel.packed_metadata,
-                   None, None, None, *args, *tail)
+                   None, None, None, *self._filled(self._raw_template, raw), *tail)
+
+    def _filled(self, template: list, values: Any) -> tuple:
+        """template with its VARY places filled by values, in order."""
+        args = template.copy()
+        for i, v in zip(self.slots, values):
+            args[i] = v
+        return tuple(args)
 
 
 _LAUNCHERS: dict[int, FastLauncher] = {}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ditron_ep.runtime import control as C
 from ditron_ep.runtime.agreement import agree, call_error
 from ditron_ep.runtime.errors import DitronConfigError, DitronTimeoutError
+from ditron_ep.runtime.fast_launch import current_stream
 from ditron_ep.runtime.mode import resolve_backend
 
 DEFAULT_SIZE_BYTES = {"emulated": 32 << 20, "torch": 1 << 30, "nvshmem": 1 << 30}
@@ -127,6 +128,7 @@ class SymmetricHeap:
         self._signal_ranges: dict[str, tuple[int, int]] = {}
         self._next_signal = 0
         self._freed = False
+        self._host_words: torch.Tensor | None = None  # pinned copy of the host words (`queue_error_read`)
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, name: str, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype) -> torch.Tensor:
@@ -231,7 +233,12 @@ class SymmetricHeap:
         a backward's replay) that did not go because a peer was out of step
         (DitronOutOfStepError) or rejected its own arguments (DitronConfigError). Nothing needs
         resetting after either: later calls wait for later call numbers."""
-        words = self._ctrl[:C.HOST_WORDS].tolist()  # a copy also on the CPU (emulated ranks)
+        if self._ctrl.is_cuda:
+            host = self.queue_error_read()
+            current_stream(self.device.index).synchronize()
+            words = host.tolist()
+        else:
+            words = self._ctrl[:C.HOST_WORDS].tolist()  # a copy (emulated ranks)
         if words[C.ERR_FLAG]:  # (a stopped call's finding is that timeout too: both are cleared)
             self._ctrl[C.ERR_FLAG] = 0
             self._ctrl[C.FAIL_FLAGS:C.FAIL_PEER_CALL + 1] = 0
@@ -259,8 +266,25 @@ class SymmetricHeap:
                    f"rank starts afresh")
         return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal, observed=observed, expected=expected)
 
-    def check_error(self) -> None:
-        """Raise the recorded error, if any (synchronises with the device; see read_error)."""
+    def queue_error_read(self) -> torch.Tensor:
+        """The host words [0, HOST_WORDS) as a host tensor to read once the current stream has
+        synchronised, their copy queued now: a pinned buffer of this heap (CUDA), or the words
+        themselves (CPU). A pinned copy and a stream sync cost ~10 µs less of an eager call than
+        `.tolist()` of the device words (a pageable copy), and an eager dispatch that also reads
+        its layout's status after its kernel waits once for both (EPBuffer._dispatch_raw)."""
+        if not self._ctrl.is_cuda:
+            return self._ctrl[:C.HOST_WORDS]
+        if self._host_words is None:
+            self._host_words = torch.empty(C.HOST_WORDS, dtype=torch.int32, pin_memory=True)
+        self._host_words.copy_(self._ctrl[:C.HOST_WORDS], non_blocking=True)
+        return self._host_words
+
+    def check_error(self, words: list[int] | None = None) -> None:
+        """Raise the recorded error, if any (synchronises with the device; see read_error).
+        words: the host words `queue_error_read` copied, read after the sync: when they show no
+        error nothing more is read; else the slot is read again, and consumed, as without them."""
+        if words is not None and not (words[C.ERR_FLAG] or words[C.FAIL_CALL]):
+            return
         err = self.read_error()
         if err is not None:
             raise err

@@ -1087,6 +1087,62 @@ def test_token_major_dispatch(dist_env, buf_a):
     assert not problems, f"rank {rank}:\n" + _fail(problems)
 
 
+def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
+    """An error recorded after a data kernel (a timeout stood in for by setting the error flag on
+    the stream right after the launch, on every rank) raises DitronTimeoutError from that call in
+    both dispatch layouts (the token-major one reads its layout's status and the kernel's error
+    words in one wait) and from combine; the read consumes it, and the next call gives the bits of
+    a clean one."""
+    from ditron_ep.runtime import DitronTimeoutError
+    from ditron_ep.runtime import control as C
+
+    dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, H, K = buf_a.num_experts, buf_a.hidden, buf_a.topk
+    xs, idxs, ws = _make_inputs(W, _tokens([123, 59, 187, 61], W), H, E, K, DTYPE, "uniform", seed=47)
+    x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+    problems: list[str] = []
+
+    def failing(name):
+        launch = getattr(buf_a, name)
+
+        def wrapped(*a, **kw):
+            out = launch(*a, **kw)
+            buf_a.heap._ctrl[C.ERR_FLAG] = 1  # queued after the kernel, as the kernel would record it
+            return out
+        return wrapped
+
+    try:
+        clean = {layout: buf_a.dispatch(x, idx, w, layout=layout) for layout in ("expert_major", "token_major")}
+        clean_out = buf_a.combine(clean["expert_major"][0], clean["expert_major"][1])
+        for layout in ("token_major", "expert_major"):
+            buf_a._launch_dispatch = failing("_launch_dispatch")
+            try:
+                buf_a.dispatch(x, idx, w, layout=layout)
+                problems.append(f"{layout} dispatch: the recorded error did not raise")
+            except DitronTimeoutError:
+                pass
+            finally:
+                del buf_a._launch_dispatch
+            again, _h = buf_a.dispatch(x, idx, w, layout=layout)
+            if not _bits_equal(again, clean[layout][0]):
+                problems.append(f"{layout} dispatch after the error: rows differ from a clean call")
+        recv, h = buf_a.dispatch(x, idx, w)
+        buf_a._launch_combine = failing("_launch_combine")
+        try:
+            buf_a.combine(recv, h)
+            problems.append("combine: the recorded error did not raise")
+        except DitronTimeoutError:
+            pass
+        finally:
+            del buf_a._launch_combine
+        if not _bits_equal(buf_a.combine(recv, h), clean_out):
+            problems.append("combine after the error differs from a clean call")
+        buf_a.check()
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    assert not problems, f"rank {rank}:\n" + _fail(problems)
+
+
 def test_fp8_dispatch_into_the_grouped_gemm(dist_env, ep_buffers):
     """FP8 dispatch (SHAPE_B's hidden, a multiple of 128): the token-major e4m3 rows and scales are the
     sender's bytes; grouped_mlp(x_scales=) on them (dequantised in the A-load) is bit for bit

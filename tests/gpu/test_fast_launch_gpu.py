@@ -65,6 +65,27 @@ def test_bound_launches_equal_ordinary_launches():
         assert len(bound._entries) == 2, list(bound._entries)
 
 
+def test_a_cpu_tensor_after_cached_cuda_launches_is_refused_not_launched():
+    """Cached launches pass CUDA tensors as addresses (fast_launch._key_and_raw); a CPU tensor of the
+    same dtype and alignment is keyed apart, so Triton's launcher still refuses it (ValueError)
+    instead of a kernel faulting on a host address; the context stays usable."""
+    import pytest
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, y = torch.randn(256, device=dev), torch.randn(256, device=dev)
+    fl = FastLauncher(_scaled_add)
+    bound = FastLauncher(_scaled_add).bind((4,), (VARY, y, VARY, 256, 1.5), BLOCK=64)
+    for _ in range(2):  # compile, then the cached launches
+        out = torch.empty_like(x)
+        bound(x, out)
+        assert torch.equal(out, _call(fl, x, y, 1.5, 256))
+    with pytest.raises(ValueError, match="cpu tensor"):
+        _call(fl, x.cpu(), y, 1.5, 256)
+    with pytest.raises(ValueError, match="cpu tensor"):
+        bound(x.cpu(), torch.empty_like(x))
+    assert torch.equal(_call(fl, x, y, 1.5, 256), _call(_scaled_add, x, y, 1.5, 256))
+
+
 def test_non_constexpr_keyword_or_positional_constexpr_is_never_cached():
     fl = FastLauncher(_scaled_add)
     dev = torch.device("cuda", torch.cuda.current_device())

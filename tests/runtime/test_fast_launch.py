@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditron_ep.runtime.fast_launch import VARY, _args_key, fast
+from ditron_ep.runtime.fast_launch import VARY, _args_key, _key_and_raw, fast
 
 
 @triton.jit
@@ -35,6 +35,21 @@ def test_key_separates_what_triton_specialises_on():
     assert _arg_key(torch.nn.Parameter(buf)) == _arg_key(buf)
     with pytest.raises(TypeError):
         _arg_key((1, 2))
+
+
+def test_the_launcher_gets_cuda_tensors_as_addresses_and_anything_else_as_it_is():
+    """What a cached launch passes to Triton's launcher: a CUDA tensor's address (its data_ptr), a
+    CPU tensor, a Parameter and every non-tensor unchanged (the launcher validates those), each
+    keyed as `_args_key` keys it."""
+    cpu, p = torch.zeros(8), torch.nn.Parameter(torch.zeros(8))
+    args = (cpu, p, 7, 2.5, None, True)
+    key, raw = _key_and_raw(args)
+    assert key == _args_key(args) and all(r is a for r, a in zip(raw, args))
+    assert key[0][2] is False  # keyed apart from a CUDA tensor of the same dtype and alignment
+    if torch.cuda.is_available():
+        gpu = torch.zeros(8, device="cuda")
+        key, raw = _key_and_raw((gpu, cpu))
+        assert raw == [gpu.data_ptr(), cpu] and key[0][:2] == _arg_key(cpu)[:2] and key[0] != _arg_key(cpu)
 
 
 def test_interpreter_takes_the_ordinary_path():

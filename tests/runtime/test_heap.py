@@ -128,3 +128,31 @@ def test_deferred_error_reads_happen_once_per_backward_pass_and_raise_from_it():
     assert (bad.reads, later.reads) == (1, 0)
     SymmetricHeap.check_error_later(a)  # no backward pass running: nothing queued, nothing read
     assert a.reads == 1
+
+
+def test_error_words_read_ahead_skip_the_second_read_only_when_clean():
+    """check_error(words): the host words an eager dispatch copied with its other status words.
+    Clean words read nothing more; a timeout (ERR_FLAG) or a refused call (FAIL_CALL) in them
+    reads the slot again, which consumes it and raises, as check_error() does."""
+    from ditron_ep.runtime import control as C
+    from ditron_ep.runtime.heap import SymmetricHeap
+
+    class Heap:
+        def __init__(self, error):
+            self.error, self.reads = error, 0
+
+        def read_error(self):
+            self.reads += 1
+            return self.error
+
+    clean = [0] * C.HOST_WORDS
+    h = Heap(RuntimeError("recorded"))
+    SymmetricHeap.check_error(h, clean)
+    assert h.reads == 0
+    for word in (C.ERR_FLAG, C.FAIL_CALL):
+        words = list(clean)
+        words[word] = 1
+        with pytest.raises(RuntimeError, match="recorded"):
+            SymmetricHeap.check_error(h, words)
+    assert h.reads == 2
+    SymmetricHeap.check_error(Heap(None), None)  # no words: one read, nothing recorded

@@ -870,13 +870,22 @@ class EPBuffer:
         self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
                               after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                               dequantize=dequantize)
+        kernel_words = None
         if early:
+            if self.check_errors and self.device.type == "cuda":
+                # one wait for the layout's status and the kernel's error words, not one each
+                host = self.heap.queue_error_read()
+                current_stream(self.device.index).synchronize()
+                kernel_words = host.tolist()
             num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured, ahead)
             rows_cap = num_rows
             recv_x, row_index = _rows_of(recv_x, token_rows), row_index[:num_rows]
             recv_w = None if recv_w is None else recv_w[:num_rows]
             recv_scales = None if recv_scales is None else _rows_of(recv_scales, token_rows)
-        self._finish(sync, under_autograd)
+        if kernel_words is not None:
+            self.heap.check_error(kernel_words)
+        else:
+            self._finish(sync, under_autograd)
         handle = DispatchHandle(id(self), send, recv, recv_rows, recv_tok, recv_w, x.shape[0], rows_cap,
                                 num_rows, sync, capped, row_index, token_rows, recv_scales,
                                 w is not None and w.requires_grad and torch.is_grad_enabled(), recv_counts)
@@ -1023,6 +1032,8 @@ def raise_layout_status(words: list[int], heap: SymmetricHeap, pending_flags: to
     if err[0] or err[C.FAIL_CALL - C.ERR_FLAG]:
         heap.check_error()
     at = 2 + C.HOST_WORDS - C.ERR_FLAG
+    if not (pending or any(words[at:at + 2 * W:2])):  # no rank flagged anything: the common call
+        return total
     info = [words[at + 2 * r: at + 2 * r + 2] for r in range(W)]
     at += 2 * W
     n = 2 + RECORD_FIELDS

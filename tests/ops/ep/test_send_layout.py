@@ -131,3 +131,33 @@ def test_arena_refuses_more_than_it_was_sized_for() -> None:
     arena((24,))
     with pytest.raises(ValueError, match="cannot hold"):
         arena((1,))
+
+
+def test_a_captured_layout_is_idle_only_while_nothing_else_holds_it() -> None:
+    """CapturedLayout.idle (which decides whether a replay may hand a copy's own layout to a call):
+    a reference kept to its layout objects, to any of their tensors or to recv_rows, or a view
+    taken of any of their memory, makes it busy; dropping it makes it idle again."""
+    from dataclasses import dataclass
+
+    from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena
+
+    @dataclass
+    class Layout:
+        a: torch.Tensor
+        b: torch.Tensor
+        n: int = 3
+
+    arena = Int32Arena(64, torch.device("cpu"))
+    c = CapturedLayout(topk_idx=torch.empty(4, 2, dtype=torch.int32), graph=None, arena=arena,
+                       status=torch.empty(4, dtype=torch.int32), ready=None,
+                       recv_rows=torch.empty(2, 4, 2, dtype=torch.int32), recv_tok=torch.empty(2, 4, dtype=torch.int32))
+    c.send, c.recv = Layout(arena((4,)), arena((2, 2))), Layout(arena((8,)), arena((3,)))
+    assert c.idle()  # never lent: nothing to watch yet
+    c.arm()
+    assert c.idle()
+    for take in (lambda: c.send, lambda: c.recv.b, lambda: c.recv_rows, lambda: c.recv_tok[1],
+                 lambda: c.arena.flat[5:9], lambda: c.send.a.view(2, 2)):
+        held = take()
+        assert not c.idle()
+        del held
+        assert c.idle()
