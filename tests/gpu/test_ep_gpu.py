@@ -1087,12 +1087,77 @@ def test_token_major_dispatch(dist_env, buf_a):
     assert not problems, f"rank {rank}:\n" + _fail(problems)
 
 
+def test_whole_token_major_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
+    """A small buffer replays default-mode token-major calls whole (EPBuffer._whole_call: inputs
+    copied in, layout and data kernel in one graph). Across calls of changing T (one capture per
+    power-of-two rows; a rank with no tokens), with and without weights, and with 5 handles of one
+    signature held at once (its 3 copies run out: the later calls launch as usual), every output
+    -- token rows, row_index, weights, offsets -- and the combine along each handle equal a
+    buffer that never captures (graph_cache=0), bit for bit; the whole-call graphs did replay."""
+    dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
+    E, H, max_t, K = _shape(SHAPE_A, W)
+    whole = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE)
+    direct = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=0)
+    problems: list[str] = []
+    replayed = []
+    plain = whole._whole_call
+
+    def counted(*a, **kw):
+        r = plain(*a, **kw)
+        replayed.append(r is not None)
+        return r
+    whole._whole_call = counted
+
+    def inputs(pattern, seed):
+        xs, idxs, ws = _make_inputs(W, _tokens(pattern, W), H, E, K, DTYPE, "zipf", seed=seed, drop=0.1)
+        return xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
+
+    def both(x, idx, w, what):
+        got = whole.dispatch(x, idx, w, layout="token_major")
+        want = direct.dispatch(x, idx, w, layout="token_major")
+        (rx, h), (rx_d, h_d) = got, want
+        if not (_bits_equal(rx, rx_d) and torch.equal(h.row_index, h_d.row_index)
+                and torch.equal(h.expert_offsets, h_d.expert_offsets) and h.num_rows == h_d.num_rows
+                and (w is None or _bits_equal(h.recv_weights, h_d.recv_weights))):
+            problems.append(f"{what}: the whole-call replay's outputs differ from direct launches")
+        return got, want
+
+    def combined(got, want, w, what):
+        (rx, h), (rx_d, h_d) = got, want
+        out = whole.combine(rx[h.row_index.long()], h, w)
+        if not _bits_equal(out, direct.combine(rx_d[h_d.row_index.long()], h_d, w)):
+            problems.append(f"{what}: combine along the replayed handle differs")
+
+    try:
+        for i, pattern in enumerate([[123, 59, 187, 61], [61, 0, 123, 59]] * 3):
+            x, idx, w = inputs(pattern, 60 + i)
+            for weights in (w, None):
+                what = f"call {i} (T={x.shape[0]}, {'weighted' if weights is not None else 'unweighted'})"
+                combined(*both(x, idx, weights, what), weights, what)
+        x, idx, w = inputs([123, 59, 187, 61], 70)
+        held = [both(x, idx, w, f"held call {j}") for j in range(5)]
+        for j, (got, want) in enumerate(held):
+            combined(got, want, w, f"held handle {j}")
+        whole.check()
+        direct.check()
+    except Exception as err:  # recorded: every rank takes the same path
+        problems.append(f"{type(err).__name__}: {err}")
+    finally:
+        del whole._whole_call
+    if whole._calls.capacity == 0 or sum(replayed) < 8:
+        problems.append(f"whole-call replays: {sum(replayed)} of {len(replayed)} calls (capacity "
+                        f"{whole._calls.capacity}); the graphs did not run")
+    if replayed[-5:].count(True) != 3:  # 5 handles of one signature held: its 3 copies, then direct
+        problems.append(f"with 5 handles held, {replayed[-5:]} of the calls replayed (want 3 of 5)")
+    assert not problems, f"rank {rank}:\n" + _fail(problems)
+
+
 def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
-    """An error recorded after a data kernel (a timeout stood in for by setting the error flag on
-    the stream right after the launch, on every rank) raises DitronTimeoutError from that call in
-    both dispatch layouts (the token-major one reads its layout's status and the kernel's error
-    words in one wait) and from combine; the read consumes it, and the next call gives the bits of
-    a clean one."""
+    """An error recorded by a call's kernel (a timeout, stood in for by setting the error flag on
+    the stream after the call's launches, on every rank) raises DitronTimeoutError from that call
+    in both dispatch layouts (the token-major one reads its layout's status and the kernel's error
+    words in one wait, replayed whole from a graph from a signature's second call) and from
+    combine; the read consumes it, and the next call gives the bits of a clean one."""
     from ditron_ep.runtime import DitronTimeoutError
     from ditron_ep.runtime import control as C
 
@@ -1101,40 +1166,34 @@ def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
     xs, idxs, ws = _make_inputs(W, _tokens([123, 59, 187, 61], W), H, E, K, DTYPE, "uniform", seed=47)
     x, idx, w = xs[rank].to(dev), idxs[rank].to(dev), ws[rank].to(dev)
     problems: list[str] = []
+    heap = buf_a.heap
 
-    def failing(name):
-        launch = getattr(buf_a, name)
-
-        def wrapped(*a, **kw):
-            out = launch(*a, **kw)
-            buf_a.heap._ctrl[C.ERR_FLAG] = 1  # queued after the kernel, as the kernel would record it
-            return out
-        return wrapped
+    def fails(what, call):
+        """call() with the flag set right before the call's error-slot read (once), as its kernel
+        would have set it; it must raise."""
+        def read():
+            del heap.queue_error_read  # one shot
+            heap._ctrl[C.ERR_FLAG] = 1
+            return heap.queue_error_read()
+        heap.queue_error_read = read
+        try:
+            call()
+            problems.append(f"{what}: the recorded error did not raise")
+        except DitronTimeoutError:
+            pass
+        finally:
+            heap.__dict__.pop("queue_error_read", None)
 
     try:
         clean = {layout: buf_a.dispatch(x, idx, w, layout=layout) for layout in ("expert_major", "token_major")}
         clean_out = buf_a.combine(clean["expert_major"][0], clean["expert_major"][1])
-        for layout in ("token_major", "expert_major"):
-            buf_a._launch_dispatch = failing("_launch_dispatch")
-            try:
-                buf_a.dispatch(x, idx, w, layout=layout)
-                problems.append(f"{layout} dispatch: the recorded error did not raise")
-            except DitronTimeoutError:
-                pass
-            finally:
-                del buf_a._launch_dispatch
+        for layout in ("token_major", "expert_major", "token_major", "token_major"):
+            fails(f"{layout} dispatch", lambda: buf_a.dispatch(x, idx, w, layout=layout))
             again, _h = buf_a.dispatch(x, idx, w, layout=layout)
             if not _bits_equal(again, clean[layout][0]):
                 problems.append(f"{layout} dispatch after the error: rows differ from a clean call")
         recv, h = buf_a.dispatch(x, idx, w)
-        buf_a._launch_combine = failing("_launch_combine")
-        try:
-            buf_a.combine(recv, h)
-            problems.append("combine: the recorded error did not raise")
-        except DitronTimeoutError:
-            pass
-        finally:
-            del buf_a._launch_combine
+        fails("combine", lambda: buf_a.combine(recv, h))
         if not _bits_equal(buf_a.combine(recv, h), clean_out):
             problems.append("combine after the error differs from a clean call")
         buf_a.check()

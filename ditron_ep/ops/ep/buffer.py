@@ -260,6 +260,10 @@ class EPBuffer:
             block_rows, block_hidden, num_warps = (tuned.block_rows, tuned.block_hidden, tuned.num_warps)
         block_rows = block_rows or 16
         self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
+        # whole token-major calls (`_whole_call`), for buffers whose received rows fit WHOLE_CALL_BYTES
+        out_bytes = max(torch.empty((), dtype=d).element_size() for d in (dtype, dispatch_dtype or dtype))
+        whole = world * max_tokens_per_rank * hidden * out_bytes <= WHOLE_CALL_BYTES
+        self._calls: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache if whole else 0)
         self._padded_keys: set[tuple] = set()  # layout signatures whose kernels compiled on padded rows (`_layout`)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
@@ -535,6 +539,7 @@ class EPBuffer:
 
     def free(self) -> None:
         self._layouts.clear()  # the graphs point into the heap
+        self._calls.clear()
         self._dispatch_launches.clear()  # (their arguments too)
         self._combine_launches.clear()
         self.heap.free()
@@ -657,6 +662,60 @@ class EPBuffer:
                 return call_tokens(send, T), recv, None, False
         send, recv = self._launch_layout(topk_idx, record_pending=not sync)
         return send, recv, None, False
+
+    def _whole_call(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
+                    scales: torch.Tensor | None, dequantize: bool
+                    ) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
+        """A default-mode token-major call (not under autograd) replayed whole from one CUDA graph:
+        its inputs copied into a captured copy's static ones, the layout launches, the status copy
+        and the data kernel at capacity (as `_dispatch_raw`'s early path launches them) in one
+        replay. Returns `LayoutReplays.replay`'s tuple, the copy's `outputs` holding this call's
+        rows, or None (launch as usual: a signature's first call, another device or a capture
+        under way, an input whose address is not 16-byte aligned (its kernels, compiled by the
+        first call, would not serve the aligned static copy, which would then compile inside the
+        capture), or every copy held by live handles or rows).
+        Why: at small T an eager call is host-bound, and the GPU idled between the layout and the
+        data kernel while the host allocated the outputs and launched it (~40 µs at T=128 on a
+        lent H200 host). Only for buffers whose received rows (W * max_tokens_per_rank token rows)
+        fit WHOLE_CALL_BYTES: each copy keeps them, and a signature keeps up to 3 copies."""
+        T = x.shape[0]
+        if not (T <= self.max_tokens and self._can_capture()
+                and all(t is None or t.data_ptr() % 16 == 0 for t in (x, topk_idx, w, scales))):
+            return None
+        rows = layout_rows(T, self.max_tokens)
+        key = (rows, topk_idx.dtype, self.heap.wait_budget, w is not None, scales is not None, dequantize)
+        replays = self._calls.lookup_or_give_up(
+            key, lambda: LayoutReplays(lambda lent: self._capture_call(rows, key), shared=False), "EPBuffer")
+        if replays is None:
+            return None
+        if w is not None and w.requires_grad:  # (the static copy must not join an autograd graph)
+            w = w.detach()
+        return replays.replay(topk_idx, tuple(t for t in (x, w, scales) if t is not None))
+
+    def _capture_call(self, rows: int, key: tuple) -> CapturedLayout:
+        """Capture `_whole_call`'s signature `key` on `rows` token rows: a lent layout copy whose
+        graph also copies nothing in (the replay does), then runs the data kernel on static inputs
+        into static outputs at capacity."""
+        _, idx_dtype, _, has_w, has_scales, dequantize = key
+        W, T, K, H, dev = self.world_size, self.max_tokens, self.topk, self.hidden, self.device
+        c = self._layout_statics(rows, idx_dtype, lent=True)
+        x = torch.empty((rows, H), dtype=self.dispatch_dtype, device=dev)
+        w = torch.empty((rows, K), dtype=torch.float32, device=dev) if has_w else None
+        scales = torch.empty((rows, H // SCALE_COLS), dtype=torch.float32, device=dev) if has_scales else None
+        c.inputs = tuple(t for t in (x, w, scales) if t is not None)
+        c.outputs = {
+            "recv_x": torch.empty((W * T, H), dtype=self.dtype if dequantize else self.dispatch_dtype, device=dev),
+            "row_index": torch.empty(W * T * K, dtype=torch.int32, device=dev),
+            "recv_w": torch.empty(W * T * K, dtype=torch.float32, device=dev) if has_w else None,
+            "recv_scales": (torch.empty((W * T, H // SCALE_COLS), dtype=torch.float32, device=dev)
+                            if has_scales and not dequantize else None)}
+        o = c.outputs
+        with graph_capture(c.graph):
+            self._layout_launches(c)
+            self._launch_dispatch(x, w, c.send, c.recv, W * T * K, False, o["recv_x"], o["recv_w"], c.recv_rows,
+                                  c.recv_tok, after_layout=True, row_index=o["row_index"], scales=scales,
+                                  recv_scales=o["recv_scales"], dequantize=dequantize)
+        return c
 
     def _can_capture(self) -> bool:
         """CUDA graphs need a GPU, and a call inside the caller's own capture launches directly."""
@@ -813,25 +872,7 @@ class EPBuffer:
     def _dispatch_raw(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None, sync: bool,
                       max_recv_rows: int | None = None, token_major: bool = False, scales: torch.Tensor | None = None,
                       dequantize: bool = False, under_autograd: bool = False) -> tuple[torch.Tensor, DispatchHandle]:
-        send, recv, captured, lent = self._layout(topk_idx, sync)
         W, T, K = self.world_size, self.max_tokens, self.topk
-        # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
-        # k routed elsewhere), unless a wait times out. A timeout raises in this call when the
-        # call reads the error slot (sync and check_errors, not under autograd): then no combine
-        # sees these, and two fill launches are saved. Otherwise -1 = "no row", so that a combine
-        # after a timed-out call gathers through no garbage index (a timed-out column slice may
-        # still leave its columns of recv_x unwritten; the timeout is raised by the next
-        # host-visible read, and this rank's next launches refuse all work until then).
-        if sync and self.check_errors and not under_autograd:
-            if lent:  # the captured copy's, handed out with its layout
-                recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
-            else:
-                recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
-                recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
-        else:
-            recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
-            recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
-        capped = token_rows = recv_counts = ahead = None
         # Token-major default mode launches the data kernel before the host read, at capacity
         # (W * max_tokens token rows: the staging area's size), and slices after it: the GPU goes
         # from the layout straight into the kernel, where waiting for the host read, then for the
@@ -840,36 +881,63 @@ class EPBuffer:
         # training keeps recv_x for the backward, and a view of the capacity would hold up to
         # W * max_tokens rows per layer (at W=8 uniform top-8 ~1.5x the rows received).
         early = sync and token_major and not under_autograd
-        if early:
-            ahead = self._status_ahead(recv, captured)
-        if sync and not early:
-            num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured)
-            rows_cap = num_rows
-        else:  # read after the kernel (early), or never (graph mode)
-            rows_cap, num_rows = W * T * K, None
-            if max_recv_rows is not None and max_recv_rows < rows_cap:  # graph mode only (dispatch checks)
-                # the kernel drops rows past the cap, so every expert's rows stop there too; an
-                # overflow is recorded for the next host-visible call (device ops, no sync)
-                rows_cap = max_recv_rows
-                capped = recv.expert_off.clamp(max=rows_cap)
-                over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
-                self._pending_flags.bitwise_or_(over)
-        row_index = recv_scales = None
-        out_rows = (W * T if early or not sync else token_rows) if token_major else rows_cap
-        recv_x = torch.empty((out_rows, self.hidden), dtype=self.dtype if dequantize else self.dispatch_dtype,
-                             device=self.device)
-        if token_major:
-            # graph mode: rows past the received ones read token row 0 (their y rows are zero)
-            row_index = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.int32, device=self.device)
-        if scales is not None and not dequantize:
-            recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32, device=self.device)
-        # graph mode: the rows past the received ones weigh 0 (a rank-reduced backward scales by them)
-        recv_w = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.float32, device=self.device) \
-            if w is not None else None
-        w32 = _fp32_weights(w)
-        self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
-                              after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
-                              dequantize=dequantize)
+        # a small buffer's whole token-major call may replay from one CUDA graph (`_whole_call`)
+        whole = self._whole_call(x, topk_idx, w, scales, dequantize) if early and self._calls.capacity else None
+        if whole is not None:
+            send, recv, captured, _lent = whole
+            recv_x, row_index, recv_w, recv_scales = (captured.outputs[n] for n in _CALL_OUTPUTS)
+            recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
+            rows_cap, num_rows, capped, token_rows, recv_counts = W * T * K, None, None, None, None
+            ahead = (captured.status, captured.ready)
+        else:
+            send, recv, captured, lent = self._layout(topk_idx, sync)
+            # The kernel writes every entry a combine reads (each received token's K rows, -1 for a
+            # k routed elsewhere), unless a wait times out. A timeout raises in this call when the
+            # call reads the error slot (sync and check_errors, not under autograd): then no combine
+            # sees these, and two fill launches are saved. Otherwise -1 = "no row", so that a combine
+            # after a timed-out call gathers through no garbage index (a timed-out column slice may
+            # still leave its columns of recv_x unwritten; the timeout is raised by the next
+            # host-visible read, and this rank's next launches refuse all work until then).
+            if sync and self.check_errors and not under_autograd:
+                if lent:  # the captured copy's, handed out with its layout
+                    recv_rows, recv_tok = captured.recv_rows, captured.recv_tok
+                else:
+                    recv_rows = torch.empty((W, T, K), dtype=torch.int32, device=self.device)
+                    recv_tok = torch.empty((W, T), dtype=torch.int32, device=self.device)
+            else:
+                recv_rows = torch.full((W, T, K), -1, dtype=torch.int32, device=self.device)
+                recv_tok = torch.zeros((W, T), dtype=torch.int32, device=self.device)
+            capped = token_rows = recv_counts = ahead = None
+            if early:
+                ahead = self._status_ahead(recv, captured)
+            if sync and not early:
+                num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured)
+                rows_cap = num_rows
+            else:  # read after the kernel (early), or never (graph mode)
+                rows_cap, num_rows = W * T * K, None
+                if max_recv_rows is not None and max_recv_rows < rows_cap:  # graph mode only (dispatch checks)
+                    # the kernel drops rows past the cap, so every expert's rows stop there too; an
+                    # overflow is recorded for the next host-visible call (device ops, no sync)
+                    rows_cap = max_recv_rows
+                    capped = recv.expert_off.clamp(max=rows_cap)
+                    over = (recv.expert_off[-1:] > rows_cap).to(torch.int32) * C.FLAG_TOO_MANY_ROWS
+                    self._pending_flags.bitwise_or_(over)
+            row_index = recv_scales = None
+            out_rows = (W * T if early or not sync else token_rows) if token_major else rows_cap
+            recv_x = torch.empty((out_rows, self.hidden), dtype=self.dtype if dequantize else self.dispatch_dtype,
+                                 device=self.device)
+            if token_major:
+                # graph mode: rows past the received ones read token row 0 (their y rows are zero)
+                row_index = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.int32, device=self.device)
+            if scales is not None and not dequantize:
+                recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32, device=self.device)
+            # graph mode: the rows past the received ones weigh 0 (a rank-reduced backward scales by them)
+            recv_w = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.float32, device=self.device) \
+                if w is not None else None
+            w32 = _fp32_weights(w)
+            self._launch_dispatch(x, w32, send, recv, rows_cap, False, recv_x, recv_w, recv_rows, recv_tok,
+                                  after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
+                                  dequantize=dequantize)
         kernel_words = None
         if early:
             if self.check_errors and self.device.type == "cuda":
@@ -922,6 +990,14 @@ class EPBuffer:
         """Copy of combine's landing buffer [T, K, H]: y(t, k) for the weights' gradient."""
         K, H = self.topk, self.hidden
         return self.heap.local_view("ep/land").view(-1)[:num_tokens * K * H].view(num_tokens, K, H).clone()
+
+
+# The most bytes of received rows (W * max_tokens_per_rank token rows) for which a buffer replays
+# whole token-major calls from CUDA graphs (`EPBuffer._whole_call`): each captured copy keeps its
+# own. A decode-sized buffer (128 tokens, H=7168, bf16) holds 14.7 MB of them at W=8.
+WHOLE_CALL_BYTES = 32 << 20
+# a whole call's outputs, in the order `_dispatch_raw` takes them
+_CALL_OUTPUTS = ("recv_x", "row_index", "recv_w", "recv_scales")
 
 
 def request_of(x: object, topk_idx: object, num_experts: int) -> dict | None:

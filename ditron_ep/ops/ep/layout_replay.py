@@ -166,6 +166,8 @@ class CapturedLayout:
     ready: torch.cuda.Event        # recorded after the replay: wait on it before reading `status`
     recv_rows: torch.Tensor | None = None  # the handle's int32 [W, MAXT, K] / [W, MAXT], which the
     recv_tok: torch.Tensor | None = None   # dispatch kernel writes, handed out with the layout
+    inputs: tuple = ()             # a whole call's other static inputs (x, weights, scales): copied in too
+    outputs: dict | None = None    # a whole call's data-kernel outputs (EPBuffer._capture_call), handed out
     send: SendLayout | None = None  # views of the arena (set by the launches)
     recv: RecvLayout | None = None
     recipes: tuple | None = None   # (send, recv) view recipes, worked out at the first copied replay
@@ -175,7 +177,9 @@ class CapturedLayout:
     _stream: object = None         # the stream of the last replay
     _routed: int = -1              # rows of `topk_idx` that may hold a call's routing (-1: all)
 
-    def _queue(self, topk_idx: torch.Tensor) -> None:
+    def _queue(self, topk_idx: torch.Tensor, values: tuple = ()) -> None:
+        """Copy the call's routing (and a whole call's other inputs, `values` for `inputs`) in and
+        replay the graph on the current stream."""
         stream = current_stream() if self.topk_idx.is_cuda else None
         if stream is not None and self._stream is not None and self._stream is not stream:
             # the last call's kernels (its combine, the caller's own reads) may still read the
@@ -183,8 +187,14 @@ class CapturedLayout:
             stream.wait_stream(self._stream)
         self._stream = stream
         T = topk_idx.shape[0]
-        # a call of fewer tokens than the capture's: the rows past it route nowhere (-1)
-        (self.topk_idx if T == self.topk_idx.shape[0] else self.topk_idx[:T]).copy_(topk_idx)
+        # a call of fewer tokens than the capture's: the rows past it route nowhere (-1), and its
+        # other inputs' rows past it are never read
+        if not values:
+            (self.topk_idx if T == self.topk_idx.shape[0] else self.topk_idx[:T]).copy_(topk_idx)
+        else:  # one host call for every copy
+            statics = [self.topk_idx, *self.inputs]
+            torch._foreach_copy_(statics if T == self.topk_idx.shape[0] else [t[:T] for t in statics],
+                                 [topk_idx, *values])
         self._routed = route_nowhere_past(self.topk_idx, T, self._routed)
         self.graph.replay()
         self.ready.record(stream)
@@ -192,7 +202,7 @@ class CapturedLayout:
     def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
         """Queue this call's layout on the current stream; return it, copied out of the graph's
         memory (the handle keeps it past the next replay). No host sync: wait on `ready` before
-        reading `status`."""
+        reading `status`. (Layout-only copies: a whole call's copies are never shared.)"""
         self._queue(topk_idx)
         flat = self.arena.flat
         if self.recipes is None:
@@ -201,9 +211,9 @@ class CapturedLayout:
         return (call_tokens(rebuild_layout(self.recipes[0], snap), topk_idx.shape[0]),
                 rebuild_layout(self.recipes[1], snap))
 
-    def replay_in_place(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout]:
+    def replay_in_place(self, topk_idx: torch.Tensor, values: tuple = ()) -> tuple[SendLayout, RecvLayout]:
         """`replay`, returning the graph's own layout (only when `idle`: nothing else holds it)."""
-        self._queue(topk_idx)
+        self._queue(topk_idx, values)
         if self._base is None:
             self.arm()
         return call_tokens(self.send, topk_idx.shape[0]), self.recv
@@ -217,7 +227,8 @@ class CapturedLayout:
         # the arena itself too (every view's `_base`). Not seen: a caller keeping only a storage
         # object (`untyped_storage()`) of these tensors, whose Python references the interpreter's
         # launches also take and drop at times.
-        tensors += [t for t in (self.recv_rows, self.recv_tok, self.arena.flat) if t is not None]
+        tensors += [t for t in (self.recv_rows, self.recv_tok, self.arena.flat, *(self.outputs or {}).values())
+                    if t is not None]
         by_storage = {t.untyped_storage().data_ptr(): t for t in tensors}
         self._watch = (self.send, self.recv, *tensors)
         # each storage as its C++ address, which lives as long as this object holds its tensors
@@ -249,15 +260,22 @@ class LayoutReplays:
     Copies are replayed on the caller's stream; one replayed on another stream than before first
     waits for the work queued on that one."""
 
-    def __init__(self, capture: Callable[[bool], CapturedLayout]) -> None:
+    def __init__(self, capture: Callable[[bool], CapturedLayout], shared: bool = True) -> None:
         """capture(lent): a new copy; lent: it will be handed to calls (it then also holds the
-        handle's recv_rows / recv_tok)."""
+        handle's recv_rows / recv_tok). shared=False (whole calls, whose outputs would need copying
+        out too): no shared copy; `replay` returns None while every copy is held, or always where
+        torch cannot count references (nothing is captured then)."""
         self._capture = capture
         self.lendable = LENDABLE_COPIES if _storage_use_count is not None else 0
-        first = capture(bool(self.lendable))
-        self.copies: list[CapturedLayout] = [first] if self.lendable else []  # the lendable ones
-        self.shared: CapturedLayout | None = None if self.lendable else first
-        self._shared_failed = False
+        self.copies: list[CapturedLayout] = []  # the lendable ones
+        self.shared: CapturedLayout | None = None
+        self._shared_failed = not shared
+        if self.lendable or shared:
+            first = capture(bool(self.lendable))
+            if self.lendable:
+                self.copies.append(first)
+            else:
+                self.shared = first
 
     @property
     def replays(self) -> int:
@@ -273,17 +291,19 @@ class LayoutReplays:
             self.lendable = len(self.copies)
             return None
 
-    def replay(self, topk_idx: torch.Tensor) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
-        """Queue this call's layout: (send, recv, the copy that ran, whether its layout is lent
-        to the call as it is), or None (launch directly: no copy could be captured)."""
+    def replay(self, topk_idx: torch.Tensor, values: tuple = ()
+               ) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
+        """Queue this call's layout (a whole call's: `values` for the copies' `inputs`): (send,
+        recv, the copy that ran, whether its layout is lent to the call as it is), or None (launch
+        directly: no copy could be captured, or no copy is free and none is shared)."""
         for c in self.copies:
             if c.idle():
-                return (*c.replay_in_place(topk_idx), c, True)
+                return (*c.replay_in_place(topk_idx, values), c, True)
         if len(self.copies) < self.lendable:
             c = self._grow(True)
             if c is not None:
                 self.copies.append(c)
-                return (*c.replay_in_place(topk_idx), c, True)
+                return (*c.replay_in_place(topk_idx, values), c, True)
         if self.shared is None:
             if self._shared_failed:  # (a capture that failed is not retried every call)
                 return None
