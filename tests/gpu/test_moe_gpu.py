@@ -260,7 +260,8 @@ def test_fused_timeline_and_overlap_from_a_traced_call(dist_env, moe_layers, wei
     rep = layer.overlap_report()
     print(f"[rank {rank}] timeline: {rows}\n[rank {rank}] overlap report: {rep}")
     assert torch.equal(plain, traced)  # tracing changes no result bit
-    assert rep["gate_up_tiles"] > 0 and rep["last_remote_chunk_clock"] >= 0, rep
+    # one rank has no remote chunk (the clock of the last one is -1)
+    assert rep["gate_up_tiles"] > 0 and (rep["last_remote_chunk_clock"] >= 0) == (world > 1), rep
     assert [r["stage"] for r in rows] == ["call_barrier"] + [s.name for s in layer.plan.device.stages if s.num_tasks]
     assert rows[0]["first_start_us"] == 0.0
     for r in rows:

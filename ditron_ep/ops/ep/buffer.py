@@ -214,8 +214,11 @@ class EPBuffer:
             the same kernels and arguments, so the same bits, for a replay and a copy of the
             routing instead of four launches and a dozen allocations (~190 µs of host time on a
             lent H200 host). A signature keeps up to 3 captured copies, each handed to one call at
-            a time (its handle holds it; a clone of a shared copy when all are held). 0 launches
-            every call directly.
+            a time (its handle holds it; a clone of a shared copy when all are held). A buffer
+            whose received rows (W * max_tokens_per_rank token rows) fit 32 MiB (decode-sized)
+            also replays its token-major calls whole -- inputs copied in, layout and data kernel
+            in one graph (`_whole_call`), as many more signatures; while its 3 copies are held a
+            call launches as before. 0 launches every call directly.
         transport (runtime/transport.py): how the dispatch's tokens reach each peer. "auto"
             (default) and "pointer": stores through the peer pointer table; "put" (backend
             "nvshmem"): NVSHMEM put-with-signal to every peer (the transport for peers without a
