@@ -42,7 +42,8 @@ def _key_and_raw(args: tuple) -> tuple[tuple, list]:
     its address). Plain tensors and ints inline (a function call per argument cost ~8 µs for 31
     arguments, a third of what the launcher saves). Triton's launcher turns each tensor
     argument into its address through a `data_ptr()` call and a `cuPointerGetAttribute` driver
-    call; an int skips both (~0.5 µs a tensor on a lent host). A CPU tensor stays a tensor, keyed
+    call; an int skips both (~2 µs of an EP data kernel's ~18-tensor launch on a lent H200 host,
+    bench/results/host_profile_H200x1_20261129_s34_*). A CPU tensor stays a tensor, keyed
     apart from CUDA ones, so the launcher still refuses it as before (a host address would fault)."""
     Tensor = torch.Tensor
     key = []

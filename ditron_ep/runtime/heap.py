@@ -269,9 +269,9 @@ class SymmetricHeap:
     def queue_error_read(self) -> torch.Tensor:
         """The host words [0, HOST_WORDS) as a host tensor to read once the current stream has
         synchronised, their copy queued now: a pinned buffer of this heap (CUDA), or the words
-        themselves (CPU). A pinned copy and a stream sync cost ~10 µs less of an eager call than
-        `.tolist()` of the device words (a pageable copy), and an eager dispatch that also reads
-        its layout's status after its kernel waits once for both (EPBuffer._dispatch_raw)."""
+        themselves (CPU). A pinned buffer kept by the heap spares `.tolist()`'s host tensor and
+        pageable staging copy (a few µs of an eager combine on a lent H200 host), and lets an eager
+        token-major dispatch read its layout's status and this in one wait (EPBuffer._dispatch_raw)."""
         if not self._ctrl.is_cuda:
             return self._ctrl[:C.HOST_WORDS]
         if self._host_words is None:
