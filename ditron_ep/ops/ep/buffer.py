@@ -215,10 +215,11 @@ class EPBuffer:
             routing instead of four launches and a dozen allocations (~190 µs of host time on a
             lent H200 host). A signature keeps up to 3 captured copies, each handed to one call at
             a time (its handle holds it; a clone of a shared copy when all are held). A buffer
-            whose received rows (W * max_tokens_per_rank token rows) fit 32 MiB (decode-sized)
-            also replays its token-major calls whole -- inputs copied in, layout and data kernel
-            in one graph (`_whole_call`), as many more signatures; while its 3 copies are held a
-            call launches as before. 0 launches every call directly.
+            whose received rows at capacity fit 32 MiB (decode-sized: W * max_tokens_per_rank
+            token rows token-major, K times as many expert-major) also replays those calls
+            whole -- inputs copied in, layout and data kernel in one graph (`_whole_call`), as
+            many more signatures; while its 3 copies are held a call launches as before. 0
+            launches every call directly.
         transport (runtime/transport.py): how the dispatch's tokens reach each peer. "auto"
             (default) and "pointer": stores through the peer pointer table; "put" (backend
             "nvshmem"): NVSHMEM put-with-signal to every peer (the transport for peers without a
@@ -263,10 +264,11 @@ class EPBuffer:
             block_rows, block_hidden, num_warps = (tuned.block_rows, tuned.block_hidden, tuned.num_warps)
         block_rows = block_rows or 16
         self._layouts: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache)
-        # whole token-major calls (`_whole_call`), for buffers whose received rows fit WHOLE_CALL_BYTES
-        out_bytes = max(torch.empty((), dtype=d).element_size() for d in (dtype, dispatch_dtype or dtype))
-        whole = world * max_tokens_per_rank * hidden * out_bytes <= WHOLE_CALL_BYTES
-        self._calls: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache if whole else 0)
+        # whole calls (`_whole_call`) of the layouts whose received rows at capacity fit WHOLE_CALL_BYTES
+        row_bytes = hidden * max(torch.empty((), dtype=d).element_size() for d in (dtype, dispatch_dtype or dtype))
+        self._whole_fits = {True: world * max_tokens_per_rank * row_bytes <= WHOLE_CALL_BYTES,  # token-major
+                            False: world * max_tokens_per_rank * topk * row_bytes <= WHOLE_CALL_BYTES}
+        self._calls: CallGraphCache[LayoutReplays] = CallGraphCache(graph_cache if self._whole_fits[True] else 0)
         self._padded_keys: set[tuple] = set()  # layout signatures whose kernels compiled on padded rows (`_layout`)
         self.num_experts, self.hidden, self.topk, self.dtype = num_experts, hidden, topk, dtype
         self.dispatch_dtype = dispatch_dtype or dtype
@@ -667,26 +669,29 @@ class EPBuffer:
         return send, recv, None, False
 
     def _whole_call(self, x: torch.Tensor, topk_idx: torch.Tensor, w: torch.Tensor | None,
-                    scales: torch.Tensor | None, dequantize: bool
+                    scales: torch.Tensor | None, dequantize: bool, token_major: bool
                     ) -> tuple[SendLayout, RecvLayout, CapturedLayout, bool] | None:
-        """A default-mode token-major call (not under autograd) replayed whole from one CUDA graph:
-        its inputs copied into a captured copy's static ones, the layout launches, the status copy
-        and the data kernel at capacity (as `_dispatch_raw`'s early path launches them) in one
-        replay. Returns `LayoutReplays.replay`'s tuple, the copy's `outputs` holding this call's
-        rows, or None (launch as usual: a signature's first call, another device or a capture
-        under way, an input whose address is not 16-byte aligned (its kernels, compiled by the
-        first call, would not serve the aligned static copy, which would then compile inside the
-        capture), or every copy held by live handles or rows).
+        """A default-mode call (not under autograd) replayed whole from one CUDA graph: its inputs
+        copied into a captured copy's static ones, the layout launches, the status copy and the
+        data kernel at capacity (as `_dispatch_raw`'s early token-major path launches it; the
+        status is read, and the rows sliced, after it) in one replay. Returns
+        `LayoutReplays.replay`'s tuple, the copy's `outputs` holding this call's rows, or None
+        (launch as usual: a signature's first call, another device or a capture under way, an
+        input whose address is not 16-byte aligned (its kernels, compiled by the first call, would
+        not serve the aligned static copy, which would then compile inside the capture), or every
+        copy held by live handles or rows).
         Why: at small T an eager call is host-bound, and the GPU idled between the layout and the
-        data kernel while the host allocated the outputs and launched it (~40 µs at T=128 on a
-        lent H200 host). Only for buffers whose received rows (W * max_tokens_per_rank token rows)
-        fit WHOLE_CALL_BYTES: each copy keeps them, and a signature keeps up to 3 copies."""
+        data kernel while the host read the status (expert-major), allocated the outputs and
+        launched it (~40-70 µs at T=128 on a lent H200 host). Only for layouts whose received rows
+        at capacity (token-major W * max_tokens_per_rank, expert-major K times as many) fit
+        WHOLE_CALL_BYTES: each copy keeps them, and a signature keeps up to 3 copies."""
         T = x.shape[0]
         if not (T <= self.max_tokens and self._can_capture()
                 and all(t is None or t.data_ptr() % 16 == 0 for t in (x, topk_idx, w, scales))):
             return None
         rows = layout_rows(T, self.max_tokens)
-        key = (rows, topk_idx.dtype, self.heap.wait_budget, w is not None, scales is not None, dequantize)
+        key = (rows, topk_idx.dtype, self.heap.wait_budget, w is not None, scales is not None, dequantize,
+               token_major)
         replays = self._calls.lookup_or_give_up(
             key, lambda: LayoutReplays(lambda lent: self._capture_call(rows, key), shared=False), "EPBuffer")
         if replays is None:
@@ -699,18 +704,19 @@ class EPBuffer:
         """Capture `_whole_call`'s signature `key` on `rows` token rows: a lent layout copy whose
         graph also copies nothing in (the replay does), then runs the data kernel on static inputs
         into static outputs at capacity."""
-        _, idx_dtype, _, has_w, has_scales, dequantize = key
+        _, idx_dtype, _, has_w, has_scales, dequantize, token_major = key
         W, T, K, H, dev = self.world_size, self.max_tokens, self.topk, self.hidden, self.device
         c = self._layout_statics(rows, idx_dtype, lent=True)
         x = torch.empty((rows, H), dtype=self.dispatch_dtype, device=dev)
         w = torch.empty((rows, K), dtype=torch.float32, device=dev) if has_w else None
         scales = torch.empty((rows, H // SCALE_COLS), dtype=torch.float32, device=dev) if has_scales else None
         c.inputs = tuple(t for t in (x, w, scales) if t is not None)
+        out_rows = W * T if token_major else W * T * K
         c.outputs = {
-            "recv_x": torch.empty((W * T, H), dtype=self.dtype if dequantize else self.dispatch_dtype, device=dev),
-            "row_index": torch.empty(W * T * K, dtype=torch.int32, device=dev),
+            "recv_x": torch.empty((out_rows, H), dtype=self.dtype if dequantize else self.dispatch_dtype, device=dev),
+            "row_index": torch.empty(W * T * K, dtype=torch.int32, device=dev) if token_major else None,
             "recv_w": torch.empty(W * T * K, dtype=torch.float32, device=dev) if has_w else None,
-            "recv_scales": (torch.empty((W * T, H // SCALE_COLS), dtype=torch.float32, device=dev)
+            "recv_scales": (torch.empty((out_rows, H // SCALE_COLS), dtype=torch.float32, device=dev)
                             if has_scales and not dequantize else None)}
         o = c.outputs
         with graph_capture(c.graph):
@@ -884,8 +890,9 @@ class EPBuffer:
         # training keeps recv_x for the backward, and a view of the capacity would hold up to
         # W * max_tokens rows per layer (at W=8 uniform top-8 ~1.5x the rows received).
         early = sync and token_major and not under_autograd
-        # a small buffer's whole token-major call may replay from one CUDA graph (`_whole_call`)
-        whole = self._whole_call(x, topk_idx, w, scales, dequantize) if early and self._calls.capacity else None
+        # a small buffer's whole call may replay from one CUDA graph (`_whole_call`)
+        whole = (self._whole_call(x, topk_idx, w, scales, dequantize, token_major)
+                 if sync and not under_autograd and self._calls.capacity and self._whole_fits[token_major] else None)
         if whole is not None:
             send, recv, captured, _lent = whole
             recv_x, row_index, recv_w, recv_scales = (captured.outputs[n] for n in _CALL_OUTPUTS)
@@ -942,7 +949,7 @@ class EPBuffer:
                                   after_layout=True, row_index=row_index, scales=scales, recv_scales=recv_scales,
                                   dequantize=dequantize)
         kernel_words = None
-        if early:
+        if early or whole is not None:  # the kernel ran at capacity: read, then slice
             if self.check_errors and self.device.type == "cuda":
                 # one wait for the layout's status and the kernel's error words, not one each
                 host = self.heap.queue_error_read()
@@ -950,9 +957,11 @@ class EPBuffer:
                 kernel_words = host.tolist()
             num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured, ahead)
             rows_cap = num_rows
-            recv_x, row_index = _rows_of(recv_x, token_rows), row_index[:num_rows]
+            out_rows = token_rows if token_major else num_rows
+            recv_x = _rows_of(recv_x, out_rows)
+            row_index = None if row_index is None else row_index[:num_rows]
             recv_w = None if recv_w is None else recv_w[:num_rows]
-            recv_scales = None if recv_scales is None else _rows_of(recv_scales, token_rows)
+            recv_scales = None if recv_scales is None else _rows_of(recv_scales, out_rows)
         if kernel_words is not None:
             self.heap.check_error(kernel_words)
         else:
@@ -995,9 +1004,10 @@ class EPBuffer:
         return self.heap.local_view("ep/land").view(-1)[:num_tokens * K * H].view(num_tokens, K, H).clone()
 
 
-# The most bytes of received rows (W * max_tokens_per_rank token rows) for which a buffer replays
-# whole token-major calls from CUDA graphs (`EPBuffer._whole_call`): each captured copy keeps its
-# own. A decode-sized buffer (128 tokens, H=7168, bf16) holds 14.7 MB of them at W=8.
+# The most bytes of received rows at capacity (token-major W * max_tokens_per_rank rows,
+# expert-major K times as many) for which a buffer replays whole calls of that layout from CUDA
+# graphs (`EPBuffer._whole_call`): each captured copy keeps its own. A decode-sized buffer (128
+# tokens, H=7168, bf16) holds 14.7 MB of token rows at W=8, 29 MB of top-8 expert rows at W=2.
 WHOLE_CALL_BYTES = 32 << 20
 # a whole call's outputs, in the order `_dispatch_raw` takes them
 _CALL_OUTPUTS = ("recv_x", "row_index", "recv_w", "recv_scales")

@@ -205,7 +205,10 @@ def place_received(b_x, o_h, m, recv_x_ptr, tok_row, recv_rows_ptr, r_src, m_j, 
                 tl.store(recv_x_ptr + r_dst[:, None] * H + o_h[None, :], b_x, mask=m_k)
 
 
-@triton.jit(do_not_specialize=["rank", "put_peers"])  # per-rank values: one binary (fused_kernels.py)
+# rank, put_peers: per-rank values, one binary (fused_kernels.py); rows_cap: a default-mode call's
+# exact row count and the capacity a captured whole call passes (EPBuffer._whole_call) share one
+# binary, so a capture never compiles
+@triton.jit(do_not_specialize=["rank", "put_peers", "rows_cap"])
 def ep_dispatch_kernel(
     x_ptr,            # (T, H) tokens of this rank
     w_ptr,            # fp32 (T, K) routing weights (read when HAS_WEIGHTS)
