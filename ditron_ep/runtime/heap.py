@@ -7,6 +7,7 @@ and reach a named buffer on rank p as `ptr_table[p] + offset`.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -128,7 +129,8 @@ class SymmetricHeap:
         self._signal_ranges: dict[str, tuple[int, int]] = {}
         self._next_signal = 0
         self._freed = False
-        self._host_words: torch.Tensor | None = None  # pinned copy of the host words (`queue_error_read`)
+        self._host_words: torch.Tensor | None = None  # pinned copy of the host words (`host_words`)
+        self._host_words_lock = threading.Lock()  # (an end-of-backward read may run on autograd's thread)
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, name: str, shape: tuple[int, ...] | list[int] | int, dtype: torch.dtype) -> torch.Tensor:
@@ -233,12 +235,7 @@ class SymmetricHeap:
         a backward's replay) that did not go because a peer was out of step
         (DitronOutOfStepError) or rejected its own arguments (DitronConfigError). Nothing needs
         resetting after either: later calls wait for later call numbers."""
-        if self._ctrl.is_cuda:
-            host = self.queue_error_read()
-            current_stream(self.device.index).synchronize()
-            words = host.tolist()
-        else:
-            words = self._ctrl[:C.HOST_WORDS].tolist()  # a copy (emulated ranks)
+        words = self.host_words()
         if words[C.ERR_FLAG]:  # (a stopped call's finding is that timeout too: both are cleared)
             self._ctrl[C.ERR_FLAG] = 0
             self._ctrl[C.FAIL_FLAGS:C.FAIL_PEER_CALL + 1] = 0
@@ -266,22 +263,24 @@ class SymmetricHeap:
                    f"rank starts afresh")
         return DitronTimeoutError(msg, rank=rank, stage=stage, signal=signal, observed=observed, expected=expected)
 
-    def queue_error_read(self) -> torch.Tensor:
-        """The host words [0, HOST_WORDS) as a host tensor to read once the current stream has
-        synchronised, their copy queued now: a pinned buffer of this heap (CUDA), or the words
-        themselves (CPU). A pinned buffer kept by the heap spares `.tolist()`'s host tensor and
-        pageable staging copy (a few µs of an eager combine on a lent H200 host), and lets an eager
-        token-major dispatch read its layout's status and this in one wait (EPBuffer._dispatch_raw)."""
+    def host_words(self) -> list[int]:
+        """The host words [0, HOST_WORDS) once the current stream's work is done (a stream sync on
+        CUDA). Copied through a pinned buffer of the heap, which spares `.tolist()`'s host tensor
+        and pageable staging copy (a few µs of an eager combine on a lent H200 host), under a lock
+        (one buffer per heap). An eager dispatch whose kernel ran before its status read reads
+        its layout's status and these in this one wait (EPBuffer._dispatch_raw)."""
         if not self._ctrl.is_cuda:
-            return self._ctrl[:C.HOST_WORDS]
-        if self._host_words is None:
-            self._host_words = torch.empty(C.HOST_WORDS, dtype=torch.int32, pin_memory=True)
-        self._host_words.copy_(self._ctrl[:C.HOST_WORDS], non_blocking=True)
-        return self._host_words
+            return self._ctrl[:C.HOST_WORDS].tolist()  # a copy (emulated ranks)
+        with self._host_words_lock:
+            if self._host_words is None:
+                self._host_words = torch.empty(C.HOST_WORDS, dtype=torch.int32, pin_memory=True)
+            self._host_words.copy_(self._ctrl[:C.HOST_WORDS], non_blocking=True)
+            current_stream(self.device.index).synchronize()
+            return self._host_words.tolist()
 
     def check_error(self, words: list[int] | None = None) -> None:
         """Raise the recorded error, if any (synchronises with the device; see read_error).
-        words: the host words `queue_error_read` copied, read after the sync: when they show no
+        words: what `host_words` read after the call's launches: when they show no
         error nothing more is read; else the slot is read again, and consumed, as without them."""
         if words is not None and not (words[C.ERR_FLAG] or words[C.FAIL_CALL]):
             return

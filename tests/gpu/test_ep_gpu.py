@@ -1133,11 +1133,14 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
     try:
         for layout in ("token_major", "expert_major"):
             replayed.clear()
-            for i, pattern in enumerate([[123, 59, 187, 61], [61, 0, 123, 59]] * 3):
+            # the third pattern: fewer tokens on every rank for the first's signatures (rows past T
+            # route nowhere; the copy's x rows past T hold an earlier call's tokens)
+            for i, pattern in enumerate([[123, 59, 187, 61], [61, 0, 123, 59], [113, 50, 180, 49]] * 2):
                 x, idx, w = inputs(pattern, 60 + i)
-                for weights in (w, None):
+                w_grad = w.clone().requires_grad_(True)  # the static copy must stay out of its graph
+                for weights in (w_grad, None):
                     what = f"{layout} call {i} (T={x.shape[0]}, {'weighted' if weights is not None else 'unweighted'})"
-                    combined(*both(x, idx, weights, layout, what), weights, what)
+                    combined(*both(x, idx, weights, layout, what), None if weights is None else w, what)
             x, idx, w = inputs([123, 59, 187, 61], 70)
             held = [both(x, idx, w, layout, f"{layout} held call {j}") for j in range(5)]
             for j, (got, want) in enumerate(held):
@@ -1145,12 +1148,31 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
             del held
             fits = whole._whole_fits[layout == "token_major"]
             if fits and (sum(replayed) < 8 or replayed[-5:].count(True) != 3):
-                # 4 signatures seen 3 times (the first call of each launches); then 5 handles of one
-                # signature held: its 3 copies replay, the other 2 calls launch as usual
+                # 4 signatures seen 3 times or more (the first call of each launches); then 5 handles
+                # of one signature held: its 3 copies replay, the other 2 calls launch as usual
                 problems.append(f"{layout}: {sum(replayed)} of {len(replayed)} calls replayed whole, of the 5 with "
                                 f"handles held {replayed[-5:]}: want >= 8, and 3 of 5")
             if not fits and any(replayed):
                 problems.append(f"{layout}: replayed whole though its rows at capacity exceed WHOLE_CALL_BYTES")
+        statics = [t for r in whole._calls._entries.values() for c in r.copies for t in c.inputs]
+        if any(t.requires_grad for t in statics):
+            problems.append("a whole call's static input joined an autograd graph")
+        # a signature captured under inference mode replays outside it (its statics are normal tensors)
+        x, idx, w = inputs([250, 250, 250, 250], 80)
+        with torch.inference_mode():
+            for j in range(2):
+                both(x, idx, w, "token_major", f"inference-mode call {j}")
+        n = len(replayed)
+        combined(*both(x, idx, w, "token_major", "after inference mode"), w, "after inference mode")
+        if whole._whole_fits[True] and replayed[n - 1:] != [True]:
+            problems.append("the signature captured under inference mode did not replay outside it")
+        # without check_errors no whole call (a timed-out call must leave "no row" for a combine)
+        whole.check_errors = False
+        n = len(replayed)
+        combined(*both(x, idx, w, "token_major", "check_errors=False"), w, "check_errors=False")
+        whole.check_errors = True
+        if len(replayed) != n:
+            problems.append("a call with check_errors=False tried a whole-call replay")
         whole.check()
         direct.check()
     except Exception as err:  # recorded: every rank takes the same path
@@ -1192,6 +1214,14 @@ def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
         finally:
             heap.__dict__.pop("queue_error_read", None)
 
+    wholes: list[bool] = []
+    plain = buf_a._whole_call
+
+    def counted(*a, **kw):
+        r = plain(*a, **kw)
+        wholes.append(r is not None)
+        return r
+    buf_a._whole_call = counted
     try:
         clean = {layout: buf_a.dispatch(x, idx, w, layout=layout) for layout in ("expert_major", "token_major")}
         clean_out = buf_a.combine(clean["expert_major"][0], clean["expert_major"][1])
@@ -1207,6 +1237,11 @@ def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
         buf_a.check()
     except Exception as err:  # recorded: every rank takes the same path
         problems.append(f"{type(err).__name__}: {err}")
+    finally:
+        del buf_a._whole_call
+    if buf_a._whole_fits[False] and sum(wholes) < 5:  # every dispatch after a signature's first
+        problems.append(f"only {sum(wholes)} of the {len(wholes)} dispatches replayed whole: the whole-call "
+                        f"path went untested")
     assert not problems, f"rank {rank}:\n" + _fail(problems)
 
 

@@ -684,9 +684,14 @@ class EPBuffer:
         data kernel while the host read the status (expert-major), allocated the outputs and
         launched it (~40-70 µs at T=128 on a lent H200 host). Only for layouts whose received rows
         at capacity (token-major W * max_tokens_per_rank, expert-major K times as many) fit
-        WHOLE_CALL_BYTES: each copy keeps them, and a signature keeps up to 3 copies."""
+        WHOLE_CALL_BYTES: each copy keeps them, and a signature keeps up to 3 copies. The rows
+        a call returns are that graph memory, lent until they and the handle are dropped: a
+        consumer on another stream must have its work on them ordered before the next call on
+        this stream once it drops them (`record_stream` does not cover graph memory)."""
         T = x.shape[0]
-        if not (T <= self.max_tokens and self._can_capture()
+        # (a first call whose layout launched directly, not padded to the capture's rows (no layout
+        # cache), would leave the layout kernels for those rows to compile inside the capture)
+        if not (T <= self.max_tokens and self._layouts.capacity and self._can_capture()
                 and all(t is None or t.data_ptr() % 16 == 0 for t in (x, topk_idx, w, scales))):
             return None
         rows = layout_rows(T, self.max_tokens)
@@ -696,9 +701,9 @@ class EPBuffer:
             key, lambda: LayoutReplays(lambda lent: self._capture_call(rows, key), shared=False), "EPBuffer")
         if replays is None:
             return None
-        if w is not None and w.requires_grad:  # (the static copy must not join an autograd graph)
-            w = w.detach()
-        return replays.replay(topk_idx, tuple(t for t in (x, w, scales) if t is not None))
+        # detached: a copy from a tensor that requires grad would put the static copy in its graph
+        return replays.replay(topk_idx, tuple(t.detach() if t.requires_grad else t for t in (x, w, scales)
+                                              if t is not None))
 
     def _capture_call(self, rows: int, key: tuple) -> CapturedLayout:
         """Capture `_whole_call`'s signature `key` on `rows` token rows: a lent layout copy whose
@@ -706,24 +711,26 @@ class EPBuffer:
         into static outputs at capacity."""
         _, idx_dtype, _, has_w, has_scales, dequantize, token_major = key
         W, T, K, H, dev = self.world_size, self.max_tokens, self.topk, self.hidden, self.device
-        c = self._layout_statics(rows, idx_dtype, lent=True)
-        x = torch.empty((rows, H), dtype=self.dispatch_dtype, device=dev)
-        w = torch.empty((rows, K), dtype=torch.float32, device=dev) if has_w else None
-        scales = torch.empty((rows, H // SCALE_COLS), dtype=torch.float32, device=dev) if has_scales else None
-        c.inputs = tuple(t for t in (x, w, scales) if t is not None)
-        out_rows = W * T if token_major else W * T * K
-        c.outputs = {
-            "recv_x": torch.empty((out_rows, H), dtype=self.dtype if dequantize else self.dispatch_dtype, device=dev),
-            "row_index": torch.empty(W * T * K, dtype=torch.int32, device=dev) if token_major else None,
-            "recv_w": torch.empty(W * T * K, dtype=torch.float32, device=dev) if has_w else None,
-            "recv_scales": (torch.empty((out_rows, H // SCALE_COLS), dtype=torch.float32, device=dev)
-                            if has_scales and not dequantize else None)}
-        o = c.outputs
-        with graph_capture(c.graph):
-            self._layout_launches(c)
-            self._launch_dispatch(x, w, c.send, c.recv, W * T * K, False, o["recv_x"], o["recv_w"], c.recv_rows,
-                                  c.recv_tok, after_layout=True, row_index=o["row_index"], scales=scales,
-                                  recv_scales=o["recv_scales"], dequantize=dequantize)
+        with torch.inference_mode(False):  # statics a later call outside inference mode can update
+            c = self._layout_statics(rows, idx_dtype, lent=True)
+            x = torch.empty((rows, H), dtype=self.dispatch_dtype, device=dev)
+            w = torch.empty((rows, K), dtype=torch.float32, device=dev) if has_w else None
+            scales = torch.empty((rows, H // SCALE_COLS), dtype=torch.float32, device=dev) if has_scales else None
+            c.inputs = tuple(t for t in (x, w, scales) if t is not None)
+            out_rows = W * T if token_major else W * T * K
+            c.outputs = {
+                "recv_x": torch.empty((out_rows, H), dtype=self.dtype if dequantize else self.dispatch_dtype,
+                                      device=dev),
+                "row_index": torch.empty(W * T * K, dtype=torch.int32, device=dev) if token_major else None,
+                "recv_w": torch.empty(W * T * K, dtype=torch.float32, device=dev) if has_w else None,
+                "recv_scales": (torch.empty((out_rows, H // SCALE_COLS), dtype=torch.float32, device=dev)
+                                if has_scales and not dequantize else None)}
+            o = c.outputs
+            with graph_capture(c.graph):
+                self._layout_launches(c)
+                self._launch_dispatch(x, w, c.send, c.recv, W * T * K, False, o["recv_x"], o["recv_w"],
+                                      c.recv_rows, c.recv_tok, after_layout=True, row_index=o["row_index"],
+                                      scales=scales, recv_scales=o["recv_scales"], dequantize=dequantize)
         return c
 
     def _can_capture(self) -> bool:
@@ -769,9 +776,10 @@ class EPBuffer:
         """Capture a default-mode signature's layout launches on `rows` routing rows of `dtype`
         (see `_layout`); lent: a copy handed to calls (layout_replay.LayoutReplays), which holds
         their recv_rows / recv_tok too."""
-        c = self._layout_statics(rows, dtype, lent)
-        with graph_capture(c.graph):
-            self._layout_launches(c)
+        with torch.inference_mode(False):  # statics a later call outside inference mode can update
+            c = self._layout_statics(rows, dtype, lent)
+            with graph_capture(c.graph):
+                self._layout_launches(c)
         return c
 
     def _layout_statics(self, T: int, dtype: torch.dtype, lent: bool = False) -> CapturedLayout:
@@ -891,8 +899,11 @@ class EPBuffer:
         # W * max_tokens rows per layer (at W=8 uniform top-8 ~1.5x the rows received).
         early = sync and token_major and not under_autograd
         # a small buffer's whole call may replay from one CUDA graph (`_whole_call`)
+        # (with check_errors: its recv_rows / recv_tok are lent as they are, as `_layout`'s copies
+        # lend theirs; without, a timed-out call must leave -1 "no row" there for a combine)
         whole = (self._whole_call(x, topk_idx, w, scales, dequantize, token_major)
-                 if sync and not under_autograd and self._calls.capacity and self._whole_fits[token_major] else None)
+                 if sync and self.check_errors and not under_autograd and self._calls.capacity
+                 and self._whole_fits[token_major] else None)
         if whole is not None:
             send, recv, captured, _lent = whole
             recv_x, row_index, recv_w, recv_scales = (captured.outputs[n] for n in _CALL_OUTPUTS)
@@ -940,7 +951,8 @@ class EPBuffer:
                 # graph mode: rows past the received ones read token row 0 (their y rows are zero)
                 row_index = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.int32, device=self.device)
             if scales is not None and not dequantize:
-                recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32, device=self.device)
+                recv_scales = torch.empty((out_rows, self.hidden // SCALE_COLS), dtype=torch.float32,
+                                          device=self.device)
             # graph mode: the rows past the received ones weigh 0 (a rank-reduced backward scales by them)
             recv_w = (torch.empty if sync else torch.zeros)(rows_cap, dtype=torch.float32, device=self.device) \
                 if w is not None else None
@@ -952,9 +964,7 @@ class EPBuffer:
         if early or whole is not None:  # the kernel ran at capacity: read, then slice
             if self.check_errors and self.device.type == "cuda":
                 # one wait for the layout's status and the kernel's error words, not one each
-                host = self.heap.queue_error_read()
-                current_stream(self.device.index).synchronize()
-                kernel_words = host.tolist()
+                kernel_words = self.heap.host_words()
             num_rows, token_rows, recv_counts = self._rows_and_tokens(recv, captured, ahead)
             rows_cap = num_rows
             out_rows = token_rows if token_major else num_rows

@@ -484,20 +484,21 @@ class FusedMoE:
         alone, exactly as the direct path does. Inputs are copied into static buffers of `rows`
         tokens before a replay; the output is cloned out of the graph's buffer after it."""
         K = self.topk
-        c = _CapturedCall(x=x.new_empty((rows, self.hidden)), topk_idx=topk_idx.new_empty((rows, K)),
-                          topk_weights=topk_weights.new_empty((rows, K)), layout=torch.cuda.CUDAGraph(),
-                          kernel=torch.cuda.CUDAGraph(), ready=torch.cuda.Event(), inputs_in=torch.cuda.Event(),
-                          x_in=torch.cuda.Event(),
-                          # high priority: the copy is on the call's critical path (and the
-                          # high-priority pool is less likely to share a stream with NCCL's)
-                          copy_stream=torch.cuda.Stream(x.device, priority=-1),
-                          status=self._pinned_status())
-        with graph_capture(c.layout):
-            send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
-            c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
-        with graph_capture(c.kernel, pool=c.layout.pool()):
-            c.out = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
-            self._launch_kernel(c.x, send, recv, weights, experts, c.out, refuse_flagged=True, trace=False)
+        with torch.inference_mode(False):  # statics a later call outside inference mode can update
+            c = _CapturedCall(x=x.new_empty((rows, self.hidden)), topk_idx=topk_idx.new_empty((rows, K)),
+                              topk_weights=topk_weights.new_empty((rows, K)), layout=torch.cuda.CUDAGraph(),
+                              kernel=torch.cuda.CUDAGraph(), ready=torch.cuda.Event(), inputs_in=torch.cuda.Event(),
+                              x_in=torch.cuda.Event(),
+                              # high priority: the copy is on the call's critical path (and the
+                              # high-priority pool is less likely to share a stream with NCCL's)
+                              copy_stream=torch.cuda.Stream(x.device, priority=-1),
+                              status=self._pinned_status())
+            with graph_capture(c.layout):
+                send, recv, weights = self._launch_layout(c.topk_idx, c.topk_weights)
+                c.status.copy_(layout_status_words(self.heap, recv, self._pending_flags), non_blocking=True)
+            with graph_capture(c.kernel, pool=c.layout.pool()):
+                c.out = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                self._launch_kernel(c.x, send, recv, weights, experts, c.out, refuse_flagged=True, trace=False)
         return c
 
     def _replay(self, c: _CapturedCall, x, topk_idx, topk_weights) -> torch.Tensor:
