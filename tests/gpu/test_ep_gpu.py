@@ -1164,7 +1164,7 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
                 both(x, idx, w, "token_major", f"inference-mode call {j}")
         n = len(replayed)
         combined(*both(x, idx, w, "token_major", "after inference mode"), w, "after inference mode")
-        if whole._whole_fits[True] and replayed[n - 1:] != [True]:
+        if whole._whole_fits[True] and replayed[n:] != [True]:
             problems.append("the signature captured under inference mode did not replay outside it")
         # without check_errors no whole call (a timed-out call must leave "no row" for a combine)
         whole.check_errors = False
