@@ -1096,7 +1096,8 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
     buffer that never captures (graph_cache=0), bit for bit; the whole-call graphs did replay."""
     dev, rank, W = dist_env.device, dist.get_rank(), dist.get_world_size()
     E, H, max_t, K = _shape(SHAPE_A, W)
-    whole = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=8)  # both layouts' signatures
+    # room for every signature below (4 a layout, 1 more): a full cache would not evict a recent one
+    whole = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=12)
     direct = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=0)
     problems: list[str] = []
     replayed: list[bool] = []
@@ -1165,7 +1166,8 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
         n = len(replayed)
         combined(*both(x, idx, w, "token_major", "after inference mode"), w, "after inference mode")
         if whole._whole_fits[True] and replayed[n:] != [True]:
-            problems.append("the signature captured under inference mode did not replay outside it")
+            problems.append(f"the signature captured under inference mode did not replay outside it: calls "
+                            f"{replayed[n - 2:]}, whole-call cache capacity {whole._calls.capacity}")
         # without check_errors no whole call (a timed-out call must leave "no row" for a combine)
         whole.check_errors = False
         n = len(replayed)
