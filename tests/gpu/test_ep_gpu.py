@@ -1204,17 +1204,17 @@ def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
         """call() with the flag set right before the call's error-slot read (once), as its kernel
         would have set it; it must raise."""
         def read():
-            del heap.queue_error_read  # one shot
+            del heap.host_words  # one shot
             heap._ctrl[C.ERR_FLAG] = 1
-            return heap.queue_error_read()
-        heap.queue_error_read = read
+            return heap.host_words()
+        heap.host_words = read
         try:
             call()
             problems.append(f"{what}: the recorded error did not raise")
         except DitronTimeoutError:
             pass
         finally:
-            heap.__dict__.pop("queue_error_read", None)
+            heap.__dict__.pop("host_words", None)
 
     wholes: list[bool] = []
     plain = buf_a._whole_call
