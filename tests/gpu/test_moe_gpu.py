@@ -242,23 +242,6 @@ def test_fused_cuda_graph_replays_new_routings(dist_env, moe_layers, weights):
     assert not problems, problems
 
 
-def test_a_call_captured_under_inference_mode_replays_outside_it(dist_env, moe_layers, weights):
-    """FusedMoE's graph statics are ordinary tensors even when the capture ran under
-    torch.inference_mode, so a later call outside it copies its inputs in and replays, bitwise
-    equal to direct launches (an inference tensor would refuse the in-place copy)."""
-    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
-    E = 4 * world
-    cached, direct = moe_layers["graph-cache-1"], moe_layers["graph-cache-0"]
-    w1, w2 = weights.w1, weights.w2
-    with torch.inference_mode():  # enough calls of T=60 for its capture to evict the one kept
-        for call in range(6):
-            cached(*_inputs(dev, rank, 60, E, seed=50 + call), w1, w2)
-    args = _inputs(dev, rank, 60, E, seed=60)
-    got, want = cached(*args, w1, w2), direct(*args, w1, w2)
-    kept = [c.x.shape[0] for c in cached._graphs._entries.values()]
-    assert torch.equal(got, want) and kept == [64], (kept, (got.float() - want.float()).abs().max())
-
-
 def test_fused_timeline_and_overlap_from_a_traced_call(dist_env, moe_layers, weights):
     """trace=True (its own binary) changes no result bit; the device timer gives every stage's
     span and task durations; GEMM tiles start while remote dispatch chunks are still arriving."""
@@ -356,6 +339,23 @@ def test_default_mode_graph_replay_matches_direct_launches(dist_env, moe_layers,
         problems.append("after the bad call, the replayed layer differs from direct launches")
     cached.check()
     assert not problems, problems
+
+
+def test_a_call_captured_under_inference_mode_replays_outside_it(dist_env, moe_layers, weights):
+    """FusedMoE's graph statics are ordinary tensors even when the capture ran under
+    torch.inference_mode, so a later call outside it copies its inputs in and replays, bitwise
+    equal to direct launches (an inference tensor would refuse the in-place copy)."""
+    rank, world, dev = dist_env.rank, dist_env.world, dist_env.device
+    E = 4 * world
+    cached, direct = moe_layers["graph-cache-1"], moe_layers["graph-cache-0"]
+    w1, w2 = weights.w1, weights.w2
+    with torch.inference_mode():  # enough calls of T=60 for its capture to evict the one kept
+        for call in range(6):
+            cached(*_inputs(dev, rank, 60, E, seed=50 + call), w1, w2)
+    args = _inputs(dev, rank, 60, E, seed=60)
+    got, want = cached(*args, w1, w2), direct(*args, w1, w2)
+    kept = [c.x.shape[0] for c in cached._graphs._entries.values()]
+    assert torch.equal(got, want) and kept == [64], (kept, (got.float() - want.float()).abs().max())
 
 
 def test_grouped_mlp_tile_orders_and_grids_bitwise(dist_env):
