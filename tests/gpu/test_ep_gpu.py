@@ -1087,6 +1087,20 @@ def test_token_major_dispatch(dist_env, buf_a):
     assert not problems, f"rank {rank}:\n" + _fail(problems)
 
 
+def _count_whole_calls(buf: EPBuffer) -> list[bool]:
+    """A list that gets, per `buf._whole_call` from now on, whether that call replayed whole (the
+    caller deletes the instance attribute to stop counting)."""
+    calls: list[bool] = []
+    plain = buf._whole_call
+
+    def counted(*a, **kw):
+        r = plain(*a, **kw)
+        calls.append(r is not None)
+        return r
+    buf._whole_call = counted
+    return calls
+
+
 def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
     """A small buffer replays default-mode calls whole (EPBuffer._whole_call: inputs copied in,
     layout and data kernel in one graph), in both layouts. Across calls of changing T (one capture
@@ -1100,14 +1114,7 @@ def test_whole_calls_replay_the_bits_of_direct_launches(dist_env, ep_buffers):
     whole = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=12)
     direct = _new_buffer(ep_buffers, E, H, max_t, K, DTYPE, graph_cache=0)
     problems: list[str] = []
-    replayed: list[bool] = []
-    plain = whole._whole_call
-
-    def counted(*a, **kw):
-        r = plain(*a, **kw)
-        replayed.append(r is not None)
-        return r
-    whole._whole_call = counted
+    replayed = _count_whole_calls(whole)
 
     def inputs(pattern, seed):
         xs, idxs, ws = _make_inputs(W, _tokens(pattern, W), H, E, K, DTYPE, "zipf", seed=seed, drop=0.1)
@@ -1216,14 +1223,7 @@ def test_an_error_a_kernel_records_raises_from_its_own_call(dist_env, buf_a):
         finally:
             heap.__dict__.pop("host_words", None)
 
-    wholes: list[bool] = []
-    plain = buf_a._whole_call
-
-    def counted(*a, **kw):
-        r = plain(*a, **kw)
-        wholes.append(r is not None)
-        return r
-    buf_a._whole_call = counted
+    wholes = _count_whole_calls(buf_a)
     try:
         clean = {layout: buf_a.dispatch(x, idx, w, layout=layout) for layout in ("expert_major", "token_major")}
         clean_out = buf_a.combine(clean["expert_major"][0], clean["expert_major"][1])
