@@ -166,3 +166,72 @@ def test_a_captured_layout_is_idle_only_while_nothing_else_holds_it() -> None:
         assert not c.idle()
         del held
         assert c.idle()
+
+
+@pytest.mark.skipif(layout_replay._storage_use_count is None,
+                    reason="this torch cannot count a storage's references: copies are never lent")
+def test_whole_call_copies_are_lent_one_call_at_a_time_and_never_shared() -> None:
+    """LayoutReplays(shared=False), as EPBuffer._whole_call uses it (the CUDA graph and its event
+    stood in for by a stub counting replays): a call gets an idle copy with its inputs copied into
+    the copy's static ones (routing rows past a smaller call's T set to -1); while calls hold their
+    copies up to 3 are captured, then a call gets None (it launches as usual) rather than a shared
+    copy; a copy its holder dropped serves the next call."""
+    from dataclasses import dataclass
+
+    from ditron_ep.ops.ep.layout_replay import CapturedLayout, Int32Arena, LayoutReplays
+
+    class Stub:
+        def __init__(self):
+            self.replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+        def record(self, stream):
+            assert stream is None  # CPU tensors: no stream
+
+    @dataclass
+    class Send:
+        topk_idx: torch.Tensor
+        pos: torch.Tensor
+        slot: torch.Tensor
+
+    @dataclass
+    class Recv:
+        counts: torch.Tensor
+
+    rows, H = 8, 4
+
+    def capture(lent: bool) -> CapturedLayout:
+        assert lent
+        arena = Int32Arena(64, torch.device("cpu"))
+        c = CapturedLayout(topk_idx=torch.zeros(rows, 2, dtype=torch.int64), graph=Stub(), arena=arena,
+                           status=torch.zeros(4, dtype=torch.int32), ready=Stub(),
+                           recv_rows=torch.empty(1, rows, 2, dtype=torch.int32),
+                           recv_tok=torch.empty(1, rows, dtype=torch.int32))
+        c.send = Send(arena((rows, 2)), arena((rows, 2)), arena((rows, 2)))
+        c.recv = Recv(arena((4,)))
+        c.inputs = (torch.zeros(rows, H),)
+        c.outputs = {"recv_x": torch.empty(rows, H), "row_index": None}
+        return c
+
+    replays = LayoutReplays(capture, shared=False)
+    held = []
+    for i in range(3):  # each call keeps its rows: a new copy each time
+        T = rows - 2 * i
+        idx, x = torch.full((T, 2), i, dtype=torch.int64), torch.full((T, H), float(i))
+        r = replays.replay(idx, (x,))
+        assert r is not None and r[3] and r[2] is replays.copies[i] and r[2].graph.replays == 1
+        assert r[0].topk_idx.shape[0] == T  # the call's own rows of the send layout
+        assert torch.equal(r[2].inputs[0][:T], x) and torch.equal(r[2].topk_idx[:T], idx)
+        assert (r[2].topk_idx[T:] == -1).all()
+        held.append(r[2].outputs["recv_x"][:T])
+        del r
+    assert replays.replay(torch.zeros(rows, 2, dtype=torch.int64), (torch.zeros(rows, H),)) is None
+    assert len(replays.copies) == 3 and replays.shared is None
+    del held[1]  # the second call's rows dropped: its copy serves the next call, with a smaller T
+    idx, x = torch.full((3, 2), 7, dtype=torch.int64), torch.full((3, H), 7.0)
+    r = replays.replay(idx, (x,))
+    assert r is not None and r[2] is replays.copies[1] and r[2].graph.replays == 2
+    assert torch.equal(r[2].topk_idx[:3], idx) and (r[2].topk_idx[3:] == -1).all()
+    assert torch.equal(r[2].inputs[0][:3], x)
