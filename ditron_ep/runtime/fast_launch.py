@@ -48,8 +48,7 @@ def _key_and_raw(args: tuple) -> tuple[tuple, list]:
     Tensor = torch.Tensor
     key = []
     raw = list(args)
-    i = 0
-    for a in args:
+    for i, a in enumerate(args):
         t = type(a)
         if t is Tensor:
             p = a.data_ptr()
@@ -61,7 +60,6 @@ def _key_and_raw(args: tuple) -> tuple[tuple, list]:
             key.append((a == 1) + 2 * (not a & 15) + 4 * (_I32_MIN <= a <= _I32_MAX) + 8 * (a >= _U64_MIN))
         else:
             key.append(_other_key(a))
-        i += 1
     return tuple(key), raw
 
 

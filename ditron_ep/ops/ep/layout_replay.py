@@ -150,10 +150,6 @@ if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 1
     _storage_use_count = None
 
 
-def _storage_count(t: torch.Tensor) -> int:
-    return _storage_use_count(t.untyped_storage()._cdata)
-
-
 @dataclass
 class CapturedLayout:
     """One default-mode dispatch signature's layout launches as a CUDA graph, and the static
